@@ -1,0 +1,105 @@
+"""Pure-PyTorch references for every kernel in this folder: the contracts the Triton kernels meet.
+
+Shared layout (all kernels):
+  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], fp16/bf16/fp32.
+  block_tables     : [num_seqs, max_blocks_per_seq] int32; entries past a sequence's last block
+                     are arbitrary (never read).
+  token i of sequence s lives at block_tables[s, i // block_size], offset i % block_size,
+  i.e. flat slot block_tables[s, i // block_size] * block_size + i % block_size.
+  num_kv_heads divides num_heads; query head h reads kv head h // (num_heads // num_kv_heads).
+  Cache slots no sequence owns may hold anything, NaN included: they must never be read.
+
+These run the math in fp32 and return the query dtype. They are slow and obviously right;
+the eager attention backend in models/ is separate (it is the baseline we benchmark against).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Tokens [0, length) of one sequence from a paged cache: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, kvh, d]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
+    """q [n, h, d] at positions q_offset.., k/v [m, kvh, d] at positions 0..m-1, causal."""
+    n, h, _ = q.shape
+    m, kvh, _ = k.shape
+    group = h // kvh
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    qpos = torch.arange(n, device=q.device)[:, None] + q_offset
+    kpos = torch.arange(m, device=q.device)[None, :]
+    s = s.masked_fill(kpos > qpos, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnm,mhd->nhd", p, v)
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed variable-length causal attention with an optional paged prefix.
+
+    q [total, heads, d]; k, v [total, kv_heads, d] hold the *new* tokens of every sequence, packed;
+    cu_seqlens [num_seqs + 1] int32 delimits them. Sequence s's new tokens sit at positions
+    prefix_lens[s] .. prefix_lens[s] + len_s - 1; positions [0, prefix_lens[s]) are read from the
+    paged cache through block_tables[s]. Each query attends causally to the prefix and to the new
+    tokens up to and including itself. Returns [total, heads, d] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens.tolist()
+    for s in range(len(cu) - 1):
+        lo, hi = cu[s], cu[s + 1]
+        if hi == lo:
+            continue
+        ks, vs = k[lo:hi], v[lo:hi]
+        plen = int(prefix_lens[s]) if prefix_lens is not None else 0
+        if plen > 0:
+            ks = torch.cat([gather_kv(k_cache, block_tables[s], plen).to(k.dtype), ks])
+            vs = torch.cat([gather_kv(v_cache, block_tables[s], plen).to(v.dtype), vs])
+        out[lo:hi] = _attend(q[lo:hi], ks, vs, scale, plen).to(q.dtype)
+    return out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. q [num_seqs, heads, d]; context_lens [num_seqs] int32 counts the
+    cached tokens to attend to, this step's token included (it was written before the call).
+    Returns [num_seqs, heads, d] in q's dtype."""
+    out = torch.empty_like(q)
+    for s, n in enumerate(context_lens.tolist()):
+        ks = gather_kv(k_cache, block_tables[s], n)
+        vs = gather_kv(v_cache, block_tables[s], n)
+        out[s : s + 1] = _attend(q[s : s + 1], ks, vs, scale, n - 1).to(q.dtype)
+    return out
+
+
+def kv_write_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k, v [num_tokens, kv_heads, d] into the caches at flat slots slot_mapping [num_tokens]
+    (block * block_size + offset). Slots of -1 are padding: those rows are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)

@@ -1,0 +1,112 @@
+"""GPT-2 (the `GPT2LMHeadModel` architecture) over a flat batch of tokens and a paged KV cache.
+
+Learned absolute positions, pre-LayerNorm blocks, the MLP's activation from the config (GELU-tanh
+for GPT-2), LM head tied to the token embedding. Activations are `[num_tokens, hidden]`: the batch
+is packed, with no padding and no per-sequence dimension; where each token's K/V go and what it
+attends to is in the `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GPT2Config
+from transformers.activations import ACT2FN
+
+from models.attention import AttentionMetadata, make_attention
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.num_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= layer_idx + 1
+        self.attn = make_attention(backend, scale)
+
+    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.c_attn(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.c_proj(out.reshape(n, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, inner)
+        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.act = ACT2FN[config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx, backend)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, kv_cache, meta):
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, config: GPT2Config, attention: str = "sdpa") -> None:
+        super().__init__()
+        if config.add_cross_attention:
+            raise ValueError("GPT-2 checkpoints with cross-attention are not supported")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config, i, attention) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block, kv_cache in zip(self.h, kv_caches):
+            x = block(x, kv_cache, meta)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head, fp32 logits for sampling."""
+        return (hidden @ self.wte.weight.t()).float()
+
+    # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
+    _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        own = dict(self.named_parameters())
+        seen = set()
+        for name, t in tensors.items():
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # causal-mask buffers of old checkpoints; the head is tied to wte
+            if name not in own:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if name.endswith(self._CONV1D):
+                t = t.t()
+            if own[name].shape != t.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(own[name].shape)}")
+            with torch.no_grad():
+                own[name].copy_(t)
+            seen.add(name)
+        missing = set(own) - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

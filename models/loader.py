@@ -1,0 +1,78 @@
+"""Load GPT-2 checkpoints in Hugging Face format: a local directory or a hub id.
+
+A directory holds `config.json`, weights as `model.safetensors` (optionally sharded with an index)
+or `pytorch_model.bin`, and tokenizer files. A hub id is fetched into huggingface_hub's cache when
+the network allows. With no model named, the checkpoint embedded in this package is used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GPT2Config, PreTrainedTokenizerBase
+
+from models.gpt2 import GPT2LMHeadModel
+
+EMBEDDED_MODEL = Path(__file__).parent / "embedded"
+_HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+              "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+              "generation_config.json"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return EMBEDDED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/")):
+        raise FileNotFoundError(f"--model {model!r} is not a model directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=_HUB_FILES))
+    except Exception as e:  # offline, unknown id, gated repo: say which
+        raise FileNotFoundError(f"could not load {model!r} as a local directory or from the Hugging Face hub: {e}") from e
+
+
+def load_config(path: Path) -> GPT2Config:
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type != "gpt2":
+        raise ValueError(f"{path} holds a {config.model_type!r} model; flashpage serves GPT-2 architectures only")
+    return config
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    elif (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or pytorch_model.bin")
+    tensors = {}
+    for name in files:
+        with safe_open(path / name, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str) -> GPT2LMHeadModel:
+    config = load_config(path)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config, attention)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_hf_state_dict(_read_tensors(path))
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)

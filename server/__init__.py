@@ -1,0 +1,1 @@
+"""The serving layer: engine, scheduler, sampling, model runner, HTTP API, CLI."""

@@ -1,0 +1,176 @@
+"""The synchronous engine: requests in, one `step()` at a time, outputs out.
+
+A step schedules a batch, runs it, appends sampled tokens, detokenizes incrementally, applies stop
+conditions and frees finished requests' blocks. The asyncio wrapper (server/async_engine.py) calls
+`step()` from a worker thread; nothing here is async or knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache import BlockManager, CacheSpec
+from models import DTYPES, load_config, load_model, load_tokenizer, resolve_model_path
+from server.config import EngineConfig
+from server.detokenize import detokenize_step, find_stop
+from server.model_runner import ModelRunner
+from server.sampling import SamplingParams
+from server.scheduler import Scheduler
+from server.sequence import Sequence
+
+log = logging.getLogger("flashpage.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; the message says why (HTTP 400)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    new_logprobs: list = field(default_factory=list)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        path = resolve_model_path(config.model)
+        self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
+        self.hf_config = load_config(path)
+        self.tokenizer = load_tokenizer(path)
+        dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float16 if self.device.type == "cuda" else torch.float32)
+        attention = config.attention or ("triton" if self.device.type == "cuda" else "sdpa")
+        log.info("loading weights from %s (%s, attention=%s, device=%s)", path, dtype, attention, self.device)
+        self.model = load_model(path, dtype, self.device, attention)
+        self.max_model_len = min(config.max_model_len or self.hf_config.n_positions, self.hf_config.n_positions)
+        c = self.hf_config
+        spec = CacheSpec(c.n_layer, c.n_head, c.n_embd // c.n_head, config.block_size, dtype)
+        num_blocks = self._num_blocks(spec)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
+                 num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
+                 num_blocks * spec.block_size // self.max_model_len, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.block_manager, spec, self.device)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.seqs: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def _num_blocks(self, spec: CacheSpec) -> int:
+        cfg = self.config
+        if cfg.num_blocks:
+            return cfg.num_blocks
+        if cfg.kv_cache_memory:
+            return spec.blocks_for_budget(cfg.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total
+            return spec.blocks_for_budget(int(budget))
+        return spec.blocks_for_budget(512 * 2**20)  # CPU default: 512 MiB
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n, vocab = len(prompt_token_ids), self.hf_config.vocab_size
+        if n == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens")
+        need = self.block_manager.blocks_for(n + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise RequestError(f"request needs {need} KV blocks but the whole cache has {self.block_manager.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self.runner.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        token_ids, top = self.runner.execute(batch)
+        self.scheduler.after_step(batch)
+        outputs = []
+        sampled = [item.seq for item in batch.scheduled if item.samples]
+        now = time.monotonic()
+        for j, (seq, tok) in enumerate(zip(sampled, token_ids)):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.num_prompt_tokens += len(seq.prompt_token_ids)
+            seq.output_token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if top is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(top[j])
+            outputs.append(self._advance(seq, tok, top[j] if top is not None and seq.params.logprobs is not None else None))
+        return outputs
+
+    def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
+        p = seq.params
+        new_text = detokenize_step(self.tokenizer, seq)
+        reason = None
+        if not p.ignore_eos and tok == self.eos_token_id or tok in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and new_text:
+            cut = find_stop(seq.text, len(new_text), p.stop)
+            if cut is not None:
+                emitted = len(seq.text) - len(new_text)
+                seq.text = seq.text[:cut]
+                new_text = seq.text[emitted:] if cut > emitted else ""
+                reason = "stop"
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+            self.runner.release(seq.request_id)
+        return RequestOutput(
+            seq.request_id, new_text, [tok], reason is not None, reason, len(seq.prompt_token_ids),
+            len(seq.output_token_ids), [logprob] if logprob is not None else [], seq.text,
+            list(seq.output_token_ids), seq.num_cached_prompt)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Offline helper: run prompts to completion, return the final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

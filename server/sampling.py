@@ -1,0 +1,71 @@
+"""Sampling parameters and the batched sampler (runs on the logits' device).
+
+Rows with a seed draw their randomness from their own generator, so a seeded request gives the
+same tokens whatever else shares its batch. Everything else is sampled in one batched pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n alternatives per token (the sampled one always comes back)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] fp32 -> (token ids [n] int64, log-probabilities [n, V] of the raw distribution)."""
+    n = logits.shape[0]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out, logprobs
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    temp = torch.tensor([params[i].temperature for i in rows], device=dev)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
+    scaled = _filter_top_k_top_p(logits[idx] / temp[:, None], top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each
+    # seeded row take its noise from its own generator.
+    noise = torch.empty_like(probs).exponential_()
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            noise[j] = torch.empty(probs.shape[1], device=dev).exponential_(generator=generators[i])
+    out[idx] = (probs / noise).argmax(dim=-1)
+    assert out.shape[0] == n
+    return out, logprobs
