@@ -14,12 +14,13 @@ from server.sequence import Sequence
 _WINDOW = 6  # tokens of left context; enough for any multi-token character
 
 
-def detokenize_step(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
-    """Append the text of newly generated tokens to seq.text and return the new piece."""
+def detokenize_step(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool = False) -> str:
+    """Append the text of newly generated tokens to seq.text and return the new piece. On the
+    final step a trailing partial character is emitted as it is (as U+FFFD)."""
     ids = seq.output_token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     new = full[len(prefix) :]
     seq.read_offset = len(ids)

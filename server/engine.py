@@ -140,19 +140,19 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
         p = seq.params
-        new_text = detokenize_step(self.tokenizer, seq)
         reason = None
-        if not p.ignore_eos and tok == self.eos_token_id or tok in p.stop_token_ids:
+        if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids:
             reason = "stop"
-        elif p.stop and new_text:
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        new_text = detokenize_step(self.tokenizer, seq, final=reason is not None)
+        if p.stop and new_text:
             cut = find_stop(seq.text, len(new_text), p.stop)
             if cut is not None:
                 emitted = len(seq.text) - len(new_text)
                 seq.text = seq.text[:cut]
                 new_text = seq.text[emitted:] if cut > emitted else ""
                 reason = "stop"
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.request_id, None)
