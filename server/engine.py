@@ -59,14 +59,19 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.hf_config.n_positions, self.hf_config.n_positions)
         c = self.hf_config
         spec = CacheSpec(c.n_layer, c.n_head, c.n_embd // c.n_head, config.block_size, dtype)
+        self.runner = ModelRunner(self.model, spec, self.device, config.max_num_seqs,
+                                  config.max_num_batched_tokens, self.max_model_len)
         num_blocks = self._num_blocks(spec)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
                  num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20,
                  num_blocks * spec.block_size // self.max_model_len, self.max_model_len)
+        self.runner.allocate_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.block_manager, spec, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            log.info("capturing decode CUDA graphs")
+            self.runner.capture_graphs()
         self.eos_token_id = self.tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
@@ -79,8 +84,14 @@ class LLMEngine:
         if cfg.kv_cache_memory:
             return spec.blocks_for_budget(cfg.kv_cache_memory)
         if self.device.type == "cuda":
+            # Size from what is left under the utilisation cap after weights and the activations of
+            # the largest possible step (measured by running it), as vLLM does.
+            peak = self.runner.profile_peak_memory()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total
+            in_use_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+            budget = cfg.gpu_memory_utilization * total - peak - in_use_elsewhere
+            log.info("memory: %.2f GiB total, peak step %.2f GiB, other processes %.2f GiB -> KV budget %.2f GiB",
+                     total / 2**30, peak / 2**30, in_use_elsewhere / 2**30, budget / 2**30)
             return spec.blocks_for_budget(int(budget))
         return spec.blocks_for_budget(512 * 2**20)  # CPU default: 512 MiB
 

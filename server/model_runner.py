@@ -2,89 +2,142 @@
 
 Batch layout (what the attention backends expect): prefill chunks first, packed and delimited by
 `cu_seqlens`, then one token per decoding sequence. `slot_mapping[t]` is the flat cache slot that
-token t's K/V go to; `block_tables` rows are the sequences' page tables padded with 0.
+token t's K/V go to; `block_tables` rows are the sequences' page tables. A step with decodes only
+replays a CUDA graph captured for the next larger batch size (server/cuda_graphs.py); anything
+with prefill runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
-from kvcache import BlockManager, CacheSpec, allocate_kv_cache
+from kvcache import CacheSpec, allocate_kv_cache
 from models import AttentionMetadata, GPT2LMHeadModel
+from server.batch import Packer, pad_rows
 from server.sampling import sample
 from server.scheduler import SchedulerOutput
 
+log = logging.getLogger("flashpage.runner")
+
 
 class ModelRunner:
-    def __init__(self, model: GPT2LMHeadModel, block_manager: BlockManager, spec: CacheSpec, device: torch.device) -> None:
+    def __init__(self, model: GPT2LMHeadModel, spec: CacheSpec, device: torch.device, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
-        self.bm = block_manager
+        self.spec = spec
         self.block_size = spec.block_size
         self.device = device
-        self.kv_caches = allocate_kv_cache(spec, block_manager.num_blocks, device)
-        self.max_blocks = -(-model.config.n_positions // spec.block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_blocks = -(-max_model_len // spec.block_size)
+        s = max_num_seqs
+        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks, device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs = None
         self.generators: dict[str, torch.Generator] = {}
 
-    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-
-    def _block_tables(self, items) -> torch.Tensor:
-        width = max(len(s.seq.blocks.block_table) for s in items)
-        rows = [s.seq.blocks.block_table + [0] * (width - len(s.seq.blocks.block_table)) for s in items]
-        return self._tensor(rows)
-
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, positions, slots = [], [], []
-        for item in batch.scheduled:
-            seq, lo, hi = item.seq, item.start, item.start + item.num_tokens
-            input_ids += seq.token_ids[lo:hi]
-            positions += range(lo, hi)
-            slots += [self.bm.slot(seq.blocks, p) for p in range(lo, hi)]
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.int64),
-                                 num_prefill_tokens=sum(s.num_tokens for s in batch.prefills))
-        if batch.prefills:
-            cu = [0]
-            for s in batch.prefills:
-                cu.append(cu[-1] + s.num_tokens)
-            prefix = [s.start for s in batch.prefills]
-            meta.cu_seqlens, meta.cu_seqlens_host = self._tensor(cu), cu
-            meta.prefix_lens, meta.prefix_lens_host = self._tensor(prefix), prefix
-            meta.max_seqlen = max(s.num_tokens for s in batch.prefills)
-            meta.has_prefix = any(prefix)
-            meta.prefill_block_tables = self._block_tables(batch.prefills)
-        if batch.decodes:
-            meta.decode_block_tables = self._block_tables(batch.decodes)
-            meta.context_lens = self._tensor([s.start + 1 for s in batch.decodes])
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
-
+    # -- start-up -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
-        """Run one step. Returns the sampled token of each scheduled sequence that samples (in
-        batch order), and for requests that asked for logprobs, their top alternatives."""
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        # Only the last token of each chunk that reaches the end of its sequence needs logits.
-        ends, rows = [], []
+    def profile_peak_memory(self) -> int:
+        """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
+        max_num_seqs rows) against a one-block cache and return the peak bytes it allocated."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        caches = allocate_kv_cache(self.spec, 1, self.device)
+        n, seqs = self.max_tokens, self.max_num_seqs
+        per = -(-n // seqs)
+        lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        ids, pos, slots, cu_t, prefix, bt = self.packer.pack(
+            [np.zeros(n), np.concatenate([np.arange(k) for k in lens]) % self.model.config.n_positions,
+             np.full(n, -1), cu, np.zeros(len(lens)), np.zeros((len(lens), 1))])
+        meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=n, cu_seqlens=cu_t, max_seqlen=max(lens),
+                                 prefix_lens=prefix, prefill_block_tables=bt, cu_seqlens_host=cu.tolist(),
+                                 prefix_lens_host=[0] * len(lens))
+        hidden = self.model(ids, pos, caches, meta)
+        sample(self.model.compute_logits(hidden[:seqs]), [], [])
+        torch.cuda.synchronize(self.device)
+        del caches, hidden
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
+
+    def capture_graphs(self) -> None:
+        from server.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device)
+        self.graphs.capture()
+
+    # -- one step -----------------------------------------------------------------------------
+    def _slots(self, table: list[int], lo: int, hi: int) -> np.ndarray:
+        pos = np.arange(lo, hi)
+        return np.asarray(table, dtype=np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        items = batch.scheduled
+        ids, pos, slots, ends = [], [], [], []
         offset = 0
-        for item in batch.scheduled:
+        for item in items:
+            seq, lo, hi = item.seq, item.start, item.start + item.num_tokens
+            ids.append(seq.token_ids[lo:hi])
+            pos.append(np.arange(lo, hi))
+            slots.append(self._slots(seq.blocks.block_table, lo, hi))
             offset += item.num_tokens
             if item.samples:
                 ends.append(offset - 1)
-                rows.append(item.seq)
-        if not rows:
-            return [], None
-        logits = self.model.compute_logits(hidden[self._tensor(ends, torch.int64)])
+        arrays = [np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), ends]
+        pre, dec = batch.prefills, batch.decodes
+        cu = np.concatenate([[0], np.cumsum([s.num_tokens for s in pre])]) if pre else []
+        prefix = [s.start for s in pre]
+        if pre:
+            width = max(len(s.seq.blocks.block_table) for s in pre)
+            arrays += [cu, prefix, pad_rows([s.seq.blocks.block_table for s in pre], width)]
+        if dec:
+            width = max(len(s.seq.blocks.block_table) for s in dec)
+            arrays += [[s.start + 1 for s in dec], pad_rows([s.seq.blocks.block_table for s in dec], width)]
+        views = self.packer.pack(arrays)
+        input_ids, positions, slot_mapping, ends_t = views[:4]
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=sum(s.num_tokens for s in pre))
+        rest = views[4:]
+        if pre:
+            meta.cu_seqlens, meta.prefix_lens, meta.prefill_block_tables = rest[:3]
+            meta.cu_seqlens_host, meta.prefix_lens_host = [int(c) for c in cu], prefix
+            meta.max_seqlen = max(s.num_tokens for s in pre)
+            meta.has_prefix = any(prefix)
+            rest = rest[3:]
+        if dec:
+            meta.context_lens, meta.decode_block_tables = rest
+        return input_ids, positions, meta, ends_t
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+        """Run one step. Returns the sampled token of each scheduled sequence that samples (in batch
+        order) and, where requests asked for logprobs, the chosen token's and the top alternatives'."""
+        rows = [item.seq for item in batch.scheduled if item.samples]
+        if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
+            logits = self.graphs.run(batch.decodes, self.block_size)
+        else:
+            input_ids, positions, meta, ends = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if not rows:
+                return [], None
+            logits = self.model.compute_logits(hidden[ends])
         gens = [self._generator(s.request_id, s.params.seed) for s in rows]
-        ids, logprobs = sample(logits, [s.params for s in rows], gens)
-        top = None
         want = [s.params.logprobs for s in rows]
-        if any(w is not None for w in want):
-            k = max(w or 0 for w in want)
-            chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-            tv, ti = logprobs.topk(max(k, 1), dim=-1)
-            tv, ti = tv.tolist(), ti.tolist()
-            top = [[(int(ids[j]), chosen[j])] + list(zip(ti[j][: want[j] or 0], tv[j][: want[j] or 0])) for j in range(len(rows))]
-        return ids.tolist(), top
+        ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
+        if logprobs is None:
+            return ids.tolist(), None  # the step's one device-to-host transfer
+        k = max(max(w or 0 for w in want), 1)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0]
+        top_v, top_i = logprobs.topk(k, dim=-1)
+        packed = torch.cat([ids[:, None].float(), chosen[:, None], top_i.float(), top_v], dim=1).tolist()
+        out_ids = [int(r[0]) for r in packed]
+        top = [[(out_ids[j], r[1])] + [(int(t), v) for t, v in zip(r[2 : 2 + (want[j] or 0)], r[2 + k : 2 + k + (want[j] or 0)])]
+               for j, r in enumerate(packed)]
+        return out_ids, top
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

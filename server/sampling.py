@@ -44,11 +44,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, V] fp32 -> (token ids [n] int64, log-probabilities [n, V] of the raw distribution)."""
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    want_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [n, V] fp32 -> (token ids [n] int64, log-probabilities [n, V] of the model's raw
+    distribution, or None unless asked for). Everything stays on the logits' device."""
     n = logits.shape[0]
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -1,0 +1,43 @@
+"""Host-side batch packing: every int32 array a step needs goes through one pinned buffer and one
+host-to-device copy, and comes out as views of one device buffer (no per-step device allocation).
+
+The host buffer is reused every step. That is safe because each step ends by copying the sampled
+ids back to the host, which waits for the stream, so the previous step's upload has completed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Packer:
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self.host
+
+    def pack(self, arrays: list) -> list[torch.Tensor]:
+        """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; views."""
+        spans, off = [], 0
+        for a in arrays:
+            a = np.asarray(a, dtype=np.int32)
+            n = a.size
+            if off + n > self.host_np.size:
+                raise ValueError(f"batch needs {off + n} int32 slots, packer holds {self.host_np.size}")
+            self.host_np[off : off + n] = a.reshape(-1)
+            spans.append((off, a.shape))
+            off += n
+        if self.on_cuda:
+            self.dev[:off].copy_(self.host[:off], non_blocking=True)
+        return [self.dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]
+
+
+def pad_rows(rows: list[list[int]], width: int) -> np.ndarray:
+    """Page tables as a [len(rows), width] int32 array padded with block 0 (never read: kernels stop
+    at each sequence's length)."""
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out

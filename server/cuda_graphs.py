@@ -1,0 +1,93 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of GPT-2 small launches ~150 small kernels; on an H100 launching them from Python
+costs more than running them. So for a ladder of batch sizes we capture the whole decode forward
+(embedding, every layer's KV write and paged attention, final norm, LM head) once, over static
+input buffers, and each step only fills those buffers and replays the graph of the next larger
+size. Padding rows write their K/V nowhere (slot -1) and attend to one token of block 0.
+
+The static inputs are views of one device buffer with a pinned host mirror, so a step's inputs
+travel in a single host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from models import AttentionMetadata, GPT2LMHeadModel
+
+log = logging.getLogger("flashpage.graphs")
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: GPT2LMHeadModel, kv_caches, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.sizes = batch_ladder(max_batch)
+        b = max_batch
+        # Layout: input_ids | positions | slot_mapping | context_lens | block_tables (b x max_blocks)
+        self.host = torch.zeros(b * (4 + max_blocks), dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros_like(self.host, device=device)
+        self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
+                                   buf[4 * b :].view(b, max_blocks))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, n: int) -> torch.Tensor:
+        ids, pos, slots, ctx, bt = self._views(self.dev)
+        meta = AttentionMetadata(slot_mapping=slots[:n], num_prefill_tokens=0, context_lens=ctx[:n],
+                                 decode_block_tables=bt[:n])
+        return self.model.compute_logits(self.model(ids[:n], pos[:n], self.kv_caches, meta))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.monotonic()
+        _, _, slots, ctx, _ = self._views(self.host_np)
+        slots[:], ctx[:] = -1, 1
+        self.dev.copy_(self.host)
+        pool = None
+        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                self._forward(n)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(n)
+            pool = graph.pool()
+            self.graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+                 self.sizes[-1], time.monotonic() - t0)
+
+    def run(self, decodes, block_size: int) -> torch.Tensor:
+        """Fill the static inputs for these decode items, replay, return logits [len(decodes), V]."""
+        n = len(decodes)
+        size = next(s for s in self.sizes if s >= n)
+        ids, pos, slots, ctx, bt = self._views(self.host_np)
+        for i, item in enumerate(decodes):
+            seq, p = item.seq, item.start
+            table = seq.blocks.block_table
+            ids[i] = seq.token_ids[p]
+            pos[i] = p
+            slots[i] = table[p // block_size] * block_size + p % block_size
+            ctx[i] = p + 1
+            bt[i, : len(table)] = table
+        slots[n:size], ctx[n:size], ids[n:size], pos[n:size] = -1, 1, 0, 0
+        bt[n:size, 0] = 0
+        self.dev.copy_(self.host, non_blocking=True)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
+
