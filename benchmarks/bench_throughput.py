@@ -1,0 +1,205 @@
+"""Offline throughput through the engine's Python API (no HTTP), and decode-step time per batch size.
+
+Same N requests (random token ids, random input/output lengths, ignore_eos) through:
+  flashpage        our engine, --attention triton, CUDA graphs
+  flashpage_eager  our engine, --attention eager (same scheduler, batching and graphs)
+  hf_eager         transformers generate, attn_implementation="eager", left-padded static batches
+and decode steps of our engine at several batch sizes against the floor
+(weight bytes + K/V bytes read) / measured copy bandwidth.
+
+  python benchmarks/bench_throughput.py --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from server.config import EngineConfig  # noqa: E402
+from server.engine import LLMEngine  # noqa: E402
+from server.sampling import SamplingParams  # noqa: E402
+
+
+def workload(n: int, in_range, out_range, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*in_range))] for _ in range(n)]
+    outs = [rng.randint(*out_range) for _ in range(n)]
+    return prompts, outs
+
+
+def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int]:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+    engine.generate(prompts[:4], params[:4])  # warm-up (prefill shapes, sampling)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    assert tokens == sum(outs), "engine produced a different token count than asked"
+    return dt, tokens
+
+
+def run_hf(path, prompts, outs, batch: int) -> tuple[float, int]:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float16).cuda().eval()
+
+    def one_batch(ps, os_):
+        width = max(len(p) for p in ps)
+        ids = torch.zeros(len(ps), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(ps):  # left padding, as generate expects for decoder-only models
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n = max(os_)
+        with torch.no_grad():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+
+    one_batch(prompts[:2], [4, 4])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        one_batch(prompts[i:i + batch], outs[i:i + batch])
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(outs)  # only the tokens each request asked for count
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * n / ms / 1e9  # TB/s
+
+
+def decode_steps(engine: LLMEngine, batches, context: int, copy_tbps: float, vocab: int):
+    from triton.testing import do_bench
+
+    cfg = engine.hf_config
+    elem = next(engine.model.parameters()).element_size()
+    weight_bytes = sum(p.numel() for p in engine.model.parameters()) * elem
+    rows = []
+    rng = random.Random(1)
+    for b in batches:
+        ids = [f"step-{b}-{i}" for i in range(b)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(vocab) for _ in range(context)],
+                               SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        while any(engine.seqs[r].num_computed < context for r in ids):
+            engine.step()  # prefill everyone; afterwards each step is a pure decode of b sequences
+        batch = engine.scheduler.schedule()
+        assert not batch.prefills and len(batch.decodes) == b
+        ms = do_bench(lambda: engine.runner.execute(batch), return_mode="median")
+        # The whole engine step too (scheduler, runner, sampling, detokenization), over real steps.
+        # (The timed batch was never committed, so the next step schedules the same tokens again.)
+        t0 = time.perf_counter()
+        steps = 8
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - t0) / steps * 1e3
+        kv_bytes = b * (context + 1) * cfg.n_layer * 2 * cfg.n_embd * elem
+        floor_ms = (weight_bytes + kv_bytes) / (copy_tbps * 1e12) * 1e3
+        rows.append(dict(impl="flashpage_step", batch=b, context=context, step_ms=round(ms, 4),
+                         engine_step_ms=round(step_ms, 4), floor_ms=round(floor_ms, 4),
+                         ratio_to_floor=round(ms / floor_ms, 2), weight_bytes=weight_bytes, kv_bytes=kv_bytes))
+        print(f"decode step batch {b:4d} ctx {context}: {ms:.3f} ms (engine step {step_ms:.3f} ms), "
+              f"floor {floor_ms:.3f} ms", flush=True)
+        for rid in ids:
+            engine.abort_request(rid)
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: random-initialised GPT-2 small)")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--hf-batch", type=int, default=256, help="requests per transformers generate call")
+    ap.add_argument("--step-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--step-context", type=int, default=512)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["flashpage", "flashpage_eager", "hf_eager", "steps"])
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    args = ap.parse_args(argv)
+
+    path = args.model or make_random_gpt2(tempfile.mkdtemp(prefix="gpt2-small-"), "small")
+    vocab = 50257
+    prompts, outs = workload(args.num_requests, args.input_len, args.output_len, vocab, seed=0)
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
+    rows = [dict(impl="copy", tbps=round(copy_tbps, 3))]
+
+    for impl, attention in (("flashpage", "triton"), ("flashpage_eager", "eager")):
+        if impl in args.skip:
+            continue
+        engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype="float16"))
+        dt, tokens = run_engine(engine, prompts, outs)
+        rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
+                         output_tokens_per_s=round(tokens / dt, 1)))
+        print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
+        if impl == "flashpage" and "steps" not in args.skip:
+            rows += decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)
+        del engine
+        torch.cuda.empty_cache()
+    if "hf_eager" not in args.skip:
+        dt, tokens = run_hf(path, prompts, outs, args.hf_batch)
+        rows.append(dict(impl="hf_eager", requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
+                         output_tokens_per_s=round(tokens / dt, 1), hf_batch=args.hf_batch))
+        print(f"{'hf_eager':16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
+
+    import triton
+
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
+                  date=datetime.date.today().isoformat(),
+                  command="python benchmarks/bench_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  workload=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                                model="random-initialised GPT-2 small (124M), float16" if not args.model else args.model),
+                  rows=rows)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
+    (out / f"throughput_{slug}.json").write_text(json.dumps(result, indent=1))
+    print(report(result))
+    return result
+
+
+def report(result: dict) -> str:
+    rows = result["rows"]
+    tput = {r["impl"]: r for r in rows if "output_tokens_per_s" in r}
+    lines = [f"Offline throughput, {result['workload']['num_requests']} requests, inputs "
+             f"{result['workload']['input_len'][0]}–{result['workload']['input_len'][1]}, outputs "
+             f"{result['workload']['output_len'][0]}–{result['workload']['output_len'][1]} tokens, "
+             f"{result['workload']['model']}, {result['device']}:", "",
+             "| engine | output tokens/s | vs hf_eager |", "|---|---:|---:|"]
+    base = tput.get("hf_eager", {}).get("output_tokens_per_s")
+    for impl in ("flashpage", "flashpage_eager", "hf_eager"):
+        if impl in tput:
+            v = tput[impl]["output_tokens_per_s"]
+            lines.append(f"| {impl} | {v:,.0f} | {v / base:.1f}× |" if base else f"| {impl} | {v:,.0f} | |")
+    steps = [r for r in rows if r["impl"] == "flashpage_step"]
+    if steps:
+        lines += ["", "Decode step (CUDA graph replay + sampling + host work) against the floor "
+                  "(weights + K/V read) / copy bandwidth:", "",
+                  "| batch | context | step ms | full engine step ms | floor ms | step / floor |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in steps:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['engine_step_ms']:.3f} | "
+                         f"{r['floor_ms']:.3f} | {r['ratio_to_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Regenerate the README's results section from benchmarks/results/*.json.
+
+Each benchmark script owns a `report(result) -> str` that renders its own file; this script only
+finds the files, calls those, and splices the text between the README's results markers. Numbers
+are never typed by hand.
+
+  python benchmarks/make_report.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# results file prefix -> (module with report(), section title)
+SECTIONS = [
+    ("prefill_", "benchmarks.bench_prefill", "Flash prefill kernel"),
+    ("decode_", "benchmarks.bench_decode", "Paged decode kernel"),
+    ("throughput_", "benchmarks.bench_throughput", "Engine throughput (offline)"),
+    ("load_", "benchmarks.compare", "HTTP load test"),
+    ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),
+]
+BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
+
+
+def render(results_dir: Path) -> str:
+    parts = []
+    for prefix, module, title in SECTIONS:
+        files = sorted(results_dir.glob(f"{prefix}*.json"))
+        if not files:
+            continue
+        report = importlib.import_module(module).report
+        for f in files:
+            result = json.loads(f.read_text())
+            meta = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
+                    f"`{result['command']}` → `{f.relative_to(ROOT)}`")
+            parts.append(f"### {title}\n\n{meta}\n\n{report(result)}\n")
+    return "\n".join(parts) if parts else "No GPU results yet.\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is not up to date")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    args = ap.parse_args(argv)
+    readme = Path(args.readme)
+    text = readme.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{render(ROOT / 'benchmarks' / 'results')}{END}{tail}"
+    if args.check:
+        return 0 if new == text else 1
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
