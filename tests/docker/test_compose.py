@@ -1,0 +1,111 @@
+"""compose.yaml: validated and resolved by Docker Compose itself (`config` needs no engine), and kept
+consistent with docker/nginx.conf (every replica nginx balances over is a GPU-pinned service)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "compose.yaml"
+NGINX_CONF = REPO / "docker" / "nginx.conf"
+
+
+@pytest.fixture(scope="module")
+def compose(tool, tmp_path_factory, environment):
+    """Runs `docker compose ... config` (the plugin) or `docker-compose ... config` (Debian's
+    package) on compose.yaml with the given variables and profiles; returns the resolved YAML."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        base = [docker, "compose"]
+    else:
+        base = [tool("docker-compose")]
+    empty = tmp_path_factory.mktemp("compose") / "empty.env"  # a developer's .env must not leak in
+    empty.write_text("")
+
+    def run(profiles=(), **variables):
+        env = environment(**variables)
+        for name in ("MODEL", "PORT", "NGINX_PORT", "HF_TOKEN"):
+            if name not in variables:
+                env.pop(name, None)
+        cmd = [*base, "--env-file", str(empty), "--project-directory", str(REPO), "-f", str(COMPOSE)]
+        for p in profiles:
+            cmd += ["--profile", p]
+        r = subprocess.run([*cmd, "config"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return yaml.safe_load(r.stdout)
+
+    return run
+
+
+def test_default_service_reserves_a_gpu_and_serves_gpt2(compose):
+    cfg = compose()
+    svc = cfg["services"]["flashpage"]
+    env = svc["environment"]
+    assert env["FLASHPAGE_MODEL"] == "gpt2"
+    assert env.get("HF_TOKEN") in (None, "")  # passed through only when the host has it
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and int(device["count"]) == 1
+    assert any(int(p["target"]) == 8000 and int(p["published"]) == 8000 for p in _ports(svc))
+    assert svc["restart"] == "unless-stopped"
+    assert "/health" in " ".join(svc["healthcheck"]["test"])
+    assert any(str(v).startswith("flashpage-cache:/data") or (isinstance(v, dict) and v.get("target") == "/data")
+               for v in svc["volumes"])
+    assert "flashpage-cache" in cfg["volumes"]
+    assert svc["build"]["dockerfile"] == "docker/Dockerfile"
+
+
+def test_variables_choose_model_port_and_pass_the_token(compose):
+    cfg = compose(MODEL="distilgpt2", PORT="9000", HF_TOKEN="hf_test_token")
+    svc = cfg["services"]["flashpage"]
+    assert svc["environment"]["FLASHPAGE_MODEL"] == "distilgpt2"
+    assert svc["environment"]["HF_TOKEN"] == "hf_test_token"
+    assert any(int(p["published"]) == 9000 for p in _ports(svc))
+
+
+def test_scale_profile_pins_one_replica_per_gpu_behind_nginx(compose):
+    cfg = compose(profiles=["scale"], NGINX_PORT="8088")
+    services = cfg["services"]
+    nginx = services["nginx"]
+    assert re.fullmatch(r"nginx:\d+\.\d+\.\d+(-alpine)?", nginx["image"])
+    assert any(int(p["target"]) == 80 and int(p["published"]) == 8088 for p in _ports(nginx))
+    assert any("nginx.conf" in str(v) for v in nginx["volumes"])
+    upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", NGINX_CONF.read_text(), re.M)
+    assert len(upstreams) >= 2 and len(set(upstreams)) == len(upstreams)
+    gpus = []
+    for name in upstreams:
+        svc = services[name]  # every upstream is a service of the file...
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        gpus.append(tuple(device.get("device_ids") or range(int(device["count"]))))
+        deps = nginx["depends_on"]  # ...that nginx waits for until it is healthy
+        assert (deps[name]["condition"] if isinstance(deps, dict) else None) == "service_healthy", name
+        assert svc["environment"]["FLASHPAGE_MODEL"] == "gpt2"
+    # count: 1 is GPU 0 (Docker hands out the first GPUs); the others are pinned by device_ids.
+    flat = [str(g) for ids in gpus for g in ids]
+    assert len(flat) == len(set(flat)) == len(upstreams), f"replicas share a GPU: {gpus}"
+
+
+def test_compose_file_and_nginx_conf_agree_without_compose():
+    """The same consistency from the files alone (no compose tool needed)."""
+    raw = yaml.safe_load(COMPOSE.read_text())
+    upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", NGINX_CONF.read_text(), re.M)
+    scale = {n for n, s in raw["services"].items() if "scale" in s.get("profiles", [])}
+    default = {n for n, s in raw["services"].items() if not s.get("profiles")}
+    assert default == {"flashpage"}
+    assert set(upstreams) == {"flashpage"} | (scale - {"nginx"})
+    assert set(raw["services"]["nginx"]["depends_on"]) == set(upstreams)
+
+
+def _ports(svc):
+    out = []
+    for p in svc.get("ports", []):
+        if isinstance(p, dict):
+            out.append(p)
+        else:  # "published:target"
+            published, target = str(p).rsplit(":", 1)
+            out.append({"published": published.rsplit(":", 1)[-1], "target": target})
+    return out
