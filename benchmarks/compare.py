@@ -1,0 +1,416 @@
+"""Load test flashpage (triton / sdpa / eager attention) and a naive transformers server, one GPU.
+
+    python benchmarks/compare.py                          # GPU: random GPT-2 small, full sweep
+    python benchmarks/compare.py --model /path/to/gpt2    # your checkpoint
+    python benchmarks/compare.py --device cpu --concurrency 1 2 --num-requests 4 \\
+        --input-len 16 --output-len 8                     # CPU dry run (tiny random model)
+
+For each configuration in turn it starts the server as a subprocess on the same device
+(`python -m server --model M --attention X` for `triton`, `sdpa`, `eager`;
+`python benchmarks/naive_server.py --model M` for `naive_hf`), waits for `GET /health`, sends a
+warm-up, runs the same closed-loop sweep with benchmarks/load_test.py (C concurrent streaming
+clients for each C in --concurrency; random prompt ids of --input-len +- --input-jitter tokens;
+max_tokens --output-len +- --output-jitter with ignore_eos; greedy; at each level
+max(--requests-factor x C, --min-requests) requests or --num-requests, cut at --duration s, with
+in-flight requests cancelled --grace s later), stops the server, and moves on. The result file is
+rewritten after every level, so a run cut short still leaves what it measured.
+
+Writes `<out-dir>/load_<gpu>.json` ({device, torch, triton, date, command, rows: [{impl,
+concurrency, output_tokens_per_s, requests_per_s, ttft_p50_ms, ...}]}) and the plots
+`load_<gpu>_throughput.png`, `load_<gpu>_latency.png`. `report(result)` turns the JSON into the
+README section. Metric definitions: see benchmarks/load_test.py.
+
+With no --model, a random-initialised GPT-2 small (transformers.GPT2Config() defaults: 124M,
+1024 positions, vocab 50257) is written to a temporary directory with the embedded model's
+tokenizer (models/embedded; a small byte-level BPE is trained instead if that is missing). Random
+weights cost the same to run as trained ones and ignore_eos fixes the output lengths. On
+`--device cpu` the default is a tiny 2-layer model instead (`--model-size`), and the `triton`
+server runs under TRITON_INTERPRET=1 in bfloat16 (the kernels take fp16/bf16 only): slow, but it
+checks the whole path.
+
+Needs torch, transformers, httpx, matplotlib here, and fastapi/uvicorn/pydantic importable by the
+servers (PYTHONPATH is passed through to them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import REPO_ROOT, ServerProcess, free_port, gpu_slug  # noqa: E402
+from benchmarks.load_test import plot, print_row, run_load  # noqa: E402
+
+IMPLS = ("triton", "sdpa", "eager", "naive_hf")
+DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256]
+EMBEDDED = REPO_ROOT / "models" / "embedded"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+# ------------------------------------------------------------------------------- the model
+def _write_tokenizer(path: Path) -> str:
+    """The embedded model's tokenizer if it loads, else a small byte-level BPE; returns which."""
+    from transformers import AutoTokenizer
+
+    if (EMBEDDED / "tokenizer.json").exists():
+        for name in TOKENIZER_FILES:
+            if (EMBEDDED / name).exists():
+                shutil.copy(EMBEDDED / name, path / name)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+            if tok.eos_token_id is not None:
+                return "models/embedded tokenizer"
+        except Exception as e:  # being rebuilt, half-written: fall back
+            print(f"embedded tokenizer unusable ({e!r}); training a small BPE", file=sys.stderr)
+        for name in TOKENIZER_FILES:
+            (path / name).unlink(missing_ok=True)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["The quick brown fox jumps over the lazy dog.", "Return a new list of the items.",
+            "def f(x):\n    return x * 2\n", "naïve café"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            unk_token="<|endoftext|>").save_pretrained(path)
+    return "small trained byte-level BPE"
+
+
+def make_random_gpt2(path: str | Path, size: str = "small", seed: int = 0) -> tuple[Path, str]:
+    """Random-initialised GPT-2 in Hugging Face format at `path`: 'small' = GPT2Config() defaults
+    (124M), 'tiny' = 2 layers x 64 wide, 256 positions, vocab 512. Returns (path, description)."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok_desc = _write_tokenizer(path)
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    torch.manual_seed(seed)
+    if size == "small":
+        config = GPT2Config(bos_token_id=eos, eos_token_id=eos)
+    elif size == "tiny":
+        config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=256, vocab_size=512,
+                            bos_token_id=eos, eos_token_id=eos)
+    else:
+        raise ValueError(f"unknown model size {size!r}")
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    n = sum(p.numel() for p in model.parameters())
+    return path, (f"random-initialised GPT-2 {size} ({n / 1e6:.{0 if n >= 1e7 else 2}f}M parameters, {config.n_layer} layers, "
+                  f"{config.n_positions} positions, vocab {config.vocab_size}; {tok_desc})")
+
+
+def read_model_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+# ------------------------------------------------------------------------------- the servers
+def server_command(impl: str, model: str, port: int, device: str | None, extra: list[str],
+                   naive_max_batch: int = 256, naive_batch_wait_ms: float = 5.0) -> list[str]:
+    dev = ["--device", device] if device else []
+    if impl == "naive_hf":
+        return [sys.executable, str(REPO_ROOT / "benchmarks" / "naive_server.py"), "--model", str(model),
+                "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(naive_max_batch),
+                "--batch-wait-ms", str(naive_batch_wait_ms), "--log-level", "warning", *dev]
+    if impl == "triton" and (device or "").startswith("cpu") and "--dtype" not in extra:
+        dev += ["--dtype", "bfloat16"]  # the Triton kernels take fp16/bf16 only; CPU default is fp32
+    return [sys.executable, "-m", "server", "--model", str(model), "--attention", impl, "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning", *dev, *extra]
+
+
+def requests_for(concurrency: int, args) -> int:
+    if args.num_requests is not None:
+        return args.num_requests
+    return max(args.requests_factor * concurrency, args.min_requests)
+
+
+def device_info(device: str | None) -> dict:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") else "cpu"
+    return {"device": name, "torch": torch.__version__.split("+")[0], "triton": triton_version}
+
+
+def _health(url: str) -> int | None:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def run_compare(args) -> dict:
+    t_start = time.monotonic()
+    info = device_info(args.device)
+    slug = args.tag or gpu_slug(info["device"])
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"load_{slug}.json"
+    tmp = Path(tempfile.mkdtemp(prefix="flashpage-compare-"))
+    log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.model:
+        model, model_desc = Path(args.model), args.model
+    else:
+        size = args.model_size or ("tiny" if args.device == "cpu" else "small")
+        print(f"writing a random GPT-2 {size} checkpoint to {tmp / 'model'} ...", file=sys.stderr)
+        model, model_desc = make_random_gpt2(tmp / "model", size, args.seed)
+    cfg = read_model_config(model)
+    vocab = cfg["vocab_size"]
+    n_pos = cfg.get("n_positions", 1024)
+    if args.input_len + args.input_jitter + args.output_len + args.output_jitter > n_pos:
+        print(f"warning: prompts up to {args.input_len + args.input_jitter} + outputs up to "
+              f"{args.output_len + args.output_jitter} tokens exceed the model's {n_pos} positions: "
+              "those requests will get 400s", file=sys.stderr)
+
+    result = {**info, "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+              "model": model_desc, "slug": slug,
+              "settings": {"concurrency": args.concurrency, "input_len": args.input_len,
+                           "input_jitter": args.input_jitter, "output_len": args.output_len,
+                           "output_jitter": args.output_jitter, "num_requests": args.num_requests,
+                           "requests_factor": args.requests_factor, "min_requests": args.min_requests,
+                           "duration_s": args.duration, "grace_s": args.grace, "warmup": args.warmup,
+                           "temperature": 0.0, "ignore_eos": True, "naive_max_batch": args.naive_max_batch,
+                           "naive_batch_wait_ms": args.naive_batch_wait_ms, "impls": args.impls,
+                           "server_args": args.server_args, "vocab_size": vocab},
+              "failures": [], "rows": []}
+
+    def save():
+        json_path.write_text(json.dumps(result, indent=1))
+
+    try:
+        for impl in args.impls:
+            port = free_port()
+            cmd = server_command(impl, str(model), port, args.device, args.server_args, args.naive_max_batch,
+                                 args.naive_batch_wait_ms)
+            print(f"== {impl}: {' '.join(cmd)}", file=sys.stderr)
+            t0 = time.monotonic()
+            env = dict(os.environ)
+            if impl == "triton" and (args.device or "").startswith("cpu"):
+                env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU: the interpreter
+            server = ServerProcess(cmd, port, log_dir / f"server_{impl}.log", env=env)
+            try:
+                try:
+                    server.wait_healthy(args.health_timeout)
+                except RuntimeError as e:
+                    print(f"!! {impl} did not start: {e}", file=sys.stderr)
+                    result["failures"].append({"impl": impl, "stage": "start", "message": str(e)[-2000:]})
+                    save()
+                    continue
+                startup = time.monotonic() - t0
+                print(f"   healthy after {startup:.1f} s", file=sys.stderr)
+                for i, c in enumerate(args.concurrency):
+                    row = run_load(server.url, concurrency=c, num_requests=requests_for(c, args),
+                                   duration=args.duration, grace=args.grace,
+                                   warmup=args.warmup if i == 0 else 0, input_len=args.input_len,
+                                   input_jitter=args.input_jitter, output_len=args.output_len,
+                                   output_jitter=args.output_jitter, vocab_size=vocab, seed=args.seed,
+                                   temperature=0.0, ignore_eos=True, timeout=args.timeout,
+                                   progress=args.progress, label=impl, workers=args.client_processes)
+                    row["server_startup_s"] = startup
+                    print_row(row)
+                    result["rows"].append(row)
+                    save()
+                    health = _health(server.url) if server.proc.poll() is None else None
+                    if health != 200:
+                        code = server.proc.poll()
+                        msg = (f"server exited with {code}" if code is not None else
+                               f"server /health answers {health}") + f" after c={c}:\n{server.log_tail()}"
+                        print(f"!! {impl}: {msg}", file=sys.stderr)
+                        result["failures"].append({"impl": impl, "stage": f"concurrency {c}", "message": msg[-2000:]})
+                        save()
+                        break
+            finally:
+                server.stop()
+    finally:
+        if not args.keep_model and not args.model:
+            shutil.rmtree(tmp / "model", ignore_errors=True)
+        elif not args.model:
+            print(f"random checkpoint kept in {tmp / 'model'}", file=sys.stderr)
+        if not args.log_dir and not result["failures"]:
+            shutil.rmtree(tmp / "logs", ignore_errors=True)
+        elif result["failures"]:
+            print(f"server logs in {log_dir}", file=sys.stderr)
+        if not any(tmp.iterdir()):
+            tmp.rmdir()
+
+    result["elapsed_s"] = time.monotonic() - t_start
+    save()
+    if result["rows"]:
+        try:
+            paths = plot(result, out_dir / f"load_{slug}", title=f"{result['device']}, {model_desc.split(' (')[0]}")
+        except ImportError as e:  # the numbers are saved; plots can be made later with load_test.py plot
+            print(f"no plots ({e}); later: python benchmarks/load_test.py plot {json_path} "
+                  f"--out-prefix {out_dir / f'load_{slug}'}", file=sys.stderr)
+        else:
+            result["plots"] = [os.path.relpath(p, REPO_ROOT) if Path(p).resolve().is_relative_to(REPO_ROOT) else p
+                               for p in paths]
+            save()
+    print(json_path, file=sys.stderr)
+    return result
+
+
+# ------------------------------------------------------------------------------- README section
+def _fmt(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def report(result: dict) -> str:
+    """The README markdown for one load_<gpu>.json: a table impl x concurrency, the triton/eager and
+    triton/naive_hf throughput ratios at each concurrency, and links to the plots."""
+    rows = [r for r in result["rows"] if r.get("concurrency") is not None]
+    slug = result.get("slug") or gpu_slug(result["device"])
+    s = result.get("settings", {})
+    order = {impl: i for i, impl in enumerate(IMPLS)}
+    rows.sort(key=lambda r: (order.get(r["impl"], len(order)), r["concurrency"]))
+
+    def jit(n, j):
+        return f"{n} ± {j}" if j else f"{n}"
+
+    present = list(dict.fromkeys(r["impl"] for r in rows))
+    ours = [f"`{i}`" for i in present if i != "naive_hf"]
+    served = []
+    if ours:
+        served.append(f"by flashpage with attention {', '.join(ours)}")
+    if "naive_hf" in present:
+        served.append("by a naive FastAPI + `transformers.generate` server with static batches "
+                      "(`naive_hf`, benchmarks/naive_server.py)")
+    lines = [f"### HTTP load test on {result['device']}", ""]
+    lines.append(
+        f"{result.get('model', 'model')}, served {' and '.join(served)}. Closed loop: C concurrent clients, each "
+        "streaming `POST /generate` requests back to back")
+    if s:
+        per_level = (f"{s['num_requests']} requests" if s.get("num_requests") else
+                     f"max({s.get('requests_factor')}·C, {s.get('min_requests')}) requests")
+        if s.get("duration_s"):
+            per_level += f", cut at {s['duration_s']:g} s"
+        lines[-1] += (f"; prompts of {jit(s.get('input_len'), s.get('input_jitter'))} random token ids, outputs of "
+                      f"{jit(s.get('output_len'), s.get('output_jitter'))} tokens (`ignore_eos`), greedy; "
+                      f"per level {per_level}")
+    lines[-1] += (f". torch {result.get('torch')}, triton {result.get('triton')}, {result.get('date')}. "
+                  f"`{result.get('command')}`")
+    lines += ["", "TTFT: time to first token; TPOT: (end-to-end − TTFT) / (output tokens − 1) per request; "
+              "ITL: gap between streamed events, per token. Latencies in ms.", ""]
+    lines.append("| impl | concurrency | output tok/s | req/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | errors |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        err = str(r.get("errors", 0))
+        if r.get("cancelled"):
+            err += f" ({r['cancelled']} cut at deadline)"
+        lines.append(f"| {r['impl']} | {r['concurrency']} | {_fmt(r.get('output_tokens_per_s'), 0)} | "
+                     f"{_fmt(r.get('requests_per_s'), 2)} | {_fmt(r.get('ttft_p50_ms'))} | {_fmt(r.get('ttft_p99_ms'))} | "
+                     f"{_fmt(r.get('tpot_p50_ms'), 2)} | {_fmt(r.get('itl_p99_ms'), 2)} | {err} |")
+
+    by = {(r["impl"], r["concurrency"]): r for r in rows}
+    levels = sorted({r["concurrency"] for r in rows})
+    peers = [p for p in ("eager", "naive_hf") if any(k[0] == p for k in by)]
+    if any(k[0] == "triton" for k in by) and peers:
+        lines += ["", "Output-token throughput of flashpage's Triton kernels relative to:", "",
+                  "| concurrency | " + " | ".join(f"triton / {p}" for p in peers) + " |",
+                  "|---:|" + "---:|" * len(peers)]
+        for c in levels:
+            cells = []
+            for p in peers:
+                a, b = by.get(("triton", c)), by.get((p, c))
+                ok = a and b and a.get("output_tokens_per_s") and b.get("output_tokens_per_s")
+                cells.append(f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}×" if ok else "-")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for f in result.get("failures", []):
+        lines += ["", f"`{f['impl']}` failed at {f['stage']}: {f['message'].splitlines()[0][:200]}"]
+    lines += ["", f"![throughput vs concurrency](benchmarks/results/load_{slug}_throughput.png)",
+              f"![latency percentiles vs concurrency](benchmarks/results/load_{slug}_latency.png)"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/compare.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what to serve")
+    g.add_argument("--model", default=None,
+                   help="HF GPT-2 checkpoint directory (default: write a random GPT-2 to a temp dir)")
+    g.add_argument("--model-size", choices=["small", "tiny"], default=None,
+                   help="random model when no --model: small = GPT2Config() 124M (default on CUDA), "
+                        "tiny = 2 layers x 64 (default on --device cpu)")
+    g.add_argument("--keep-model", action="store_true", help="keep the random checkpoint's temp dir")
+    g.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="configurations, in order (default: all)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu, passed to every server (default: cuda if available)")
+    g.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra arguments for `python -m server` (put last), e.g. --server-args --num-blocks 4096")
+    g.add_argument("--naive-max-batch", type=int, default=256, help="--max-batch of the naive server (default: %(default)s)")
+    g.add_argument("--naive-batch-wait-ms", type=float, default=5.0,
+                   help="--batch-wait-ms of the naive server: a short window lets clients that arrive together "
+                        "share a batch (default: %(default)s)")
+    g.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
+    g = p.add_argument_group("load (per concurrency level)")
+    g.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY,
+                   help="closed-loop client counts (default: %(default)s)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests per level (default: max(requests-factor x C, min-requests))")
+    g.add_argument("--requests-factor", type=int, default=2, help="default: %(default)s")
+    g.add_argument("--min-requests", type=int, default=32, help="default: %(default)s")
+    g.add_argument("--duration", type=float, default=15.0,
+                   help="per-level deadline in s: stop issuing then, cancel in-flight requests at +grace (default: %(default)s)")
+    g.add_argument("--grace", type=float, default=5.0, help="default: %(default)s")
+    g.add_argument("--warmup", type=int, default=16,
+                   help="uncounted requests sent to each server before its first level (default: %(default)s)")
+    g.add_argument("--client-processes", type=int, default=None,
+                   help="load-generator processes per level (default: one per 32 clients, at most 8 and CPUs - 2)")
+    g.add_argument("--timeout", type=float, default=300.0, help="per-request HTTP timeout in s (default: %(default)s)")
+    g.add_argument("--input-len", type=int, default=512, help="prompt tokens, mean (default: %(default)s)")
+    g.add_argument("--input-jitter", type=int, default=None, help="prompt length uniform in len +- jitter (default: len/4)")
+    g.add_argument("--output-len", type=int, default=256, help="output tokens, mean (default: %(default)s)")
+    g.add_argument("--output-jitter", type=int, default=None, help="output length uniform in len +- jitter (default: len/4)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", default=None,
+                   help="default: benchmarks/results; with --device cpu (a dry run) <tmp>/flashpage-load-dry-run, "
+                        "so that CPU numbers never land among the GPU results")
+    g.add_argument("--tag", default=None, help="file name part instead of the GPU slug (load_<tag>.json)")
+    g.add_argument("--log-dir", default=None, help="keep server logs here (default: temp dir, kept only on failure)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.out_dir is None:
+        dry = (args.device or "").startswith("cpu")
+        args.out_dir = (Path(tempfile.gettempdir()) / "flashpage-load-dry-run" if dry
+                        else REPO_ROOT / "benchmarks" / "results")
+    if args.input_jitter is None:
+        args.input_jitter = args.input_len // 4
+    if args.output_jitter is None:
+        args.output_jitter = args.output_len // 4
+    result = run_compare(args)
+    print(report(result))
+    bad = result["failures"] or any(r["errors"] for r in result["rows"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

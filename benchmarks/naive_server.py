@@ -1,0 +1,448 @@
+"""The naive baseline: a GPT-2 checkpoint behind FastAPI with `transformers` `generate`, static batches.
+
+    python benchmarks/naive_server.py --model PATH [--port 8001] [--max-batch 32] [--batch-wait-ms 0]
+
+This is how many people first put a model behind HTTP, and what the load test compares flashpage
+against. It speaks the same API as flashpage (server/api.py): `POST /generate` with `prompt` or
+`prompt_token_ids`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`,
+`stop_token_ids`, `ignore_eos`, `stream`; the same JSON answer `{id, text, token_ids,
+finish_reason, usage}`, the same SSE events (`{id, text, token_ids, finished: false}` per step,
+then `{..., finished: true, finish_reason, usage}`, then `data: [DONE]`), 422 for bodies that do
+not validate, 400 for prompts that do not fit the context, `GET /health`. It also answers
+`GET /info` with the vocab size and context length, which the load test reads.
+
+How it serves
+- The model is `transformers.GPT2LMHeadModel` with `attn_implementation="eager"`, fp16 on CUDA and
+  fp32 on CPU (`--dtype` overrides), Hugging Face's own KV cache.
+- Static batching: requests wait in a FIFO queue. When the model is idle, the batcher takes the
+  oldest waiting request and up to `--max-batch` - 1 more that share its sampling settings
+  (temperature, top_p, top_k; `generate` takes one set per call), optionally after waiting
+  `--batch-wait-ms` for the batch to fill. Prompts are left-padded to the longest, and
+  `generate` runs for the largest `max_tokens` in the batch; a request that arrives meanwhile waits
+  for the whole batch to finish (no continuous batching: that is the point of the baseline).
+- `generate` runs in one worker thread, so the event loop keeps accepting and streaming requests.
+- Streaming: a per-batch streamer (a `transformers` BaseStreamer fed one token per row per step)
+  hands each step's tokens to the requests' queues, so tokens stream as they are generated, one SSE
+  event per step, and a request finishes (its final event and `[DONE]`) as soon as it has its
+  `max_tokens`, hits EOS (unless ignore_eos) or a stop token/string, even though its batch runs on.
+  A custom stopping criterion marks such rows done; the batch ends when every row is done.
+- Each request's output is trimmed to its own limits: EOS and stop token ids are kept as the last
+  token (finish_reason "stop"), as flashpage does; stop strings cut the text.
+- `seed`: a batch is seeded with the seed of its first request that has one (per-request seeds are
+  not possible inside one `generate` call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("naive_server")
+_WINDOW = 6  # tokens of left context for incremental detokenization
+
+
+@dataclass
+class Pending:
+    """One request from arrival to its final output. `tokens` is filled on the event loop."""
+
+    id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stop_flag: bool = False  # set on the event loop (stop string, client gone); read by the worker
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    finish_reason: str | None = None
+    batch_size: int = 0
+
+    def sampling_key(self) -> tuple:
+        return (self.temperature > 0, self.temperature, self.top_p, self.top_k)
+
+
+_END = object()  # the batch finished; no more tokens for this request
+
+
+class _BatchStreamer:
+    """A transformers streamer for a whole batch. `generate` calls `put` with the prompt first,
+    then once per step with one new token per row ([batch] tensor). Runs on the worker thread;
+    tokens go to the event loop with call_soon_threadsafe. It also decides, row by row, when a
+    request has all its tokens (count, EOS, stop ids, or the loop's stop_flag)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch: list[Pending], eos_token_id: int | None) -> None:
+        self.loop, self.batch, self.eos = loop, batch, eos_token_id
+        self.counts = [0] * len(batch)
+        self.done = [False] * len(batch)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        toks = value.reshape(-1).tolist()
+        deliver = []
+        for i, (req, tok) in enumerate(zip(self.batch, toks)):
+            if self.done[i]:
+                continue
+            if req.stop_flag:
+                self.done[i] = True
+                continue
+            deliver.append((req, tok))
+            self.counts[i] += 1
+            if (self.counts[i] >= req.max_tokens or (not req.ignore_eos and tok == self.eos)
+                    or tok in req.stop_token_ids):
+                self.done[i] = True
+        if deliver:
+            self.loop.call_soon_threadsafe(_deliver, deliver)
+
+    def end(self) -> None:
+        pass
+
+
+def _deliver(items) -> None:
+    for req, tok in items:
+        req.queue.put_nowait(tok)
+
+
+class NaiveServer:
+    def __init__(self, model_path: str, device: str | None = None, dtype: str = "auto", max_batch: int = 32,
+                 batch_wait_ms: float = 0.0) -> None:
+        from transformers import AutoTokenizer, GenerationConfig, GPT2LMHeadModel
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        self.dtype = dtypes[dtype] if dtype != "auto" else (torch.float16 if self.device.type == "cuda" else torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = GPT2LMHeadModel.from_pretrained(model_path, attn_implementation="eager")
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.n_positions
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else cfg.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.eos_token_id if self.eos_token_id is not None else 0
+        # No eos in the model's generation config: `generate` fills unset options from it, and EOS is
+        # handled per row here (ignore_eos differs between requests of one batch).
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id, bos_token_id=cfg.bos_token_id)
+        self.model_name = model_path
+        self.max_batch, self.batch_wait = max_batch, batch_wait_ms / 1000.0
+        self.waiting: deque[Pending] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="naive-generate")
+        self.batches = 0
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self, ids: list[int], max_tokens: int) -> str | None:
+        if not ids:
+            return "the prompt is empty: give at least one token"
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if len(ids) + max_tokens > self.max_model_len:
+            return (f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
+                    f"exceeds the model's context of {self.max_model_len} tokens")
+        return None
+
+    # -- batching ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._executor.shutdown(wait=True)
+
+    def submit(self, req: Pending) -> None:
+        self.waiting.append(req)
+        self._wake.set()
+
+    def _take_batch(self) -> list[Pending]:
+        while self.waiting and self.waiting[0].stop_flag:  # client went away while waiting
+            self._finish_unserved(self.waiting.popleft())
+        if not self.waiting:
+            return []
+        key = self.waiting[0].sampling_key()
+        batch, rest = [], deque()
+        while self.waiting:
+            req = self.waiting.popleft()
+            if req.stop_flag:
+                self._finish_unserved(req)
+            elif len(batch) < self.max_batch and req.sampling_key() == key:
+                batch.append(req)
+            else:
+                rest.append(req)
+        self.waiting = rest
+        return batch
+
+    @staticmethod
+    def _finish_unserved(req: Pending) -> None:
+        req.queue.put_nowait(_END)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            if self.batch_wait > 0 and len(self.waiting) < self.max_batch:
+                await asyncio.sleep(self.batch_wait)
+            batch = self._take_batch()
+            if not batch:
+                continue
+            self.batches += 1
+            for req in batch:
+                req.batch_size = len(batch)
+            try:
+                await loop.run_in_executor(self._executor, self._generate, loop, batch)
+            except Exception as e:  # a failed batch fails its requests, not the server
+                log.exception("generate failed for a batch of %d", len(batch))
+                for req in batch:
+                    req.queue.put_nowait(e)
+                continue
+            for req in batch:
+                req.queue.put_nowait(_END)
+
+    def _generate(self, loop: asyncio.AbstractEventLoop, batch: list[Pending]) -> None:
+        """Worker thread: one left-padded `generate` call for the whole batch."""
+        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, longest - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+            mask[i, longest - n:] = 1
+        first = batch[0]
+        sample = first.temperature > 0
+        gen = GenerationConfig(max_new_tokens=max(r.max_tokens for r in batch), min_new_tokens=0, do_sample=sample,
+                               pad_token_id=self.pad_token_id, bos_token_id=self.model.config.bos_token_id,
+                               **({"temperature": first.temperature, "top_p": first.top_p, "top_k": first.top_k}
+                                  if sample else {}))
+        streamer = _BatchStreamer(loop, batch, self.eos_token_id)
+
+        class RowsDone(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.tensor([d or r.stop_flag for d, r in zip(streamer.done, batch)], dtype=torch.bool,
+                                    device=input_ids.device)
+
+        seed = next((r.seed for r in batch if r.seed is not None), None)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                generation_config=gen, streamer=streamer,
+                                stopping_criteria=StoppingCriteriaList([RowsDone()]))
+
+    # -- per-request output (event loop) -------------------------------------------------------
+    def _detokenize(self, req: Pending, final: bool) -> str:
+        """Same incremental scheme as flashpage (server/detokenize.py): hold back partial characters."""
+        ids = req.token_ids
+        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        new = full[len(prefix):]
+        req.read_offset = len(ids)
+        req.prefix_offset = max(0, req.read_offset - _WINDOW)
+        req.text += new
+        return new
+
+    def _accept(self, req: Pending, tok: int) -> tuple[list[int], str]:
+        """Append one token; returns ([tok], new text) and sets req.finish_reason when it is the last."""
+        req.token_ids.append(tok)
+        reason = None
+        if (not req.ignore_eos and tok == self.eos_token_id) or tok in req.stop_token_ids:
+            reason = "stop"
+        elif len(req.token_ids) >= req.max_tokens:
+            reason = "length"
+        new = self._detokenize(req, final=reason is not None)
+        if req.stop and new:
+            best = None
+            for s in req.stop:
+                i = req.text.find(s, max(0, len(req.text) - len(new) - len(s) + 1))
+                if i != -1 and (best is None or i < best):
+                    best = i
+            if best is not None:
+                emitted = len(req.text) - len(new)
+                req.text = req.text[:best]
+                new = req.text[emitted:] if best > emitted else ""
+                reason = "stop"
+        if reason is not None:
+            req.finish_reason = reason
+            req.stop_flag = True  # tell the streamer this row is done
+        return [tok], new
+
+    async def outputs(self, req: Pending):
+        """Yield (token_ids, text) per step until the request is finished."""
+        while req.finish_reason is None:
+            item = await req.queue.get()
+            items = [item]
+            while not req.queue.empty():  # everything that has arrived: one event per step normally
+                items.append(req.queue.get_nowait())
+            toks, text = [], ""
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _END:
+                    req.finish_reason = req.finish_reason or "length"
+                    break
+                if req.finish_reason is None:
+                    t, s = self._accept(req, item)
+                    toks += t
+                    text += s
+            if toks:
+                yield toks, text
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
+        return self
+
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def create_app(server: NaiveServer) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        server.start()
+        yield
+        await server.stop()
+
+    app = FastAPI(title="naive transformers baseline", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info():
+        return {"model": server.model_name, "vocab_size": server.vocab_size, "max_model_len": server.max_model_len,
+                "max_batch": server.max_batch, "device": str(server.device), "dtype": str(server.dtype).removeprefix("torch."),
+                "batches": server.batches, "waiting": len(server.waiting)}
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-ID": rid}
+        ids = body.prompt_token_ids if body.prompt_token_ids is not None else server.tokenizer.encode(body.prompt)
+        problem = server.validate(ids, body.max_tokens)
+        if problem:
+            return _error(400, problem, headers=headers)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        req = Pending(rid, list(ids), body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed,
+                      [s for s in stop if s], list(body.stop_token_ids or []), body.ignore_eos)
+        server.submit(req)
+        if body.stream:
+            return StreamingResponse(_sse(server, req), media_type="text/event-stream", headers=headers)
+        try:
+            async for _ in server.outputs(req):
+                pass
+        finally:
+            req.stop_flag = True
+        headers["X-Batch-Size"] = str(req.batch_size)
+        return JSONResponse({"id": rid, "text": req.text, "token_ids": req.token_ids,
+                             "finish_reason": req.finish_reason,
+                             "usage": _usage(len(req.prompt_token_ids), len(req.token_ids))}, headers=headers)
+
+    return app
+
+
+async def _sse(server: NaiveServer, req: Pending):
+    try:
+        async for toks, text in server.outputs(req):
+            event = {"id": req.id, "text": text, "token_ids": toks, "finished": False}
+            yield f"data: {json.dumps(event)}\n\n"
+    finally:
+        req.stop_flag = True  # finished, or the client went away: its row stops counting
+    final = {"id": req.id, "text": "", "token_ids": [], "finished": True, "finish_reason": req.finish_reason,
+             "usage": _usage(len(req.prompt_token_ids), len(req.token_ids))}
+    yield f"data: {json.dumps(final)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/naive_server.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face GPT-2 checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    p.add_argument("--port", type=int, default=8001, help="default: %(default)s")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto (default) = float16 on CUDA, float32 on CPU")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests in one generate call (default: %(default)s)")
+    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="after a request arrives at an idle server, wait this long for the batch to fill "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    t = time.monotonic()
+    server = NaiveServer(args.model, args.device, args.dtype, args.max_batch, args.batch_wait_ms)
+    log.info("loaded %s on %s (%s) in %.1f s; max batch %d", args.model, server.device, server.dtype,
+             time.monotonic() - t, args.max_batch)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""benchmarks/load_test.py against a real flashpage server on loopback (tiny random checkpoint), a
+dead port, and a scripted SSE stream (httpx.MockTransport) whose timing is known; plus the plots,
+compare.report and compare.py's CPU dry run."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from benchmarks.common import REPO_ROOT, ServerProcess, free_port
+from benchmarks.load_test import plot, run_load
+
+VOCAB = 512  # tests/conftest.py make_checkpoint's default; n_positions 256
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "--model", str(tiny_ckpt), "--port", str(port), "--device", "cpu",
+           "--num-blocks", "128", "--log-level", "warning"]
+    srv = ServerProcess(cmd, port, tmp_path_factory.mktemp("fp-log") / "server.log")
+    srv.wait_healthy(120)
+    yield srv.url
+    srv.stop()
+
+
+def test_counts_and_latencies_closed_loop(server):
+    row = run_load(server, concurrency=3, num_requests=7, warmup=2, input_len=20, input_jitter=5, output_len=10,
+                   output_jitter=3, vocab_size=VOCAB, seed=3, progress=False, keep_requests=True)
+    reqs = row["requests"]
+    assert row["mode"] == "closed" and row["concurrency"] == 3 and row["warmup_errors"] == 0
+    assert row["num_requests"] == row["completed"] == len(reqs) == 7
+    assert row["errors"] == row["cancelled"] == row["usage_mismatches"] == row["length_mismatches"] == 0
+    for r in reqs:
+        assert r["ok"] and r["status"] == 200 and r["finish_reason"] == "length"
+        assert 15 <= r["input_len"] <= 25 and r["prompt_tokens"] == r["input_len"]  # server's count of the prompt
+        assert 7 <= r["max_tokens"] <= 13
+        assert r["n_out"] == r["max_tokens"] == r["usage_completion_tokens"]  # ignore_eos: forced length
+        assert len(r["itl"]) == r["n_out"] - 1  # one value per token after the first
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-6
+        assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["n_out"] - 1))
+    assert sorted(r["index"] for r in reqs) == list(range(7))
+    total = sum(r["max_tokens"] for r in reqs)
+    assert row["output_tokens"] == row["output_tokens_received"] == total
+    assert row["input_tokens"] == sum(r["input_len"] for r in reqs)
+    assert row["output_tokens_per_s"] == pytest.approx(total / row["duration_s"])
+    assert row["requests_per_s"] == pytest.approx(7 / row["duration_s"])
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        assert 0 <= row[f"{m}_p50_ms"] <= row[f"{m}_p90_ms"] <= row[f"{m}_p99_ms"]
+        assert row[f"{m}_mean_ms"] > 0
+    assert row["e2e_p50_ms"] >= row["ttft_p50_ms"]
+
+
+def test_client_processes_share_the_load(server):
+    row = run_load(server, concurrency=4, num_requests=6, workers=2, input_len=10, input_jitter=2, output_len=6,
+                   vocab_size=VOCAB, progress=False, keep_requests=True)
+    assert row["client_processes"] == 2 and row["completed"] == 6 and row["errors"] == 0
+    assert sorted(r["index"] for r in row["requests"]) == list(range(6))
+    assert row["output_tokens"] == sum(r["max_tokens"] for r in row["requests"]) == 36
+    assert row["usage_mismatches"] == row["length_mismatches"] == 0 and row["client_cpu_util"] > 0
+
+
+def test_poisson_open_loop(server):
+    t = time.monotonic()
+    row = run_load(server, request_rate=40.0, num_requests=6, input_len=12, output_len=5, vocab_size=VOCAB,
+                   progress=False)
+    assert row["mode"] == "poisson" and row["request_rate"] == 40.0 and row["concurrency"] is None
+    assert row["completed"] == 6 and row["errors"] == 0 and row["output_tokens"] == 30
+    assert time.monotonic() - t < 30
+
+
+def test_too_long_prompts_are_400s_counted(server):
+    row = run_load(server, concurrency=2, num_requests=5, input_len=300, output_len=10, vocab_size=VOCAB,
+                   progress=False)
+    assert row["completed"] == 0 and row["errors"] == 5
+    assert row["errors_by_status"] == {"400": 5} and row["errors_by_exception"] == {}
+    assert "256" in row["error_examples"][0]  # the server's message, kept for the report
+    assert row["output_tokens_per_s"] == 0 and row["ttft_p50_ms"] is None
+
+
+def test_dead_port_is_transport_errors():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    row = run_load(url, concurrency=2, num_requests=4, input_len=8, output_len=4, vocab_size=VOCAB,
+                   progress=False, timeout=5)
+    assert row["errors"] == 4 and row["errors_by_exception"] == {"ConnectError": 4} and row["errors_by_status"] == {}
+    assert row["completed"] == 0
+
+
+def test_vocab_size_needed_when_server_does_not_tell(server):
+    with pytest.raises(ValueError, match="vocab"):
+        run_load(server, concurrency=1, num_requests=1, input_len=8, output_len=4, progress=False)
+
+
+def test_prompts_file_text_prompts(server, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("The quick brown fox\n\nReturn a new list\nof the items\n")
+    row = run_load(server, concurrency=2, num_requests=4, output_len=6, prompts_file=str(f),
+                   prompts_split="paragraph", progress=False, keep_requests=True)
+    assert row["completed"] == 4 and row["output_tokens"] == 24
+    assert all(r["prompt_tokens"] > 0 and r["input_len"] is None for r in row["requests"])
+
+
+# ---------------------------------------------------------------- scripted streams (known timing)
+def scripted(events_of_tokens: list[tuple[float, int]], usage_tokens=None, done=True):
+    """MockTransport whose SSE stream sends, after each delay, one event carrying k tokens."""
+
+    async def handler(request):
+        body = json.loads(request.content)
+
+        async def stream():
+            n = 0
+            for delay, k in events_of_tokens:
+                await asyncio.sleep(delay)
+                yield f"data: {json.dumps({'id': 'x', 'text': 'a' * k, 'token_ids': [7] * k, 'finished': False})}\n\n".encode()
+                n += k
+            final = {"id": "x", "text": "", "token_ids": [], "finished": True, "finish_reason": "length",
+                     "usage": {"prompt_tokens": len(body["prompt_token_ids"]),
+                               "completion_tokens": n if usage_tokens is None else usage_tokens}}
+            yield f"data: {json.dumps(final)}\n\n".encode()
+            if done:
+                yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_itl_counts_multi_token_events_as_one_gap_then_zeros():
+    t = scripted([(0.05, 1), (0.10, 3), (0.05, 1)])
+    row = run_load("http://mock", concurrency=1, num_requests=1, input_len=4, output_len=5, vocab_size=VOCAB,
+                   progress=False, keep_requests=True, transport=t)
+    (r,) = row["requests"]
+    assert r["ok"] and r["n_out"] == 5 and row["usage_mismatches"] == 0
+    assert r["ttft"] == pytest.approx(0.05, abs=0.03)
+    assert r["itl"][1:3] == [0.0, 0.0] and len(r["itl"]) == 4
+    assert r["itl"][0] == pytest.approx(0.10, abs=0.03) and r["itl"][3] == pytest.approx(0.05, abs=0.03)
+    assert r["tpot"] == pytest.approx(0.15 / 4, abs=0.01)
+
+
+def test_usage_mismatch_and_incomplete_stream_are_reported():
+    row = run_load("http://mock", concurrency=1, num_requests=2, input_len=4, output_len=2, vocab_size=VOCAB,
+                   progress=False, transport=scripted([(0, 1), (0, 1)], usage_tokens=3))
+    assert row["completed"] == 2 and row["usage_mismatches"] == 2
+    assert row["usage_mismatch_examples"][0] == {"index": 0, "stream": 2, "usage": 3}
+    row = run_load("http://mock", concurrency=1, num_requests=2, input_len=4, output_len=2, vocab_size=VOCAB,
+                   progress=False, transport=scripted([(0, 1), (0, 1)], done=False))
+    assert row["completed"] == 0 and row["errors_by_exception"] == {"IncompleteStream": 2}
+
+
+@pytest.mark.parametrize("mode", [{"concurrency": 2}, {"request_rate": 20.0}])
+def test_duration_stops_issuing_and_cancels_in_flight(mode):
+    slow = scripted([(0.1, 1)] * 30)  # 3 s per request
+    t = time.monotonic()
+    row = run_load("http://mock", **mode, duration=0.5, grace=0.3, input_len=4, output_len=30, vocab_size=VOCAB,
+                   progress=False, keep_requests=True, transport=slow)
+    wall = time.monotonic() - t
+    assert wall < 1.5  # deadline 0.5 s + grace 0.3 s, not 3 s
+    assert row["completed"] == 0 and row["errors"] == 0 and row["cancelled"] == row["num_requests"] >= 2
+    assert all(r["start"] - min(x["start"] for x in row["requests"]) < 0.5 for r in row["requests"])
+    assert 0.7 < row["duration_s"] < 1.2 and row["output_tokens_received"] > 0 and row["output_tokens"] == 0
+    assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens_received"] / row["duration_s"])
+    if "concurrency" in mode:
+        assert row["num_requests"] == 2  # each client's first request is still running at the deadline
+
+
+def test_num_requests_bound_with_fast_stream():
+    row = run_load("http://mock", concurrency=4, num_requests=10, input_len=4, output_len=2, vocab_size=VOCAB,
+                   progress=False, transport=scripted([(0, 1), (0, 1)]))
+    assert row["num_requests"] == row["completed"] == 10 and row["output_tokens"] == 20
+
+
+# ---------------------------------------------------------------- plots, report, compare.py
+def fake_rows():
+    rows = []
+    for impl, speed in (("triton", 4.0), ("eager", 2.0), ("naive_hf", 1.0)):
+        for c in (1, 8, 64):
+            rows.append({"impl": impl, "concurrency": c, "output_tokens_per_s": 100 * speed * c ** 0.5,
+                         "requests_per_s": speed * c ** 0.5, "errors": 0, "cancelled": 0,
+                         **{f"{m}_{s}_ms": (10 + c) / speed * (3 if s == "p99" else 1)
+                            for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")}})
+    return rows
+
+
+def test_plot_and_report(tmp_path):
+    from benchmarks.compare import report
+
+    result = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-22",
+              "command": "python benchmarks/compare.py", "rows": fake_rows()}
+    path = tmp_path / "load_h100.json"
+    path.write_text(json.dumps(result))
+    paths = plot([str(path)], tmp_path / "load_h100")
+    assert [p.rsplit("_", 1)[1] for p in paths] == ["throughput.png", "latency.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    md = report(result)
+    assert "| triton | 64 | 3,200 |" in md and "| naive_hf | 1 | 100 |" in md
+    assert "| 8 | 2.00× | 4.00× |" in md  # triton/eager, triton/naive_hf at concurrency 8
+    assert "benchmarks/results/load_h100_throughput.png" in md and "load_h100_latency.png" in md
+
+
+def test_load_test_cli_writes_json_and_plots(server, tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "load_test.py"), "--url", server,
+                        "--concurrency", "1", "2", "--num-requests", "2", "--input-len", "8", "--output-len", "3",
+                        "--vocab-size", str(VOCAB), "--out", str(out), "--plot", str(tmp_path / "p"),
+                        "--no-progress", "--label", "fp"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["concurrency"], r["completed"]) for r in rows] == [("fp", 1, 2), ("fp", 2, 2)]
+    assert (tmp_path / "p_throughput.png").exists() and (tmp_path / "p_latency.png").exists()
+
+
+def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
+    # triton (Triton interpreter, bf16) and the naive server: the two paths that differ from a plain
+    # `python -m server`; sdpa/eager differ from triton only in the --attention flag.
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--model", str(tiny_ckpt),
+           "--impls", "triton", "naive_hf", "--concurrency", "1", "2", "--num-requests", "2",
+           "--input-len", "16", "--output-len", "4", "--warmup", "1", "--out-dir", str(tmp_path), "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads((tmp_path / "load_cpu.json").read_text())
+    assert result["device"] == "cpu" and result["failures"] == [] and "torch" in result and "date" in result
+    got = {(r["impl"], r["concurrency"]): r for r in result["rows"]}
+    assert set(got) == {(i, c) for i in ("triton", "naive_hf") for c in (1, 2)}
+    for r in got.values():
+        assert r["completed"] == 2 and r["errors"] == 0 and r["usage_mismatches"] == 0
+        assert r["output_tokens"] == r["output_tokens_received"] and r["output_tokens_per_s"] > 0
+        assert r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] is not None and r["itl_p99_ms"] is not None
+    assert (tmp_path / "load_cpu_throughput.png").exists() and (tmp_path / "load_cpu_latency.png").exists()
+    assert "| triton | 2 |" in p.stdout and "triton / naive_hf" in p.stdout  # report() printed
