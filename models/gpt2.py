@@ -8,7 +8,10 @@ attends to is in the `AttentionMetadata`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
@@ -35,13 +38,21 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.reshape(n, -1))
 
 
+def _activation(name: str):
+    # transformers' "gelu_new" is GELU-tanh spelled out in eight elementwise ops, i.e. eight kernel
+    # launches per layer per step; torch's fused tanh-approximate GELU computes the same function.
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return partial(F.gelu, approximate="tanh")
+    return ACT2FN[name]
+
+
 class GPT2MLP(nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.c_proj = nn.Linear(inner, config.n_embd)
-        self.act = ACT2FN[config.activation_function]
+        self.act = _activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

@@ -42,7 +42,7 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()
         self.dev = torch.zeros_like(self.host, device=device)
         self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
-                                   buf[4 * b :].view(b, max_blocks))
+                                   buf[4 * b :].reshape(b, max_blocks))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, n: int) -> torch.Tensor:

@@ -65,6 +65,33 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run each kind of eager step once (prefill with and without a cached prefix, decode over
+        page tables of several widths) so that Triton compiles its kernel variants at start-up,
+        not in the middle of serving. Nothing is written to the cache (slots are -1)."""
+        bs, blocks = self.block_size, self.kv_caches[0][0].shape[0] - 1
+        for plen, new in ((0, 64), (bs + 3, 21)):
+            nb = -(-(plen + new) // bs)
+            if nb > min(blocks, self.max_blocks):
+                continue
+            ids, pos, slots, cu, prefix, bt = self.packer.pack(
+                [np.zeros(new), np.arange(plen, plen + new), np.full(new, -1), [0, new], [plen], np.arange(nb)[None]])
+            meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=new, cu_seqlens=cu, max_seqlen=new,
+                                     prefix_lens=prefix, prefill_block_tables=bt, has_prefix=plen > 0,
+                                     cu_seqlens_host=[0, new], prefix_lens_host=[plen])
+            self.model(ids, pos, self.kv_caches, meta)
+        for nb in sorted({1, 2, 4, 8, self.max_blocks}):
+            if nb > blocks:
+                continue
+            for n in (1, self.max_num_seqs):
+                ids, pos, slots, ctx, bt = self.packer.pack(
+                    [np.zeros(n), np.full(n, nb * bs - 1), np.full(n, -1), np.full(n, nb * bs), np.tile(np.arange(nb), (n, 1))])
+                meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=0, context_lens=ctx, decode_block_tables=bt)
+                self.model(ids, pos, self.kv_caches, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def capture_graphs(self) -> None:
         from server.cuda_graphs import DecodeGraphs
 
@@ -79,13 +106,20 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         items = batch.scheduled
         ids, pos, slots, ends = [], [], [], []
+        bs = self.block_size
         offset = 0
         for item in items:
-            seq, lo, hi = item.seq, item.start, item.start + item.num_tokens
-            ids.append(seq.token_ids[lo:hi])
-            pos.append(np.arange(lo, hi))
-            slots.append(self._slots(seq.blocks.block_table, lo, hi))
-            offset += item.num_tokens
+            seq, lo, n = item.seq, item.start, item.num_tokens
+            table = seq.blocks.block_table
+            if n == 1:  # decode: plain ints, numpy calls cost more than they save here
+                ids.append(seq.token_ids[lo : lo + 1])
+                pos.append((lo,))
+                slots.append((table[lo // bs] * bs + lo % bs,))
+            else:
+                ids.append(seq.token_ids[lo : lo + n])
+                pos.append(np.arange(lo, lo + n))
+                slots.append(self._slots(table, lo, lo + n))
+            offset += n
             if item.samples:
                 ends.append(offset - 1)
         arrays = [np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), ends]

@@ -80,7 +80,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -90,18 +89,16 @@ class Scheduler:
                 i += 1
                 continue
             # Make room for this chunk's KV, preempting the newest others if the cache is full.
-            while not self.bm.can_append(seq.blocks, seq.num_computed + n):
-                victim = self.running[-1]
-                if victim is seq:
+            extra = self.bm.blocks_for(seq.num_computed + n) - len(seq.blocks.block_table)
+            if extra > 0:
+                while self.bm.num_free_blocks < extra and self.running[-1] is not seq:
+                    self._preempt(self.running[-1], out)
+                if self.bm.num_free_blocks < extra:
+                    self._preempt(seq, out)
                     break
-                self._preempt(victim, out)
-            if not self.bm.can_append(seq.blocks, seq.num_computed + n):
-                self._preempt(seq, out)
-                break
-            self.bm.append_slot(seq.blocks, seq.num_computed + n)
+                self.bm.append_slot(seq.blocks, seq.num_computed + n)
             item = ScheduledSeq(seq, seq.num_computed, n)
             (out.decodes if item.is_decode else out.prefills).append(item)
-            scheduled.add(seq.request_id)
             budget -= n
             i += 1
 

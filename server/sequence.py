@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcache import SeqBlocks
 from server.sampling import SamplingParams
@@ -32,18 +33,25 @@ class Sequence:
     num_preemptions: int = 0
     # Incremental detokenization state (server/detokenize.py).
     text: str = ""
+    emitted: int = 0  # characters of `text` already sent to the client
+    utf8: Any = None  # incremental UTF-8 decoder (byte-level tokenizers)
     prefix_offset: int = 0
     read_offset: int = 0
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    token_ids: list[int] = field(init=False)  # prompt + output, kept as one list: read every step
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    def append_token(self, tok: int) -> None:
+        self.output_token_ids.append(tok)
+        self.token_ids.append(tok)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:

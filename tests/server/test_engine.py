@@ -157,3 +157,20 @@ def test_requests_that_do_not_fit_are_refused(tiny_ckpt):
     with pytest.raises(RequestError, match="empty"):
         eng.add_request("d", [], SamplingParams())
     assert not eng.has_unfinished() and eng.block_manager.check_all_free()
+
+
+def test_streamed_text_never_contains_a_cut_stop_string(tiny_ckpt):
+    eng = _engine(tiny_ckpt)
+    full = eng.generate([[5, 6, 7]], GREEDY)[0].text
+    # A stop string spanning a token boundary: its first character arrives a step before the rest.
+    for i in range(1, len(full) - 1):
+        stop = full[i : i + 2]
+        rid = f"s{i}"
+        eng.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
+        pieces, final = [], None
+        while final is None:
+            for out in eng.step():
+                pieces.append(out.new_text)
+                if out.finished:
+                    final = out
+        assert "".join(pieces) == final.text == full[: full.index(stop)]
