@@ -1,0 +1,465 @@
+"""Paged decode attention: one query token per sequence, K/V read through a block table.
+
+Contract (semantics = ``kernels.reference.paged_decode_ref``):
+  q             [num_seqs, num_heads, head_dim]           fp16 / bf16 (last dim contiguous)
+  k_cache,
+  v_cache       [num_blocks, block_size, num_kv_heads, head_dim], q's dtype (last dim contiguous);
+                block_size a power of two (8..256). Slots no sequence owns may hold NaN.
+  block_tables  [num_seqs, max_blocks_per_seq] int32; token i of sequence s lives at
+                block_tables[s, i // block_size], offset i % block_size.
+  context_lens  [num_seqs] int32: tokens to attend to, this step's token included (>= 1; a 0 gives
+                an all-zero output row, so padded rows of a captured graph stay finite).
+  out           [num_seqs, num_heads, head_dim] in q's dtype (allocated when not given).
+  num_kv_heads divides num_heads; query head h reads kv head h // (num_heads // num_kv_heads).
+
+What it masks: every token index >= context_len. K/V loads there use other=0 *and* their scores are
+set to -inf, because unwritten cache may hold NaN and 0 * NaN = NaN. Block-table entries past a
+sequence's last block are never loaded. Cache offsets are computed in int64.
+
+Work split ("flash decoding"): grid = (num_seqs, num_kv_heads, num_splits). One program serves all
+query heads of one kv head, so K/V are read from memory once per kv head. When there are too few
+(sequence, kv head) pairs to fill the GPU, the context is cut into num_splits ranges; each program
+writes a normalised partial output and its log-sum-exp (base 2), and the partials are merged by
+log-sum-exp: by default inside the same launch, by the last split of each (sequence, kv head) to
+finish (an arrival counter, reset by that program); FLASHPAGE_DECODE_MERGE=launch uses a second
+kernel instead. num_splits is chosen from shapes only (no host sync; safe under CUDA-graph capture
+while context_lens change between replays): each split's token range is computed in-kernel from the
+actual context_len, and a split left with no tokens writes lse = -inf and a zero partial.
+With num_splits == 1 the one launch writes ``out`` directly.
+The counters live in one int32 buffer per (device, stream); launches that share a buffer must not
+run concurrently (e.g. one captured graph replayed on two streams at once).
+Host side: after the first call for a given set of shapes/strides/dtypes, later calls relaunch the
+compiled kernels directly (see ``_PLANS``), since Triton's dispatch can cost more than the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+# Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
+_NEG_BIG = tl.constexpr(-1.0e30)
+MAX_SPLITS = 64  # also bounds the fused merge's [splits, d] tile (registers)
+
+
+@triton.jit
+def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
+               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, HEAD_DIM_PAD] of tokens `tok` on pages `page` (0 where not valid)."""
+    page = page.to(tl.int64)  # int64: num_blocks * block stride can pass 2**31
+    slot_k = page * stride_kb + (tok % BLOCK_SIZE) * stride_kt
+    slot_v = page * stride_vb + (tok % BLOCK_SIZE) * stride_vt
+    mask = valid[:, None] & d_ok[None, :]
+    k = tl.load(k_base + slot_k[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_base + slot_v[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
+    scale_log2, num_splits,
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bts, stride_os, stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # This split's tile range, from the real context length (shapes fix only the split count).
+    ctx = tl.load(ctx_ptr + seq)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    lim = tl.minimum(ctx, t_end * BLOCK_N)  # this split's tokens are [t_start*BLOCK_N, lim)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_g = tl.arange(0, GROUP_PAD)
+    d_ok = offs_d < HEAD_DIM
+    g_ok = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # the query heads this program serves
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+
+    if LANES:
+        # One query row (GROUP_PAD == 1): no tensor-core shape fits, so dot products are
+        # elementwise products + row sums. Each of the BLOCK_N lanes keeps its own running max,
+        # sum and accumulator (lane j sees tokens j, j+BLOCK_N, ...), so the loop needs no
+        # cross-warp reduction; the lanes are merged once after it.
+        qv = tl.sum(q.to(tl.float32), axis=0) * scale_log2  # fold scale and log2(e) in once
+        m = tl.full([BLOCK_N], _NEG_BIG, tl.float32)
+        l = tl.zeros([BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    else:
+        # GQA: the query heads of this kv head are the rows of a tensor-core tile (padded to 16),
+        # so each K/V tile is read once for all of them.
+        m = tl.full([GROUP_PAD], _NEG_BIG, tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    # PREFETCH 2: the next tile's K/V and the page ids of the one after are loaded one iteration
+    # ahead (register double buffering), so loads are in flight while a tile is computed.
+    tok0 = t_start * BLOCK_N + offs_n
+    if PREFETCH == 2:
+        ok0 = tok0 < lim
+        page0 = tl.load(bt_row + tok0 // BLOCK_SIZE, mask=ok0, other=0)
+        k_n, v_n = _load_tile(k_base, v_base, page0, tok0, ok0, offs_d, d_ok,
+                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        tok1 = tok0 + BLOCK_N
+        page_n = tl.load(bt_row + tok1 // BLOCK_SIZE, mask=tok1 < lim, other=0)
+
+    for t in range(t_start, t_end):
+        tok = t * BLOCK_N + offs_n
+        valid = tok < ctx
+        if PREFETCH == 2:
+            k, v = k_n, v_n
+            tok1 = tok + BLOCK_N
+            ok1 = tok1 < lim
+            k_n, v_n = _load_tile(k_base, v_base, page_n, tok1, ok1, offs_d, d_ok,
+                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            tok2 = tok + 2 * BLOCK_N
+            page_n = tl.load(bt_row + tok2 // BLOCK_SIZE, mask=tok2 < lim, other=0)
+        else:
+            page = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
+            k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
+                              stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        if LANES:
+            s = tl.sum(k.to(tl.float32) * qv[None, :], axis=1)
+            s = tl.where(valid, s, float("-inf"))  # masked K loaded as 0, and NaN must not leak
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new)
+            l = l * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+            m = m_new
+        else:
+            if DOT_F32:  # interpreter: its bf16 tl.dot is wrong (triton 3.9); fp32 is exact here
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if DOT_F32:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+
+    if LANES:  # merge the lanes: [GROUP_PAD=1] row state
+        m_all = tl.max(m, axis=0)
+        w = tl.exp2(m - m_all)
+        l_row = tl.zeros([GROUP_PAD], tl.float32) + tl.sum(l * w, axis=0)
+        m_row = tl.zeros([GROUP_PAD], tl.float32) + m_all
+        acc_row = tl.sum(acc * w[:, None], axis=0)[None, :]
+    else:
+        l_row, m_row, acc_row = l, m, acc
+    # A split with no tokens has l == 0: it writes a zero partial and lse = -inf.
+    l_safe = tl.where(l_row > 0, l_row, 1.0)
+    o = acc_row / l_safe[:, None]
+    lse = tl.where(l_row > 0, m_row + tl.log2(l_safe), float("-inf"))
+    st_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        prow = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=st_mask)
+        tl.store(plse_ptr + prow, lse, mask=g_ok)
+        if FUSED_MERGE:
+            # The last split of this (sequence, kv head) to finish merges them all, saving a second
+            # launch. Barrier: every thread's partial stores precede the counter's release; the
+            # acquire makes the other splits' partials visible; .cg loads skip the (incoherent) L1.
+            tl.debug_barrier()
+            pair = seq * tl.num_programs(1) + kvh
+            done = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                for g in tl.static_range(GROUP):
+                    head = kvh * GROUP + g
+                    _merge_row(po_ptr, plse_ptr, (seq.to(tl.int64) * num_heads + head) * num_splits, num_splits,
+                               out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh,
+                               HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, ".cg")
+                tl.store(cnt_ptr + pair, 0)  # reset for the next launch (self-cleaning counters)
+    else:
+        orow = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh
+        tl.store(orow + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _merge_row(po_ptr, plse_ptr, row0, num_splits, orow_ptr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CACHE: tl.constexpr):
+    """out[row] = log-sum-exp weighted mean of the num_splits partials starting at partial row0."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    prow = row0 + offs_s
+    lse = tl.load(plse_ptr + prow, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (context_len 0): weights all 0
+    w = tl.exp2(lse - m)
+    o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
+    o = tl.where(w[:, None] > 0, o, 0.0)  # an empty split's partial never contributes
+    den = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(orow_ptr + offs_d, res.to(orow_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    po_ptr, plse_ptr, out_ptr, num_splits, num_heads, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)  # seq * num_heads + head
+    seq = pid // num_heads
+    head = pid % num_heads
+    _merge_row(po_ptr, plse_ptr, pid.to(tl.int64) * num_splits, num_splits,
+               out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, "")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return 4  # the interpreter runs programs one by one: keep grids small
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_count(pairs: int, max_ctx: int, block_n: int, slots: int, min_tiles: int = 4) -> int:
+    """Splits per (sequence, kv head): as many as keep all programs resident in one wave on the GPU
+    (``slots`` programs fit at once; rounding down, since a small second wave costs a whole
+    program's time), with at least ``min_tiles`` tiles of the longest possible context (the
+    block-table width) per split."""
+    max_tiles = max(1, -(-max_ctx // block_n))
+    return max(1, min(slots // pairs, max_tiles // min_tiles, MAX_SPLITS))
+
+
+def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int) -> dict:
+    """Tile / warps / stages / split count, from shapes only (never from tensor values)."""
+    pairs = num_seqs * num_kv_heads
+    if _INTERPRET:  # one fixed small config; programs run one by one, so few splits
+        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1, "PREFETCH": 2,
+                "num_splits": split_count(pairs, max_ctx, 32, 4 * sm_count, min_tiles=1)}
+    if group == 1:
+        # Tuned on H100 (benchmarks/results/decode_sweep_h100.txt): the lane-wise path with 32-token
+        # tiles and K/V loaded one tile ahead was within noise of the best config at every large
+        # shape. It takes 64-72 registers a thread (Triton 3.6); counting 6 programs of 4 warps
+        # per SM keeps every split program in one wave (the sweep's best split counts).
+        cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": 2}
+        per_sm = 6
+        if max_ctx <= 128 and pairs <= 4 * sm_count:
+            # few short sequences: latency-bound, so one tile per program (fewest round trips)
+            cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
+    else:  # tensor-core path; Triton pipelines its loads with cp.async (3 stages of shared memory)
+        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PREFETCH": 0}
+        per_sm = 4
+    cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], per_sm * sm_count)
+    return cfg
+
+
+class _Plan:
+    """What a later call with the same key needs to relaunch the compiled kernels directly."""
+
+    __slots__ = ("stream", "dec", "grid", "tail", "split", "mer", "m_grid", "m_tail", "lse_off", "scratch", "pairs")
+
+    def __init__(self) -> None:
+        self.stream = driver.active.get_current_stream
+        self.mer = None
+
+
+# Split-arrival counters for the fused merge, one int32 per (sequence, kv head), zero between
+# launches (the last split resets its counter). One buffer per (device, stream), so launches on
+# different streams never share counters; launches on one stream are ordered.
+_COUNTERS: dict = {}
+
+
+_RETIRED: list = []  # outgrown buffers stay alive: a captured graph may still point at one
+
+
+def _counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1 << 16), device=device, dtype=torch.int32)
+        _COUNTERS[key] = buf
+    return buf
+
+
+# Merge the split partials inside the decode kernel (last split to finish) instead of a second
+# launch; FLASHPAGE_DECODE_MERGE=launch selects the separate merge kernel.
+_FUSED_MERGE = os.environ.get("FLASHPAGE_DECODE_MERGE", "fused") != "launch"
+
+
+def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg: dict, plan: _Plan | None = None):
+    """Launch through Triton's normal dispatch (compiling on first use); fill ``plan`` if given."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_splits = int(cfg["num_splits"])
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    lanes = group == 1 and not cfg.get("DOT", False)
+    group_pad = 1 if lanes else max(16, triton.next_power_of_2(group))
+    split = num_splits > 1
+    fused = split and num_splits <= MAX_SPLITS and cfg.get("FUSED_MERGE", _FUSED_MERGE)
+    splits_pad = max(2, triton.next_power_of_2(num_splits))
+    rows = num_seqs * num_heads * num_splits
+    po = plse = cnt = out  # placeholders where unused
+    if split:
+        # one scratch allocation: partial outputs [seqs, heads, splits, d] then lse [seqs, heads, splits]
+        po = torch.empty(rows * (head_dim + 1), device=q.device, dtype=torch.float32)
+        plse = po[rows * head_dim :]
+    if fused:
+        stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
+        cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
+    tail = (
+        num_splits, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
+    )
+    consts = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
+        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
+        FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad,
+    )
+    grid = (num_seqs, num_kv_heads, num_splits)
+    dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, po, plse, cnt, scale * _LOG2E,
+                               *tail, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if plan is not None:  # runtime args after the scale, then the constexprs, in signature order
+        plan.dec, plan.grid, plan.tail, plan.split = dec, grid, tail + tuple(consts.values()), split
+        plan.lse_off, plan.scratch, plan.pairs = rows * head_dim, rows * (head_dim + 1), num_seqs * num_kv_heads
+    if split and not fused:
+        m_grid = (num_seqs * num_heads,)
+        m_tail = (num_splits, num_heads, out.stride(0), out.stride(1))
+        m_consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad)
+        mer = _merge_kernel[m_grid](po, plse, out, *m_tail, **m_consts, num_warps=1 if _INTERPRET else 2)
+        if plan is not None:
+            plan.mer, plan.m_grid, plan.m_tail = mer, (m_grid[0], 1, 1), m_tail + tuple(m_consts.values())
+    return out
+
+
+# Host time matters here: a decode step for a small batch is a few microseconds of GPU work, and
+# Triton's per-launch dispatch (binding and specializing ~30 arguments) costs more than that on a
+# slow host. So the first call for a key (shapes, strides, dtypes, device, split count) goes through
+# Triton, and later calls relaunch the compiled kernels directly. The key fixes every argument that
+# Triton specializes on, except pointer alignment: the fast path runs only when all pointers are
+# 16-byte aligned, and a plan is only made from such a call.
+_PLANS: dict = {}
+
+
+def _fast(kernel, grid: tuple, stream: int, args: tuple) -> None:
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+
+_PLANS_OK = True
+
+
+def _disable_plans() -> None:
+    global _PLANS_OK
+    _PLANS_OK = False
+
+
+def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    stream = plan.stream(q.device.index)
+    if not plan.split:  # one launch writes out
+        _fast(plan.dec, plan.grid, stream, (q, k_cache, v_cache, block_tables, context_lens,
+                                            out, out, out, out, scale * _LOG2E) + plan.tail)
+        return out
+    po = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
+    plse = po[plan.lse_off :]
+    cnt = out if plan.mer is not None else _counters(q.device, stream, plan.pairs)
+    _fast(plan.dec, plan.grid, stream, (q, k_cache, v_cache, block_tables, context_lens,
+                                        out, po, plse, cnt, scale * _LOG2E) + plan.tail)
+    if plan.mer is not None:  # separate merge launch
+        _fast(plan.mer, plan.m_grid, stream, (po, plse, out) + plan.m_tail)
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    _config: dict | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V. See the module docstring.
+    ``_config`` overrides the tile/warps/stages config (tuning and benchmarks only)."""
+    key = None
+    if not _INTERPRET and q.is_cuda:
+        ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | block_tables.data_ptr() | context_lens.data_ptr()
+        if out is not None:
+            ptrs |= out.data_ptr()
+        hook = knobs.runtime.launch_enter_hook  # a HookChain (empty unless a profiler registered one)
+        if ptrs & 15 == 0 and (hook is None or not getattr(hook, "calls", True)):
+            key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                   v_cache.shape, v_cache.stride(), v_cache.dtype, block_tables.shape, block_tables.stride(),
+                   block_tables.dtype, context_lens.shape, context_lens.dtype, num_splits,
+                   None if out is None else (out.shape, out.stride(), out.dtype),
+                   None if _config is None else tuple(sorted(_config.items())))
+            plan = _PLANS.get(key) if _PLANS_OK else None
+            if plan is not None:
+                try:
+                    return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, scale, out)
+                except (TypeError, AttributeError):  # a Triton whose launcher differs: dispatch normally
+                    _disable_plans()
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kd = k_cache.shape
+    assert kd == head_dim and v_cache.shape == k_cache.shape, "k/v cache shape mismatch"
+    assert num_heads % num_kv_heads == 0, "num_kv_heads must divide num_heads"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and caches must share a dtype"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_dim), device=q.device, dtype=q.dtype)
+    else:
+        assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if num_seqs == 0:
+        return out
+    max_ctx = block_tables.shape[1] * block_size
+    cfg = choose_config(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, _num_sms(q.device))
+    if _config is not None:
+        cfg.update(_config)
+    if num_splits is not None:
+        cfg["num_splits"] = max(1, min(int(num_splits), 1024))
+    plan = None if key is None or not _PLANS_OK else _Plan()
+    _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg, plan)
+    if plan is not None and hasattr(plan.dec, "packed_metadata") and len(_PLANS) < 4096:
+        _PLANS[key] = plan
+    return out

@@ -1,0 +1,148 @@
+"""paged_decode against paged_decode_ref (runs under TRITON_INTERPRET=1 on CPU; see tests/conftest.py).
+
+Every case draws fresh random inputs (seed in the failure message), scatters each sequence's blocks
+over a random permutation of the cache, fills every slot no sequence owns with NaN, poisons the
+output with NaN before the call, and checks the split (flash-decoding) and unsplit paths agree.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.paged_decode import choose_config, paged_decode
+from kernels.reference import paged_decode_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _make(
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    extra_table_cols: int = 0,
+    q_gain: float = 1.0,
+):
+    """Random q and a scattered paged cache; unowned slots (and tails of last blocks) hold NaN.
+    Built on the CPU from a seeded generator, then moved to DEVICE."""
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [(n + block_size - 1) // block_size for n in context_lens]
+    max_blocks = max(max(n_blocks), 1) + extra_table_cols
+    num_blocks = sum(n_blocks) + 3  # a few blocks nobody owns
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    # Entries past a sequence's last block are garbage far out of range: they must never be read.
+    block_tables = torch.full((len(context_lens), max_blocks), 1 << 30, dtype=torch.int32)
+    used, slots = 0, []
+    for s, (n, nb) in enumerate(zip(context_lens, n_blocks)):
+        ids = perm[used : used + nb]
+        used += nb
+        block_tables[s, :nb] = ids.int()
+        tok = torch.arange(n)
+        slots.append(ids[tok // block_size] * block_size + tok % block_size)
+    slots = torch.cat(slots)  # write exactly the owned slots; everything else stays NaN
+    flat = (-1, num_kv_heads, head_dim)
+    k_cache.view(flat)[slots] = torch.randn(len(slots), num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache.view(flat)[slots] = torch.randn(len(slots), num_kv_heads, head_dim, generator=g).to(dtype)
+    q = (torch.randn(len(context_lens), num_heads, head_dim, generator=g) * q_gain).to(dtype)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    return seed, dev(q), dev(k_cache), dev(v_cache), dev(block_tables), dev(ctx)
+
+
+def _run(q, k_cache, v_cache, block_tables, ctx, scale, num_splits):
+    out = torch.full_like(q, float("nan"))  # poison: every element must be overwritten
+    res = paged_decode(q, k_cache, v_cache, block_tables, ctx, scale, num_splits=num_splits, out=out)
+    assert res is out
+    assert not torch.isnan(out).any(), f"unwritten or NaN output (num_splits={num_splits})"
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, msg: str) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m: f"{msg}\n{m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 256])
+def test_mixed_lengths_split_and_unsplit(block_size: int, dtype: torch.dtype) -> None:
+    lens = [1, block_size - 1, block_size, block_size + 1, 1000]
+    random.shuffle(lens)
+    seed, q, kc, vc, bt, ctx = _make(lens, 2, 2, block_size, dtype, q_gain=2.0)
+    scale = 64**-0.5
+    ref = paged_decode_ref(q, kc, vc, bt, ctx, scale)
+    outs = {}
+    for ns in (None, 1, 4, 7):
+        outs[ns] = _run(q, kc, vc, bt, ctx, scale, ns)
+        _close(outs[ns], ref, dtype, f"seed={seed} lens={lens} num_splits={ns} vs reference")
+    for ns in (4, 7):
+        _close(outs[ns], outs[1], dtype, f"seed={seed} split {ns} vs unsplit")
+    # the separate merge launch (the default merges inside the decode kernel)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, ctx, scale, num_splits=7, out=out, _config={"FUSED_MERGE": False})
+    _close(out, outs[7], dtype, f"seed={seed} merge launch vs fused merge")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (6, 3)])
+def test_gqa(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads = heads
+    lens = [1, 15, 16, 17, 300]
+    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype)
+    scale = 64**-0.5
+    ref = paged_decode_ref(q, kc, vc, bt, ctx, scale)
+    unsplit = _run(q, kc, vc, bt, ctx, scale, 1)
+    split = _run(q, kc, vc, bt, ctx, scale, 5)
+    _close(unsplit, ref, dtype, f"seed={seed} heads={heads} unsplit")
+    _close(split, ref, dtype, f"seed={seed} heads={heads} split")
+    launched = paged_decode(q, kc, vc, bt, ctx, scale, num_splits=5, _config={"FUSED_MERGE": False})
+    _close(launched, ref, dtype, f"seed={seed} heads={heads} split, merge launch")
+
+
+def test_empty_splits_and_zero_context() -> None:
+    """Block tables much wider than the contexts (as in a captured graph sized for the longest
+    sequence): most splits get no tokens and must contribute nothing; a context of 0 gives zeros."""
+    lens = [3, 40, 1]
+    seed, q, kc, vc, bt, ctx = _make(lens, 2, 2, 8, torch.float16, extra_table_cols=60)
+    ref = paged_decode_ref(q, kc, vc, bt, ctx, 0.125)
+    for ns in (None, 33):
+        _close(_run(q, kc, vc, bt, ctx, 0.125, ns), ref, torch.float16, f"seed={seed} num_splits={ns}")
+    ctx0 = ctx.clone()
+    ctx0[1] = 0  # a padding row
+    for ns in (1, 16):
+        out = _run(q, kc, vc, bt, ctx0, 0.125, ns)
+        assert torch.equal(out[1], torch.zeros_like(out[1])), f"context 0 must give zeros (num_splits={ns})"
+        _close(out[[0, 2]], ref[[0, 2]], torch.float16, f"seed={seed} ctx0 num_splits={ns}")
+
+
+def test_strided_q_and_default_out() -> None:
+    """q as a view into a fused projection (non-contiguous heads) and out allocated by the call."""
+    lens = [20, 33]
+    seed, q, kc, vc, bt, ctx = _make(lens, 2, 2, 16, torch.float16)
+    big = torch.randn(2, 3, 2, 64).to(device=DEVICE, dtype=torch.float16)
+    big[:, 1] = q
+    qv = big[:, 1]
+    assert not qv.is_contiguous()
+    ref = paged_decode_ref(q, kc, vc, bt, ctx, 0.125)
+    for ns in (1, 3):
+        out = paged_decode(qv, kc, vc, bt, ctx, 0.125, num_splits=ns)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        _close(out, ref, torch.float16, f"seed={seed} strided q num_splits={ns}")
+
+
+def test_split_count_from_shapes_only() -> None:
+    """The split count depends on shapes (and SM count) alone, so graphs can be captured."""
+    small = choose_config(1, 12, 1, 16384, 132)
+    big = choose_config(256, 12, 1, 16384, 132)
+    assert small["num_splits"] > 1, "one sequence over a long context must be split"
+    assert big["num_splits"] == 1, "enough (sequence, head) pairs to fill the GPU: no split"
+    assert choose_config(1, 12, 1, 16, 132)["num_splits"] == 1, "a one-tile context has nothing to split"
