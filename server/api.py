@@ -4,6 +4,13 @@ Bodies are validated by pydantic before anything reaches the engine (422 names t
 requests the model cannot serve as asked get a 400 that says the numbers. With `stream: true` the
 response is server-sent events: one event per engine step that produced tokens, then a final event
 carrying `finish_reason` and usage, then `data: [DONE]`.
+
+Reliability (issue 8; bounds and guards in server/limits.py): every field is bounded (schema bounds
+here, configurable prompt bounds checked before the engine sees the prompt: 400), bodies over
+--max-body-bytes are a 413 before parsing, non-UTF-8 bodies a 400; a full waiting queue or a
+draining server is a 503 with Retry-After; a failed engine step is a 500 carrying the request id
+(for a stream: a final event with finish_reason "error" and an `error` object); a non-streaming
+client that disconnects has its request aborted. `GET /debug/kv` reports KV blocks free / total.
 """
 
 from __future__ import annotations
@@ -11,29 +18,47 @@ from __future__ import annotations
 import json
 import uuid
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.async_engine import AsyncEngine, EngineDeadError
+from server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServiceUnavailableError
 from server.engine import RequestError
+from server.limits import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
+                           ClientDisconnected, GuardMiddleware, LimitError, ServerLimits, check_prompt_chars,
+                           check_prompt_tokens, has_surrogates, until_disconnected)
+from server.logs import RequestIdMiddleware
+from server.metrics import install_metrics
+from server.openai_api import install_openai
 from server.sampling import SamplingParams
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
-    prompt: str | None = Field(None, description="Text prompt (give this or prompt_token_ids).")
-    prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt.")
-    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+
+class GenerateRequest(BaseModel):
+    # strict: JSON types as the schema says ("5" is not 5, true is not 1); NaN and Infinity are refused.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
+        {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0},
+        {"prompt_token_ids": [464, 50, 51], "max_tokens": 4, "top_p": 0.9, "seed": 1, "stream": True}]})
+
+    prompt: str | None = Field(None, description="Text prompt (give this or prompt_token_ids); at most "
+                                                 "--max-prompt-chars characters.")
+    prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt, ids in the vocabulary; at "
+                                                                 "most --max-prompt-tokens of them.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
+                                                                        "max_tokens must fit the context).")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = no top-k filter.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = no top-k filter.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-request seed: same seed, same tokens.")
-    stop: list[str] | str | None = Field(None, description="Stop strings; not included in the output.")
-    stop_token_ids: list[int] | None = None
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = Field(
+        None, description="Stop strings; not included in the output.")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="Token ids that end generation (in the vocabulary).")
     ignore_eos: bool = False
     stream: bool = False
 
@@ -41,6 +66,10 @@ class GenerateRequest(BaseModel):
     def _one_prompt(self):
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for name, text in [("prompt", self.prompt)] + [("stop", s) for s in stops]:
+            if text is not None and has_surrogates(text):
+                raise ValueError(f"'{name}' holds a lone UTF-16 surrogate, which is not text")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -60,12 +89,54 @@ class GenerateResponse(BaseModel):
     id: str
     text: str
     token_ids: list[int]
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "timeout", "abort"] | None = Field(
+        description="timeout: past --request-timeout; abort: cut off by shutdown (text so far in both)")
     usage: Usage
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class KVDebug(BaseModel):
+    kv_blocks_total: int
+    kv_blocks_free: int
+    requests_active: int
+    requests_running: int
+    requests_waiting: int
+    engine_sequences: int
+    preemptions: int
+    generated_tokens: int
+
+
+_ERRORS = {400: "The request breaks a limit or does not fit the model or the cache",
+           401: "Missing or wrong API key (--api-key)", 413: "Body larger than --max-body-bytes",
+           500: "The engine step running the request failed (the id is in the body and X-Request-ID)",
+           503: "Shutting down, too many requests waiting (see Retry-After), or the engine is dead"}
+_SSE_EVENT = {  # OpenAPI 3.1: the schema of one event. data: a JSON chunk ({id, text, token_ids, finished}; the
+    # last one adds finish_reason, usage, and after a failure `error`), then the literal [DONE].
+    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_GENERATE_RESPONSES = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
+                             "description": "JSON, or with stream: true server-sent events"},
+                       **{k: {"model": ErrorResponse, "description": v} for k, v in _ERRORS.items()}}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", headers=None, rid=None) -> JSONResponse:
+    body = {"message": message, "type": kind, **({"request_id": rid} if rid else {})}
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 shape, without echoing the input (it may be huge, or NaN, which is not JSON)."""
+    detail = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+              for e in exc.errors()]
+    return JSONResponse({"detail": detail}, status_code=422)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -73,7 +144,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def create_app(engine: AsyncEngine) -> FastAPI:
+def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -83,57 +156,93 @@ def create_app(engine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="flashpage", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
     tokenizer = engine.engine.tokenizer
+    app.add_exception_handler(RequestValidationError, _validation_error)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Draining or engine dead"}})
     async def health():
         if engine.dead is not None:
             return error(503, f"engine failed: {engine.dead!r}", "engine_dead")
+        if engine.draining:
+            return error(503, "shutting down", "draining")
         return {"status": "ok"}
 
-    @app.post("/generate", response_model=GenerateResponse,
-              responses={400: {"description": "The request does not fit the model or the cache"}})
+    @app.get("/debug/kv", response_model=KVDebug)
+    async def debug_kv():
+        """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
+        eng = engine.engine
+        return {"kv_blocks_total": eng.block_manager.num_blocks, "kv_blocks_free": eng.block_manager.num_free_blocks,
+                "requests_active": engine.num_active, "requests_running": len(eng.scheduler.running),
+                "requests_waiting": len(eng.scheduler.waiting), "engine_sequences": len(eng.seqs),
+                "preemptions": eng.scheduler.num_preemptions, "generated_tokens": eng.num_generated_tokens}
+
+    @app.post("/generate", response_model=GenerateResponse, responses=_GENERATE_RESPONSES)
     async def generate(body: GenerateRequest, request: Request):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-ID": rid}
-        ids = body.prompt_token_ids if body.prompt_token_ids is not None else tokenizer.encode(body.prompt)
-        params = body.sampling_params()
         try:
-            stream = engine.generate(rid, ids, params)
+            if body.prompt is not None:
+                check_prompt_chars(body.prompt, limits)  # before the tokenizer sees it
+                ids = tokenizer.encode(body.prompt)
+            else:
+                ids = body.prompt_token_ids
+            check_prompt_tokens(len(ids), limits)
+            # A client may reuse its X-Request-ID while the earlier request still runs.
+            erid = rid if not engine.in_use(rid) else f"{rid}-{uuid.uuid4().hex[:8]}"
+            stream = engine.generate(erid, ids, body.sampling_params())
             first = await anext(stream)  # surfaces validation errors before any response starts
-        except RequestError as e:
+        except (RequestError, LimitError) as e:
             return error(400, str(e), headers=headers)
+        except ServiceUnavailableError as e:
+            return error(503, str(e), "unavailable", headers={**headers, **e.headers})
         except EngineDeadError as e:
             return error(503, str(e), "engine_dead", headers=headers)
+        except RequestFailedError as e:
+            return error(500, str(e), "internal_error", headers=headers, rid=rid)
 
         if body.stream:
             return StreamingResponse(_sse(rid, first, stream), media_type="text/event-stream", headers=headers)
         last = first
         try:
-            async for last in stream:
+            async for last in until_disconnected(request, stream):  # a client that leaves aborts it
                 pass
-        finally:
-            await stream.aclose()
+        except ClientDisconnected:
+            return error(499, "client disconnected", headers=headers)
+        except EngineDeadError as e:
+            return error(503, str(e), "engine_dead", headers=headers)
+        except RequestFailedError as e:
+            return error(500, str(e), "internal_error", headers=headers, rid=rid)
         return JSONResponse({"id": rid, "text": last.text, "token_ids": last.token_ids,
                              "finish_reason": last.finish_reason,
                              "usage": _usage(last.prompt_tokens, last.completion_tokens)}, headers=headers)
 
+    app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/limits.py)
+    install_openai(app, limits)  # /v1/completions, /v1/models, OpenAI-shaped errors on /v1
+    install_metrics(app, engine.engine)  # GET /metrics
+    app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response
     return app
 
 
 async def _sse(rid: str, first, stream):
     """One SSE event per engine step's tokens, then the final event and [DONE]. Closing the stream
     (the client went away) aborts the request."""
-    last = first
+    last, failure = first, None
     try:
         while True:
             event = {"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False}
             yield f"data: {json.dumps(event)}\n\n"
             if last.finished:
                 break
-            last = await anext(stream)
+            try:
+                last = await anext(stream)
+            except Exception as e:  # the step failed or the engine died: an error event, then [DONE]
+                failure = e
+                break
     finally:
         await stream.aclose()
     final = {"id": rid, "text": "", "token_ids": [], "finished": True, "finish_reason": last.finish_reason,
              "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+    if failure is not None:
+        kind = "engine_dead" if isinstance(failure, EngineDeadError) else "internal_error"
+        final.update(finish_reason="error", error={"message": str(failure), "type": kind, "request_id": rid})
     yield f"data: {json.dumps(final)}\n\n"
     yield "data: [DONE]\n\n"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+import time
 
 from server.config import EngineConfig
+from server.limits import ServerLimits, add_arguments
 
 
 def _bytes(text: str) -> int:
@@ -39,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text lines, or one JSON object per line (with request_id where known)")
+    p.add_argument("--log-stats-interval", type=float, default=5.0,
+                   help="seconds between engine summary lines while busy (0 = off)")
+    add_arguments(p)  # request limits, queue bound, deadline, shutdown grace, API key (server/limits.py)
     return p
 
 
@@ -49,18 +57,31 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     import torch
-    import uvicorn
 
     from server.api import create_app
     from server.async_engine import AsyncEngine
     from server.engine import LLMEngine
+    from server.lifecycle import serve
 
     torch.manual_seed(args.seed)
+    log = logging.getLogger("flashpage.cli")
+    t0 = time.perf_counter()
+    log.info("starting engine: model=%s", args.model or "embedded")
     engine = LLMEngine(config_from_args(args))
-    app = create_app(AsyncEngine(engine))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    log.info("engine ready in %.1f s: serving %r (context %d tokens) on http://%s:%d", time.perf_counter() - t0,
+             engine.model_name, engine.max_model_len, args.host, args.port)
+    limits = ServerLimits.from_args(args)
+    aengine = AsyncEngine(engine, max_waiting=limits.max_waiting_requests, request_timeout=limits.request_timeout)
+    app = create_app(aengine, limits)
+    # log_config=None: uvicorn's loggers propagate to our handler (text or JSON); our request-id
+    # middleware writes the access lines, so uvicorn's own are off.
+    # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1 (server/lifecycle.py).
+    sys.exit(serve(app, aengine, limits.shutdown_grace, host=args.host, port=args.port, log_level=args.log_level,
+                   log_config=None, access_log=False))
 
 
 if __name__ == "__main__":

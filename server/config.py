@@ -23,3 +23,4 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off

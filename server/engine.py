@@ -16,7 +16,8 @@ import torch
 from kvcache import BlockManager, CacheSpec
 from models import DTYPES, load_config, load_model, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
-from server.detokenize import detokenize_step, find_stop
+from server.detokenize import Detokenizer, find_stop
+from server.faults import FaultInjector
 from server.model_runner import ModelRunner
 from server.sampling import SamplingParams
 from server.scheduler import Scheduler
@@ -27,6 +28,10 @@ log = logging.getLogger("flashpage.engine")
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked; the message says why (HTTP 400)."""
+
+
+class EngineFatalError(RuntimeError):
+    """Steps keep failing: the engine cannot continue (the server reports unhealthy and exits)."""
 
 
 @dataclass
@@ -42,9 +47,12 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 class LLMEngine:
+    MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -54,6 +62,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float16 if self.device.type == "cuda" else torch.float32)
         attention = config.attention or ("triton" if self.device.type == "cuda" else "sdpa")
+        if attention == "triton" and dtype == torch.float32:
+            raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
+                             "or use --attention sdpa for float32")
         log.info("loading weights from %s (%s, attention=%s, device=%s)", path, dtype, attention, self.device)
         self.model = load_model(path, dtype, self.device, attention)
         self.max_model_len = min(config.max_model_len or self.hf_config.n_positions, self.hf_config.n_positions)
@@ -69,13 +80,21 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
+        if self.device.type == "cuda":
+            t0 = time.monotonic()
+            self.runner.warmup()
+            log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
         if self.device.type == "cuda" and not config.enforce_eager:
             log.info("capturing decode CUDA graphs")
             self.runner.capture_graphs()
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.consecutive_step_failures = 0
+        self.faults = FaultInjector.from_env()  # test-only (server/faults.py); None in production
+        self.stats = None  # server/metrics.EngineStats: on_first_token / on_finish / on_step hooks
 
     def _num_blocks(self, spec: CacheSpec) -> int:
         cfg = self.config
@@ -87,6 +106,7 @@ class LLMEngine:
             # Size from what is left under the utilisation cap after weights and the activations of
             # the largest possible step (measured by running it), as vLLM does.
             peak = self.runner.profile_peak_memory()
+            torch.cuda.empty_cache()  # the cache is one allocation: free segments must be given back first
             free, total = torch.cuda.mem_get_info(self.device)
             in_use_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
             budget = cfg.gpu_memory_utilization * total - peak - in_use_elsewhere
@@ -103,6 +123,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
         if n + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
@@ -133,7 +156,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        token_ids, top = self.runner.execute(batch)
+        try:
+            if self.faults is not None:
+                self.faults.before_step(batch)
+            token_ids, top = self.runner.execute(batch)
+        except Exception as e:
+            return self._fail_step(batch, e)
+        self.consecutive_step_failures = 0
         self.scheduler.after_step(batch)
         outputs = []
         sampled = [item.seq for item in batch.scheduled if item.samples]
@@ -142,11 +171,36 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
-            seq.output_token_ids.append(tok)
+                if self.stats is not None:
+                    self.stats.on_first_token(seq, now)
+            seq.append_token(tok)
             self.num_generated_tokens += 1
             if top is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(top[j])
             outputs.append(self._advance(seq, tok, top[j] if top is not None and seq.params.logprobs is not None else None))
+        if self.stats is not None:
+            self.stats.on_step(batch, now)
+        return outputs
+
+    def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:
+        """The model run failed: finish what it scheduled with reason "error" (freeing their
+        blocks; nothing of this step reaches the prefix cache) and carry on, unless steps keep failing."""
+        self.consecutive_step_failures += 1
+        n = self.consecutive_step_failures
+        log.error("engine step failed (%d in a row): %r; failing %d request(s)", n, exc, len(batch.scheduled),
+                  exc_info=exc)
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for item in batch.scheduled:
+            seq = item.seq
+            self.scheduler.finish(seq, "error")
+            self.seqs.pop(seq.request_id, None)
+            self.runner.release(seq.request_id)
+            outputs.append(RequestOutput(seq.request_id, "", [], True, "error", len(seq.prompt_token_ids),
+                                         len(seq.output_token_ids), text=seq.text,
+                                         token_ids=list(seq.output_token_ids), error=message))
+        if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
         return outputs
 
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
@@ -156,22 +210,27 @@ class LLMEngine:
             reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        new_text = detokenize_step(self.tokenizer, seq, final=reason is not None)
-        if p.stop and new_text:
-            cut = find_stop(seq.text, len(new_text), p.stop)
+        decoded = self.detokenizer.step(seq, final=reason is not None)
+        if p.stop and decoded:
+            cut = find_stop(seq.text, len(decoded), p.stop)
             if cut is not None:
-                emitted = len(seq.text) - len(new_text)
                 seq.text = seq.text[:cut]
-                new_text = seq.text[emitted:] if cut > emitted else ""
                 reason = "stop"
+        # Hold back the tail that could still become the start of a stop string, so that streamed
+        # text never contains what the final text cuts.
+        hold = 0 if reason is not None or not p.stop else max(map(len, p.stop)) - 1
+        end = max(seq.emitted, len(seq.text) - hold)
+        new_text, seq.emitted = seq.text[seq.emitted : end], end
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.request_id, None)
             self.runner.release(seq.request_id)
+            if self.stats is not None:
+                self.stats.on_finish(seq, time.monotonic())
         return RequestOutput(
             seq.request_id, new_text, [tok], reason is not None, reason, len(seq.prompt_token_ids),
             len(seq.output_token_ids), [logprob] if logprob is not None else [], seq.text,
-            list(seq.output_token_ids), seq.num_cached_prompt)
+            seq.output_token_ids, seq.num_cached_prompt)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Offline helper: run prompts to completion, return the final outputs in order."""

@@ -1,0 +1,79 @@
+"""The server process's life: graceful drain on SIGTERM, a non-zero exit when the engine dies.
+
+`serve()` runs uvicorn with two changes to its signal and tick handling:
+
+- SIGTERM (or Ctrl+C): admission stops at once (new requests get 503 with Retry-After, /health
+  503 so load balancers look elsewhere) while the server keeps listening; requests in flight get
+  up to `grace` seconds to finish; whatever is still running then is aborted (it ends with
+  finish_reason "abort" and the text it has, and its KV blocks are freed); then uvicorn shuts down
+  and the process exits 0. A second signal aborts everything at once.
+- The engine died (its loop raised, e.g. steps kept failing): /health already answers 503; the
+  server stops and the process exits 1, instead of hanging around unable to serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from server.async_engine import AsyncEngine
+
+log = logging.getLogger("flashpage.lifecycle")
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._loop is None:  # not serving yet: uvicorn's own behaviour
+            super().handle_exit(sig, frame)
+        elif self._drain is None:
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+        else:  # a second signal: stop waiting
+            log.warning("%s again: aborting %d request(s) now", signal.Signals(sig).name, self.engine.num_active)
+            self._loop.call_soon_threadsafe(self.engine.abort_all)
+            self.should_exit = True
+
+    def _start_drain(self, signame: str) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit(signame))
+
+    async def _drain_then_exit(self, signame: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine.draining = True
+        log.info("%s: draining: admitting nothing new; %d request(s) in flight get up to %.1f s",
+                 signame, self.engine.num_active, self.grace)
+        deadline = loop.time() + self.grace
+        while self.engine.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_active:
+            log.warning("grace period over: aborting %d request(s)", self.engine.abort_all("abort"))
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine.dead is not None and self.exit_code == 0:
+            log.critical("the engine cannot continue (%r): shutting down, exit code 1", self.engine.dead)
+            self.exit_code = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(app, engine: AsyncEngine, grace: float, **uvicorn_kwargs) -> int:
+    """Serve until SIGTERM (exit code 0, after draining) or engine death (1). Returns the exit code."""
+    uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 5)
+    server = Server(uvicorn.Config(app, **uvicorn_kwargs), engine, grace)
+    server.run()
+    return server.exit_code

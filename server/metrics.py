@@ -1,0 +1,173 @@
+"""Prometheus metrics (`GET /metrics`) and the periodic engine summary log line.
+
+Each app gets its own `CollectorRegistry` (several apps may live in one process, as in tests).
+Two kinds of series, all labelled by `model`:
+
+- Read on scrape from engine state, costing the engine nothing: requests running / waiting,
+  preemptions, KV cache blocks used / total and usage ratio, prefix-cache queries / hits / hit rate,
+  prompt and generated token counters (the engine's own counters).
+- Recorded by the engine thread through three hooks the engine calls when `engine.stats` is set:
+  `on_first_token(seq, now)` and `on_finish(seq, now)` once per request, `on_step(batch, now)` once
+  per step. Histograms: time to first token (from when the engine received the request), time per
+  output token (per request: (finish - first token) / (output tokens - 1)), end-to-end latency,
+  and batch size in tokens and in sequences per step. Nothing is done per token.
+
+`on_step` also logs a one-line summary every `log_stats_interval` seconds while the engine is busy
+(prompt and generation throughput, running, waiting, KV cache usage, prefix-cache hit rate).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+
+log = logging.getLogger("flashpage.stats")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_POW2 = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+
+class _EngineCollector:
+    """Gauges and counters computed from engine state at scrape time."""
+
+    def __init__(self, engine, model: str) -> None:
+        self.engine, self.model = engine, model
+
+    def collect(self):
+        eng, m = self.engine, [self.model]
+        sched, bm = eng.scheduler, eng.block_manager
+        total = bm.num_blocks
+        used = total - bm.num_free_blocks
+        prefix = bm.allocator.stats
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", len(sched.running))
+        yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting))
+        yield counter("flashpage_preemptions", "Running requests preempted for lack of KV blocks.",
+                      sched.num_preemptions)
+        yield gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", used / total if total else 0.0)
+        yield gauge("flashpage_kv_cache_blocks_used", "KV blocks referenced by sequences.", used)
+        yield gauge("flashpage_kv_cache_blocks_total", "KV blocks allocated at start-up.", total)
+        yield counter("flashpage_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
+                      prefix.queries)
+        yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", prefix.hits)
+        yield gauge("flashpage_prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", prefix.hit_rate)
+        yield counter("flashpage_prompt_tokens", "Prompt tokens of requests that produced a first token.",
+                      eng.num_prompt_tokens)
+        yield counter("flashpage_generation_tokens", "Tokens generated.", eng.num_generated_tokens)
+
+
+class EngineStats:
+    """Owns the registry; its hooks are called from the engine thread."""
+
+    def __init__(self, engine, log_interval: float | None = None) -> None:
+        self.engine = engine
+        self.model = engine.model_name
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model"]
+        self.ttft = Histogram("flashpage_time_to_first_token_seconds", "Time from the engine receiving a request "
+                              "to its first token.", lab, buckets=_LATENCY_BUCKETS, registry=r).labels(self.model)
+        self.tpot = Histogram("flashpage_time_per_output_token_seconds", "Per request: (finish - first token) / "
+                              "(output tokens - 1).", lab, buckets=_TPOT_BUCKETS, registry=r).labels(self.model)
+        self.e2e = Histogram("flashpage_e2e_request_latency_seconds", "Time from the engine receiving a request "
+                             "to its last token.", lab, buckets=_E2E_BUCKETS, registry=r).labels(self.model)
+        self.batch_tokens = Histogram("flashpage_batch_tokens", "Tokens processed per engine step.", lab,
+                                      buckets=_POW2, registry=r).labels(self.model)
+        self.batch_seqs = Histogram("flashpage_batch_sequences", "Sequences per engine step.", lab,
+                                    buckets=_POW2[:11], registry=r).labels(self.model)
+        self._finished = Counter("flashpage_requests_finished", "Requests finished, by finish reason.",
+                                 ["model", "finish_reason"], registry=r)
+        self.finished = {k: self._finished.labels(self.model, k) for k in ("stop", "length")}
+        r.register(_EngineCollector(engine, self.model))
+        try:
+            ProcessCollector(registry=r)
+        except Exception:  # pragma: no cover - platforms without /proc
+            pass
+        if log_interval is None:
+            log_interval = getattr(engine.config, "log_stats_interval", 5.0)
+        self.log_interval = log_interval
+        self._last_step = float("-inf")
+        self._mark(0.0)
+
+    # -- engine-thread hooks ------------------------------------------------------------------
+    def on_first_token(self, seq, now: float) -> None:
+        self.ttft.observe(now - seq.arrival_time)
+
+    def on_finish(self, seq, now: float) -> None:
+        self.e2e.observe(now - seq.arrival_time)
+        n = len(seq.output_token_ids)
+        if n > 1 and seq.first_token_time is not None:
+            self.tpot.observe((now - seq.first_token_time) / (n - 1))
+        child = self.finished.get(seq.finish_reason)
+        if child is None:
+            child = self.finished[seq.finish_reason] = self._finished.labels(self.model, str(seq.finish_reason))
+        child.inc()
+
+    def on_step(self, batch, now: float) -> None:
+        decodes = len(batch.decodes)  # one token each; only the (few) prefill chunks are summed
+        self.batch_seqs.observe(decodes + len(batch.prefills))
+        self.batch_tokens.observe(decodes + sum(s.num_tokens for s in batch.prefills))
+        if self.log_interval <= 0:
+            return
+        if now - self._last_step > self.log_interval:  # busy again after idling: restart the window
+            self._mark(now)
+        self._last_step = now
+        if now - self._t >= self.log_interval:
+            self.log_summary(now)
+
+    # -- the summary line ---------------------------------------------------------------------
+    def _mark(self, now: float) -> None:
+        self._t = now
+        self._prompt = self.engine.num_prompt_tokens
+        self._gen = self.engine.num_generated_tokens
+
+    def summary(self, now: float) -> dict:
+        eng = self.engine
+        dt = max(now - self._t, 1e-9)
+        bm = eng.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return {"prompt_tokens_per_s": round((eng.num_prompt_tokens - self._prompt) / dt, 1),
+                "generation_tokens_per_s": round((eng.num_generated_tokens - self._gen) / dt, 1),
+                "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+                "kv_cache_usage": round(used / bm.num_blocks, 4) if bm.num_blocks else 0.0,
+                "prefix_cache_hit_rate": round(bm.allocator.stats.hit_rate, 4),
+                "preemptions": eng.scheduler.num_preemptions}
+
+    def log_summary(self, now: float) -> None:
+        s = self.summary(now)
+        log.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+                 "prefix cache hit rate %.1f%%, preemptions %d", s["prompt_tokens_per_s"],
+                 s["generation_tokens_per_s"], s["running"], s["waiting"], 100 * s["kv_cache_usage"],
+                 100 * s["prefix_cache_hit_rate"], s["preemptions"], extra={"stats": s})
+        self._mark(now)
+
+
+def install_metrics(app: FastAPI, engine) -> EngineStats:
+    """Attach an EngineStats to the engine (`engine.stats`) and serve GET /metrics."""
+    stats = EngineStats(engine)
+    engine.stats = stats
+    app.state.stats = stats
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(stats.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return stats

@@ -1,0 +1,210 @@
+"""The OpenAI completions protocol: request schema, error objects, and the pieces that turn engine
+outputs into choices (text with stop-string hold-back, echo, logprobs). Routes: server/openai_api.py."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.async_engine import EngineDeadError
+from server.engine import RequestError
+from server.limits import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
+                           LimitError, ServerLimits, check_prompt_chars, check_prompt_tokens, has_surrogates)
+from server.sampling import SamplingParams
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as /generate: "5" is not 5, no NaN
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_BOUND)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    user: str | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # flashpage extensions
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine_error(e: BaseException) -> OpenAIError:
+    if isinstance(e, (RequestError, LimitError)):
+        return OpenAIError(400, str(e), param="prompt")
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), "server_error", code="engine_dead")
+    status = getattr(e, "status_code", None)  # ServiceUnavailableError (503), RequestFailedError (500)
+    if isinstance(status, int):
+        return OpenAIError(status, str(e), "server_error" if status >= 500 else "invalid_request_error",
+                           headers=getattr(e, "headers", None))
+    return OpenAIError(500, f"internal error: {e!r}", "server_error")
+
+
+def check_unsupported(body: CompletionRequest) -> None:
+    checks = [("suffix", body.suffix is None), ("best_of", body.best_of in (None, body.n)),
+              ("presence_penalty", not body.presence_penalty), ("frequency_penalty", not body.frequency_penalty),
+              ("logit_bias", not body.logit_bias)]
+    for param, ok in checks:
+        if not ok:
+            raise OpenAIError(400, f"'{param}' is not supported by this server (only its default value is accepted)",
+                              param=param, code="unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+
+def parse_prompts(prompt, tokenizer, limits: ServerLimits) -> list[tuple[str | None, list[int]]]:
+    """[(text or None, token ids)] per prompt, within the server's prompt limits."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif not prompt:
+        raise OpenAIError(400, "'prompt' is empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        try:
+            if isinstance(p, str):
+                if has_surrogates(p):
+                    raise LimitError("'prompt' holds a lone UTF-16 surrogate, which is not text")
+                check_prompt_chars(p, limits)  # before the tokenizer sees it
+                out.append((p, tokenizer.encode(p)))
+            else:
+                out.append((None, list(p)))
+            check_prompt_tokens(len(out[-1][1]), limits)
+        except LimitError as e:
+            raise OpenAIError(400, str(e), param="prompt") from None
+    return out
+
+
+class _Logprobs:
+    """Builds the OpenAI logprobs object of one choice, piece by piece (text_offset runs on)."""
+
+    def __init__(self, tokenizer, offset: int = 0) -> None:
+        self.tokenizer, self.offset = tokenizer, offset
+
+    def _tok(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _advance(self, text: str) -> int:
+        start, self.offset = self.offset, self.offset + len(text)
+        return start
+
+    def prompt(self, ids: list[int]) -> dict:
+        toks = [self._tok(t) for t in ids]
+        return {"tokens": toks, "token_logprobs": [None] * len(ids), "top_logprobs": [None] * len(ids),
+                "text_offset": [self._advance(t) for t in toks]}
+
+    def sampled(self, entries: list) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for (tid, lp), *alts in entries:
+            tok = self._tok(tid)
+            top = {self._tok(t): _finite(v) for t, v in alts}
+            top.setdefault(tok, _finite(lp))
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(_finite(lp))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._advance(tok))
+        return out
+
+
+def _finite(v: float) -> float:
+    return max(float(v), -9999.0)  # JSON has no -inf
+
+
+def _merge(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Choice:
+    """One choice (one engine request): turns its outputs into choice objects and accumulates them."""
+
+    def __init__(self, index: int, text: str | None, ids: list[int], params: SamplingParams, echo: bool, tokenizer):
+        self.index, self.ids, self.params, self.echo = index, ids, params, echo
+        self.prompt_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
+        self.lp = _Logprobs(tokenizer) if params.logprobs is not None else None
+        self.started = False
+        self.completion_tokens = 0
+        self.texts: list[str] = []  # what a non-streamed response accumulates
+        self.logprobs: dict | None = None
+        self.finish_reason: str | None = None
+        # Text goes out from the engine's cumulative (stop-truncated) text, holding back a tail that
+        # could still become a stop string, so a stop string spanning tokens never leaks.
+        self.emitted, self.hold = 0, max((len(s) for s in params.stop), default=1) - 1
+
+    def piece(self, out) -> dict:
+        """The choice object for one engine output (the first one carries the echoed prompt)."""
+        end = len(out.text) if out.finished else max(self.emitted, len(out.text) - self.hold)
+        text, logprobs, self.emitted = out.text[self.emitted:end], None, end
+        if self.lp is not None:
+            head = self.lp.prompt(self.ids) if self.echo and not self.started else None
+            logprobs = _merge(head, self.lp.sampled(out.new_logprobs))
+        if self.echo and not self.started:
+            text = self.prompt_text + text
+        self.started = True
+        self.completion_tokens = out.completion_tokens
+        self.texts.append(text)
+        self.logprobs = _merge(self.logprobs, logprobs)
+        self.finish_reason = out.finish_reason if out.finished else None
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A /v1 body that does not validate, as OpenAI reports it: a 400 naming the first bad field."""
+    errors = exc.errors()
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    if err.get("type") == "json_invalid":
+        return OpenAIError(400, "We could not parse the JSON body of your request.")
+    if err.get("type") == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if err.get("type") == "missing":
+        return OpenAIError(400, f"'{param}' is a required property" if param else "a JSON body is required", param=param)
+    if param == "prompt":
+        return OpenAIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                           "token-id lists", param="prompt")
+    return OpenAIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=param)

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible API through a real uvicorn server on loopback, driven by the official
+`openai` client: completions, streaming, n > 1, logprobs, echo, prompt lists, errors, models."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+
+def start_server(args: list[str], timeout: float = 120.0):
+    """Start `python -m server` on a free port; returns (proc, url, output lines). A thread drains
+    the output, so a chatty log level can never block the server on a full pipe."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
+    if "--log-level" not in args:
+        cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            time.sleep(0.5)
+            raise RuntimeError(f"server exited {proc.returncode}: {''.join(lines)}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, lines
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    proc, url, _ = start_server(["--model", str(tiny_ckpt), "--num-blocks", "64"])
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+NO_EOS = {"ignore_eos": True}  # flashpage extension: random weights may sample EOS early
+
+
+def test_models(client, model, tiny_ckpt):
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(tiny_ckpt)] and models[0].object == "model"
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_greedy_completion_equals_generate(server, client, model):
+    raw = client.completions.with_raw_response.create(model=model, prompt="The quick brown", max_tokens=9,
+                                                      temperature=0, extra_body=NO_EOS)
+    c = raw.parse()
+    native = httpx.post(server + "/generate", json={"prompt": "The quick brown", "max_tokens": 9, "temperature": 0,
+                                                    "ignore_eos": True}, timeout=60).json()
+    assert c.object == "text_completion" and c.model == model
+    assert c.id == "cmpl-" + raw.headers["x-request-id"]
+    assert len(c.choices) == 1 and c.choices[0].index == 0 and c.choices[0].logprobs is None
+    assert c.choices[0].text == native["text"] and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 9 and c.usage.prompt_tokens == native["usage"]["prompt_tokens"]
+    assert c.usage.total_tokens == c.usage.prompt_tokens + 9
+
+
+def test_stream_matches_non_stream(client, model):
+    kw = dict(model=model, prompt="Return a new list", max_tokens=10, temperature=0, extra_body=NO_EOS)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    usage, pieces = chunks[-1], chunks[:-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(ch.object == "text_completion" and ch.usage is None and len(ch.choices) == 1 for ch in pieces)
+    assert "".join(ch.choices[0].text for ch in pieces) == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in pieces] == [None] * (len(pieces) - 1) + ["length"]
+    assert len({ch.id for ch in chunks}) == 1
+    plain = list(client.completions.create(**kw, stream=True))  # without include_usage: no usage chunk
+    assert all(ch.choices for ch in plain) and "".join(ch.choices[0].text for ch in plain) == whole.choices[0].text
+
+
+def test_n_choices_seeded_reproducible(client, model):
+    kw = dict(model=model, prompt="The quick", max_tokens=8, temperature=1.0, seed=123, extra_body=NO_EOS)
+    a = client.completions.create(**kw, n=3)
+    b = client.completions.create(**kw, n=3)
+    texts = [ch.text for ch in a.choices]
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert texts == [ch.text for ch in b.choices]
+    assert len(set(texts)) > 1  # each choice has its own seed
+    assert a.usage.completion_tokens == 24 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    # choice j used seed + j
+    assert client.completions.create(**{**kw, "seed": 124}).choices[0].text == texts[1]
+    streamed = {}
+    for ch in client.completions.create(**kw, n=3, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_list_of_prompts(client, model):
+    prompts = ["The quick", "Return a new list"]
+    kw = dict(model=model, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    both = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in both.choices] == [0, 1] and [c.text for c in both.choices] == alone
+    ids = [[5, 6, 7], [40, 41]]
+    tok = client.completions.create(prompt=ids, n=2, **kw)
+    assert [c.index for c in tok.choices] == [0, 1, 2, 3] and tok.usage.prompt_tokens == 5
+    assert tok.choices[0].text == tok.choices[1].text  # greedy: a prompt's n choices agree
+    assert tok.choices[2].text == client.completions.create(prompt=ids[1], **kw).choices[0].text
+
+
+def test_logprobs_are_the_models(server, client, model, tiny_ckpt):
+    from transformers import GPT2LMHeadModel
+
+    prompt = [5, 17, 99, 3, 250]
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body=NO_EOS)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and all(v <= 0 for v in top.values())
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the top-1 is the chosen token
+    # Values equal log_softmax of the model over the same tokens.
+    ids = httpx.post(server + "/generate", json={"prompt_token_ids": prompt, "max_tokens": 6, "temperature": 0,
+                                                 "ignore_eos": True}, timeout=60).json()["token_ids"]
+    hf = GPT2LMHeadModel.from_pretrained(tiny_ckpt).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:]
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert ref.argmax(-1).tolist() == ids
+    assert lp.token_logprobs == pytest.approx(ref.max(-1).values.tolist(), abs=1e-4)
+    for row, top in zip(ref, lp.top_logprobs):
+        assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(len(top)).values.tolist(), abs=1e-4)
+    # logprobs=0: only the chosen token's
+    zero = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, logprobs=0,
+                                     extra_body=NO_EOS).choices[0].logprobs
+    assert all(len(t) == 1 for t in zero.top_logprobs)
+
+
+def test_stop_strings(client, model):
+    kw = dict(model=model, prompt="The quick brown", max_tokens=12, temperature=0, extra_body=NO_EOS)
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[4:6]
+    assert len(stop) == 2
+    c = client.completions.create(**{**kw, "stop": [stop, "never-there"]}).choices[0]
+    assert c.finish_reason == "stop" and c.text == text[:text.find(stop)]
+    streamed = list(client.completions.create(**{**kw, "stop": stop}, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text and streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo(client, model):
+    kw = dict(model=model, prompt="The quick brown", max_tokens=4, temperature=0, extra_body=NO_EOS)
+    plain = client.completions.create(**kw).choices[0].text
+    echo = client.completions.create(**kw, echo=True, logprobs=1).choices[0]
+    assert echo.text == "The quick brown" + plain
+    n_prompt = client.completions.create(**kw).usage.prompt_tokens
+    lp = echo.logprobs
+    assert len(lp.tokens) == n_prompt + 4 and "".join(lp.tokens[:n_prompt]) == "The quick brown"
+    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt and lp.top_logprobs[:n_prompt] == [None] * n_prompt
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len("The quick brown")
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, echo=True, stream=True))
+    assert streamed == echo.text
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"extra_body": {"prompt": [1, "a"]}}, "prompt"),
+    ({"prompt": [1] * 250, "max_tokens": 10}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"max_tokens": "5"}, "max_tokens"),  # strict JSON types, as /generate
+    ({"stop": ["x"] * 17}, "stop"),
+])
+def test_bad_requests_are_openai_400s(client, model, kw, param):
+    kw = {"prompt": "hi", **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, **kw)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_error_details(server, client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[1] * 250, max_tokens=10)
+    assert e.value.code == "context_length_exceeded" and "256" in e.value.message and "260" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert e.value.code == "model_not_found"
+    # Harmless parameters at their defaults are accepted.
+    ok = client.completions.create(model=model, prompt="hi", max_tokens=2, presence_penalty=0, frequency_penalty=0,
+                                   best_of=1, user="alice", logit_bias={})
+    assert len(ok.choices) == 1
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server + "/v1/completions", json={"model": model, "prompt": "hi", "stream_options": {}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    r = httpx.post(server + "/v1/completions", content=b'{"model": "%s", "prompt": "\\ud800"}' % model.encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    r = httpx.get(server + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    # /generate keeps FastAPI's 422 for bodies that do not validate
+    assert httpx.post(server + "/generate", json={"prompt": "hi", "max_tokens": 0}).status_code == 422
+
+
+def test_request_id_header_on_every_endpoint(server, model):
+    calls = [("GET", "/health", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
+             ("GET", "/nope", None), ("POST", "/generate", {"prompt": "hi", "max_tokens": 1}),
+             ("POST", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1}),
+             ("POST", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 0})]
+    for method, path, body in calls:
+        r = httpx.request(method, server + path, json=body)
+        assert len(r.headers["x-request-id"]) == 32, path
+        r = httpx.request(method, server + path, json=body, headers={"X-Request-ID": "client-id-42"})
+        assert r.headers["x-request-id"] == "client-id-42", path
+    r = httpx.post(server + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                   headers={"X-Request-ID": "abc"})
+    assert r.json()["id"] == "cmpl-abc"
+    with httpx.stream("POST", server + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2,
+                                                                "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.headers["content-type"].startswith("text/event-stream") and r.headers["x-request-id"]
+    assert events[-1] == "[DONE]" and json.loads(events[0])["id"] == "cmpl-" + r.headers["x-request-id"]
+
+
+def test_api_key_applies_to_v1(tiny_ckpt):
+    proc, url, _ = start_server(["--model", str(tiny_ckpt), "--num-blocks", "16", "--api-key", "sekret"])
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=60)
+        c = client.completions.create(model=str(tiny_ckpt), prompt="hi", max_tokens=2)
+        assert c.usage.completion_tokens >= 1
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.headers["x-request-id"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
