@@ -38,16 +38,31 @@ def workload(n: int, in_range, out_range, vocab: int, seed: int):
     return prompts, outs
 
 
-def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int]:
+def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int, dict]:
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
     engine.generate(prompts[:4], params[:4])  # warm-up (prefill shapes, sampling)
+    # Where the time goes: model-runner time of steps with prefill vs decode-only steps.
+    split = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
+    execute = engine.runner.execute
+
+    def timed(batch):
+        t = time.perf_counter()
+        out = execute(batch)
+        kind = "prefill" if batch.prefills else "decode"
+        split[kind + "_steps"] += 1
+        split[kind + "_s"] += time.perf_counter() - t
+        return out
+
+    engine.runner.execute = timed
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
+    engine.runner.execute = execute
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(outs), "engine produced a different token count than asked"
-    return dt, tokens
+    split["host_outside_runner_s"] = dt - split["prefill_s"] - split["decode_s"]
+    return dt, tokens, {k: round(v, 3) for k, v in split.items()}
 
 
 def run_hf(path, prompts, outs, batch: int) -> tuple[float, int]:
@@ -147,10 +162,10 @@ def main(argv=None) -> dict:
         if impl in args.skip:
             continue
         engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype="float16"))
-        dt, tokens = run_engine(engine, prompts, outs)
+        dt, tokens, split = run_engine(engine, prompts, outs)
         rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
-                         output_tokens_per_s=round(tokens / dt, 1)))
-        print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
+                         output_tokens_per_s=round(tokens / dt, 1), time_split=split))
+        print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s) {split}", flush=True)
         if impl == "flashpage" and "steps" not in args.skip:
             rows += decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)
         del engine

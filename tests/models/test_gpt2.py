@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from tests.helpers import make_checkpoint
 from transformers import GPT2LMHeadModel as HFModel
 
 from kvcache import CacheSpec, allocate_kv_cache
