@@ -38,16 +38,6 @@ def _pct(xs, q):
     return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
 
 
-def _release(engine: LLMEngine) -> None:
-    """Give the engine's KV cache back before the next configuration sizes its own."""
-    import gc
-
-    engine.runner.graphs = None
-    engine.runner.kv_caches = []
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def drive(engine: LLMEngine, arrivals: list[tuple[int, str, list[int], int]]):
     """Run the engine; arrivals are (step index to add at, id, prompt, max_tokens). Returns per
     request: submit time, token times."""
@@ -80,7 +70,7 @@ def shared_prefix(path, caching: bool, n: int, prefix_len: int, suffix_len: int,
     dt = time.perf_counter() - t0
     ttft = [(times[r][0] - submit[r]) * 1e3 for r in submit]
     hits = engine.block_manager.allocator.stats
-    _release(engine)
+    engine.close()
     return dict(scenario="shared_prefix", prefix_caching=caching, requests=n, prefix_len=prefix_len,
                 suffix_len=suffix_len, output_len=out_len, ttft_mean_ms=round(float(np.mean(ttft)), 2),
                 ttft_p50_ms=round(_pct(ttft, 50), 2), ttft_p99_ms=round(_pct(ttft, 99), 2),
@@ -100,7 +90,7 @@ def long_prompts(path, chunked: bool, budget: int, running: int, arrivals: int, 
     gaps = [b - a for r, ts in times.items() if r.startswith("run") for a, b in zip(ts, ts[1:])]
     gaps_ms = [g * 1e3 for g in gaps]
     ttft_long = [(times[r][0] - submit[r]) * 1e3 for r in times if r.startswith("long")]
-    _release(engine)
+    engine.close()
     return dict(scenario="long_prompts", chunked_prefill=chunked, budget=budget if chunked else None,
                 running=running, arrivals=arrivals, prompt_len=prompt_len,
                 itl_p50_ms=round(_pct(gaps_ms, 50), 3), itl_p99_ms=round(_pct(gaps_ms, 99), 3),

@@ -168,8 +168,8 @@ def main(argv=None) -> dict:
         print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s) {split}", flush=True)
         if impl == "flashpage" and "steps" not in args.skip:
             rows += decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)
+        engine.close()
         del engine
-        torch.cuda.empty_cache()
     if "hf_eager" not in args.skip:
         dt, tokens = run_hf(path, prompts, outs, args.hf_batch)
         rows.append(dict(impl="hf_eager", requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),

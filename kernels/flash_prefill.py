@@ -119,7 +119,10 @@ def _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_v
     return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
 
 
-@triton.jit
+# The block-table row stride is the widest page table of the batch: it changes from step to step,
+# and Triton would otherwise compile a variant for each of its value classes (1, multiple of 16,
+# other) the first time one shows up, stalling a live server for a second each time.
+@triton.jit(do_not_specialize=["stride_bts"])
 def _flash_prefill_kernel(
     Q, K, V, O, CU_SEQLENS,
     K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS,

@@ -63,7 +63,9 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
     return k, v
 
 
-@triton.jit
+# num_splits and the block-table row stride follow the batch's shape; without this Triton compiles
+# a variant per value class (1, multiple of 16, other) mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bts"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
     scale_log2, num_splits,
@@ -227,7 +229,7 @@ def _merge_row(po_ptr, plse_ptr, row0, num_splits, orow_ptr,
     tl.store(orow_ptr + offs_d, res.to(orow_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     po_ptr, plse_ptr, out_ptr, num_splits, num_heads, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,

@@ -148,6 +148,16 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             self.runner.release(request_id)
 
+    def close(self) -> None:
+        """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
+        import gc
+
+        self.runner.graphs = None
+        self.runner.kv_caches = []
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

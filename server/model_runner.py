@@ -71,7 +71,7 @@ class ModelRunner:
         page tables of several widths) so that Triton compiles its kernel variants at start-up,
         not in the middle of serving. Nothing is written to the cache (slots are -1)."""
         bs, blocks = self.block_size, self.kv_caches[0][0].shape[0] - 1
-        for plen, new in ((0, 64), (bs + 3, 21)):
+        for plen, new in ((0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)):
             nb = -(-(plen + new) // bs)
             if nb > min(blocks, self.max_blocks):
                 continue
