@@ -330,7 +330,9 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg: di
     group_pad = 1 if lanes else max(16, triton.next_power_of_2(group))
     split = num_splits > 1
     fused = split and num_splits <= MAX_SPLITS and cfg.get("FUSED_MERGE", _FUSED_MERGE)
-    splits_pad = max(2, triton.next_power_of_2(num_splits))
+    # A constant, not next_power_of_2(num_splits): the split count follows the batch shape, and a
+    # constexpr that follows it would compile a new kernel variant mid-serving for each new power.
+    splits_pad = max(2, triton.next_power_of_2(max(num_splits, MAX_SPLITS)))
     rows = num_seqs * num_heads * num_splits
     po = plse = cnt = out  # placeholders where unused
     if split:
