@@ -28,7 +28,9 @@ class Packer:
                 raise ValueError(f"batch needs {off + n} int32 slots, packer holds {self.host_np.size}")
             self.host_np[off : off + n] = a.reshape(-1)
             spans.append((off, a.shape))
-            off += n
+            # Start every array on a 16-byte boundary: Triton specialises kernels on pointer
+            # alignment, so shifting alignments would compile new variants mid-serving.
+            off += -(-n // 4) * 4
         if self.on_cuda:
             self.dev[:off].copy_(self.host[:off], non_blocking=True)
         return [self.dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]

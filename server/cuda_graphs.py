@@ -36,7 +36,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.sizes = batch_ladder(max_batch)
-        b = max_batch
+        b = -(-max_batch // 4) * 4  # section length: keeps every view 16-byte aligned (Triton specialises on it)
         # Layout: input_ids | positions | slot_mapping | context_lens | block_tables (b x max_blocks)
         self.host = torch.zeros(b * (4 + max_blocks), dtype=torch.int32, pin_memory=True)
         self.host_np = self.host.numpy()

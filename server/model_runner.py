@@ -34,7 +34,7 @@ class ModelRunner:
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // spec.block_size)
         s = max_num_seqs
-        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks, device)
+        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 4 * 8, device)  # + alignment
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.generators: dict[str, torch.Generator] = {}
