@@ -330,9 +330,9 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg: di
     group_pad = 1 if lanes else max(16, triton.next_power_of_2(group))
     split = num_splits > 1
     fused = split and num_splits <= MAX_SPLITS and cfg.get("FUSED_MERGE", _FUSED_MERGE)
-    # A constant, not next_power_of_2(num_splits): the split count follows the batch shape, and a
-    # constexpr that follows it would compile a new kernel variant mid-serving for each new power.
-    splits_pad = max(2, triton.next_power_of_2(max(num_splits, MAX_SPLITS)))
+    # A constexpr that follows the split count: servers compile every power of two up front
+    # (see warmup_split_variants) so that no new batch shape compiles a variant mid-serving.
+    splits_pad = max(2, triton.next_power_of_2(num_splits))
     rows = num_seqs * num_heads * num_splits
     po = plse = cnt = out  # placeholders where unused
     if split:
@@ -467,3 +467,18 @@ def paged_decode(
     if plan is not None and hasattr(plan.dec, "packed_metadata") and len(_PLANS) < 4096:
         _PLANS[key] = plan
     return out
+
+
+def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """Compile the decode kernel for every split padding a batch can select (2, 4, .. MAX_SPLITS),
+    so that a server never compiles one mid-serving. Reads the cache; writes nothing to it."""
+    block_size = k_cache.shape[1]
+    width = max(1, min(k_cache.shape[0], 4 * MAX_SPLITS * 32 // block_size))
+    q = torch.zeros(1, num_heads, k_cache.shape[3], dtype=dtype, device=k_cache.device)
+    tables = torch.arange(width, dtype=torch.int32, device=k_cache.device)[None]
+    ctx = torch.full((1,), width * block_size, dtype=torch.int32, device=k_cache.device)
+    splits = 2
+    while splits <= MAX_SPLITS:
+        paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
+        splits *= 2
+

@@ -128,6 +128,12 @@ class TritonAttention:
         self.scale = scale
         self._prefill, self._decode, self._write = flash_prefill, paged_decode, kv_write
 
+    def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
+        """Compile the kernel variants that batch shapes select (see kernels/paged_decode.py)."""
+        from kernels.paged_decode import warmup_split_variants
+
+        warmup_split_variants(k_cache, v_cache, num_heads, k_cache.dtype)
+
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

@@ -89,6 +89,9 @@ class ModelRunner:
                     [np.zeros(n), np.full(n, nb * bs - 1), np.full(n, -1), np.full(n, nb * bs), np.tile(np.arange(nb), (n, 1))])
                 meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=0, context_lens=ctx, decode_block_tables=bt)
                 self.model(ids, pos, self.kv_caches, meta)
+        attn = self.model.h[0].attn.attn
+        if hasattr(attn, "warmup"):
+            attn.warmup(*self.kv_caches[0], self.model.config.n_head)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
