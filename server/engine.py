@@ -145,8 +145,16 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, "abort")
-            self.runner.release(request_id)
+            self._retire(seq, "abort")
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """Every way a request ends (stop, length, abort, error) goes through here: blocks freed,
+        per-request state dropped, metrics told."""
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        self.runner.release(seq.request_id)
+        if self.stats is not None:
+            self.stats.on_finish(seq, time.monotonic())
 
     def close(self) -> None:
         """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
@@ -203,9 +211,7 @@ class LLMEngine:
         outputs = []
         for item in batch.scheduled:
             seq = item.seq
-            self.scheduler.finish(seq, "error")
-            self.seqs.pop(seq.request_id, None)
-            self.runner.release(seq.request_id)
+            self._retire(seq, "error")
             outputs.append(RequestOutput(seq.request_id, "", [], True, "error", len(seq.prompt_token_ids),
                                          len(seq.output_token_ids), text=seq.text,
                                          token_ids=list(seq.output_token_ids), error=message))
@@ -232,11 +238,7 @@ class LLMEngine:
         end = max(seq.emitted, len(seq.text) - hold)
         new_text, seq.emitted = seq.text[seq.emitted : end], end
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.seqs.pop(seq.request_id, None)
-            self.runner.release(seq.request_id)
-            if self.stats is not None:
-                self.stats.on_finish(seq, time.monotonic())
+            self._retire(seq, reason)
         return RequestOutput(
             seq.request_id, new_text, [tok], reason is not None, reason, len(seq.prompt_token_ids),
             len(seq.output_token_ids), [logprob] if logprob is not None else [], seq.text,

@@ -174,3 +174,28 @@ def test_streamed_text_never_contains_a_cut_stop_string(tiny_ckpt):
                 if out.finished:
                     final = out
         assert "".join(pieces) == final.text == full[: full.index(stop)]
+
+
+def test_every_ending_reaches_the_finish_hook(tiny_ckpt):
+    eng = _engine(tiny_ckpt)
+    ended = []
+
+    class Recorder:
+        def on_first_token(self, seq, now):
+            pass
+
+        def on_step(self, batch, now):
+            pass
+
+        def on_finish(self, seq, now):
+            ended.append((seq.request_id, seq.finish_reason))
+
+    eng.stats = Recorder()
+    eng.add_request("done", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.add_request("aborted", [4, 5, 6], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.abort_request("aborted")
+    while eng.has_unfinished():
+        eng.step()
+    assert sorted(ended) == [("aborted", "abort"), ("done", "length")]
+    assert eng.block_manager.check_all_free()
