@@ -13,8 +13,6 @@ long prompts: running requests decode while long prompts keep arriving. Inter-to
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import random
 import sys
 import tempfile
@@ -27,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from benchmarks.common import gpu_run_info, write_result  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
 from server.sampling import SamplingParams  # noqa: E402
@@ -115,16 +114,9 @@ def main(argv=None) -> dict:
         print(rows[-1], flush=True)
     for r in rows:
         r["impl"] = "flashpage"
-    import triton
-
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
-                  date=datetime.date.today().isoformat(),
-                  command="python benchmarks/bench_prefix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = dict(gpu_run_info("bench_prefix.py", argv),
                   model="random-initialised GPT-2 small (124M), float16" if not args.model else args.model, rows=rows)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
-    (out / f"prefix_{slug}.json").write_text(json.dumps(result, indent=1))
+    write_result(result, args.out_dir, "prefix")
     print(report(result))
     return result
 

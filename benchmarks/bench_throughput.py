@@ -13,8 +13,6 @@ and decode steps of our engine at several batch sizes against the floor
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import random
 import sys
 import tempfile
@@ -26,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from benchmarks.common import gpu_run_info, write_result  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
 from server.sampling import SamplingParams  # noqa: E402
@@ -176,18 +175,11 @@ def main(argv=None) -> dict:
                          output_tokens_per_s=round(tokens / dt, 1), hf_batch=args.hf_batch))
         print(f"{'hf_eager':16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
 
-    import triton
-
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
-                  date=datetime.date.today().isoformat(),
-                  command="python benchmarks/bench_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = dict(gpu_run_info("bench_throughput.py", argv),
                   workload=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                                 model="random-initialised GPT-2 small (124M), float16" if not args.model else args.model),
                   rows=rows)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
-    (out / f"throughput_{slug}.json").write_text(json.dumps(result, indent=1))
+    write_result(result, args.out_dir, "throughput")
     print(report(result))
     return result
 

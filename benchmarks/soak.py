@@ -27,9 +27,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -38,19 +35,16 @@ from urllib.parse import urlparse
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO_ROOT, ServerProcess  # noqa: E402
+
 WORDS = ("the quick brown fox jumps over lazy dog return a new list of items naive cafe def f x "
          "Tokyo hello world server cache block page flash prefill decode").split()
 MUST_BE_ZERO = ("valid_5xx", "malformed_not_4xx", "wrong_responses", "lost", "leaked_blocks", "leaked_requests")
 
 
 # -- the server -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_bytes(pid: int | None) -> int | None:
     """Resident memory of `pid` (psutil if installed, else /proc)."""
     if pid is None:
@@ -70,47 +64,6 @@ def rss_bytes(pid: int | None) -> int | None:
     except OSError:
         return None
     return None
-
-
-class OwnServer:
-    """`python -m server` on a free loopback port, output to a log file."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-level", "warning", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-
-    def wait_healthy(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError("server did not become healthy")
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM (drain, then exit 0); returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 # -- the requests ---------------------------------------------------------------------------------
@@ -377,9 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             "--max-body-bytes", str(a.max_body_bytes), "--max-prompt-chars", str(a.max_prompt_chars),
             *(["--api-key", a.api_key] if a.api_key else []), *a.server_arg]
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"flashpage-soak-{os.getpid()}.log"
-        server = OwnServer(args, log_path)
-        server.wait_healthy()
-        url, pid = server.url, server.proc.pid
+        server = ServerProcess.python_server(args, log_path).wait_healthy(180)
+        url, pid = server.url, server.pid
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     try:
         models = httpx.get(url + "/v1/models", headers=headers, timeout=10)
@@ -398,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         k = wait_idle(url, headers)
         rss_end = rss_bytes(pid)
     finally:
-        exit_code = server.stop() if server else None
+        exit_code = server.stop(60) if server else None
     t.counts["leaked_blocks"] = k["kv_blocks_total"] - k["kv_blocks_free"]
     t.counts["leaked_requests"] = k["requests_active"] + k["engine_sequences"]
     completed = sum(s[200] for s in t.status.values()) + t.status["dropped"]["finished_before_drop"]

@@ -1,5 +1,17 @@
 """Test helpers shared across the suite (importable as tests.helpers)."""
 
+import json
+
+
+def sse_events(resp) -> list:
+    """The `data:` payloads of a streamed response: parsed JSON events, then "[DONE]"."""
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
 def _train_tokenizer(path, vocab_size: int) -> None:
     """A small byte-level BPE, so tests need no network; saved in Hugging Face format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -2,13 +2,13 @@
 static batches (left-padded) give the tokens transformers' own generate gives one prompt at a time."""
 
 import asyncio
-import json
 import sys
 
 import httpx
 import pytest
 
 from benchmarks.common import REPO_ROOT, ServerProcess, free_port
+from tests.helpers import sse_events
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,6 @@ def naive(tiny_ckpt, tmp_path_factory):
     server.wait_healthy(120)
     yield server.url
     server.stop()
-
-
-def sse_events(resp) -> list:
-    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-            for line in resp.iter_lines() if line.startswith("data: ")]
 
 
 def hf_greedy(ckpt, prompt: list[int], n: int) -> list[int]:

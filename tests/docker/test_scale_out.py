@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -18,31 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.common import ServerProcess, free_port
+
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 NGINX_CONF = REPO / "docker" / "nginx.conf"
 UPSTREAM_LINE = re.compile(r"^\s*server\s+([\w.-]+):8000\b", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, procs, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"exited {p.returncode} before {url}/health answered: {p.log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url}/health never answered 200")
 
 
 def render_nginx_conf(text: str, upstreams: list[str], listen: str) -> str:
@@ -69,24 +48,14 @@ def replicas(tiny_ckpt, tmp_path_factory, environment):
         port = free_port()
         env = environment(FLASHPAGE_MODEL=str(tiny_ckpt), FLASHPAGE_HOST="127.0.0.1", FLASHPAGE_PORT=str(port),
                           FLASHPAGE_NUM_BLOCKS="128", FLASHPAGE_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
-        log = logs / f"replica{i}.log"
-        with open(log, "w") as out:
-            p = subprocess.Popen([str(ENTRYPOINT)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        p.addr, p.log = f"127.0.0.1:{port}", log
-        procs.append(p)
+        procs.append(ServerProcess([str(ENTRYPOINT)], port, logs / f"replica{i}.log", env=env, cwd=REPO))
     try:
         for p in procs:
-            wait_healthy(f"http://{p.addr}", procs)
+            p.wait_healthy(120)
         yield procs
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop(40)
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +67,14 @@ def nginx(replicas, tool, tmp_path_factory):
     port = free_port()
     conf = prefix / "nginx.conf"
     conf.write_text(render_nginx_conf(NGINX_CONF.read_text(), [p.addr for p in replicas], f"127.0.0.1:{port}"))
-    access, errors = prefix / "access.log", prefix / "error.log"
+    access = prefix / "access.log"
     cmd = [binary, "-p", str(prefix), "-e", "stderr", "-c", str(conf), "-g", f"daemon off; pid {prefix}/nginx.pid;"]
-    with open(access, "w") as out, open(errors, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)  # access_log /dev/stdout -> access.log
-    proc.log = errors
-    url = f"http://127.0.0.1:{port}"
+    # access_log /dev/stdout -> access.log, errors (stderr) -> error.log
+    proc = ServerProcess(cmd, port, prefix / "error.log", stdout_path=access)
     try:
-        wait_healthy(url, [proc], timeout=30)
-        yield url, access
+        yield proc.wait_healthy(30).url, access
     finally:
-        proc.send_signal(signal.SIGQUIT)  # graceful stop
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.stop(10, sig=signal.SIGQUIT)  # graceful stop
 
 
 def log_entries(access: Path, request_ids, timeout: float = 5.0) -> dict:
@@ -176,7 +138,9 @@ def test_concurrent_requests_reach_every_replica(nginx, replicas):
 
 def test_streams_pass_through_event_by_event(nginx):
     url, access = nginx
-    body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    # 200 tokens: long enough that nginx's millisecond timings see the stream take time, even
+    # when the tiny model decodes a token in well under a millisecond.
+    body = {"prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     whole = {}
     other = threading.Thread(target=lambda: whole.update(httpx.post(url + "/generate", json=body, timeout=120).json()))
     other.start()  # the non-streamed twin runs at the same time (round-robin: on the other replica)
@@ -191,7 +155,7 @@ def test_streams_pass_through_event_by_event(nginx):
     events = [e for _, e in timed]
     assert events[-1] == "[DONE]"
     final, chunks = events[-2], events[:-2]
-    assert final["finished"] and final["usage"]["completion_tokens"] == 40
+    assert final["finished"] and final["usage"]["completion_tokens"] == 200
     assert [t for e in chunks for t in e["token_ids"]] == whole["token_ids"]
     assert "".join(e["text"] for e in chunks) == whole["text"]
 
@@ -212,8 +176,8 @@ def test_a_stopped_replica_is_taken_out_and_the_rest_serve(nginx, replicas):
     gone, *alive = replicas[::-1]
     # SIGTERM to the entrypoint's pid reaches the server itself (the entrypoint exec'd it): it drains
     # and exits, and nothing is left listening on its port.
-    gone.send_signal(signal.SIGTERM)
-    assert gone.wait(timeout=45) in (0, -signal.SIGTERM), gone.log.read_text()
+    gone.proc.send_signal(signal.SIGTERM)
+    assert gone.proc.wait(timeout=45) in (0, -signal.SIGTERM), gone.log_text()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://{gone.addr}/health", timeout=2)
 

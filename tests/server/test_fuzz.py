@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from benchmarks.soak import OwnServer  # noqa: E402
+from benchmarks.common import ServerProcess  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
@@ -26,11 +26,11 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_ckpt, tmp_path_factory):
-    srv = OwnServer(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "32", "--max-model-len", "64",
-                     "--max-waiting-requests", "-1"], tmp_path_factory.mktemp("fuzz") / "server.log")
-    srv.wait_healthy()
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "32",
+                                       "--max-model-len", "64", "--max-waiting-requests", "-1"],
+                                      tmp_path_factory.mktemp("fuzz") / "server.log").wait_healthy(180)
     yield srv.url
-    assert srv.stop() == 0
+    assert srv.stop(60) == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,57 +1,19 @@
 """POST /generate through a real uvicorn server on loopback (a subprocess, as users start it)."""
 
 import asyncio
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str], timeout: float = 120.0):
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+from benchmarks.common import ServerProcess
+from tests.helpers import sse_events
 
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    proc, url = start_server(["--model", str(tiny_ckpt), "--num-blocks", "64"])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def sse_events(resp) -> list:
-    events = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
+    yield srv.url
+    srv.stop(30, must_exit=True)
 
 
 def test_generate(server):

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_openai import start_server
 
+from benchmarks.common import ServerProcess
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.logs import JsonFormatter, RequestIdFilter, TextFormatter, request_id_var
@@ -20,11 +20,10 @@ from server.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def served(tiny_ckpt):
-    proc, url, lines = start_server(["--model", str(tiny_ckpt), "--num-blocks", "64", "--log-level", "info",
-                                     "--log-format", "json", "--log-stats-interval", "0.05"])
-    yield url, lines
-    proc.terminate()
-    proc.wait(timeout=30)
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64", "--log-level", "info",
+                                       "--log-format", "json", "--log-stats-interval", "0.05"]).wait_healthy(120)
+    yield srv.url, srv.lines
+    srv.stop(30, must_exit=True)
 
 
 def parse(text: str) -> dict:

@@ -2,53 +2,20 @@
 `openai` client: completions, streaming, n > 1, logprobs, echo, prompt lists, errors, models."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 
-
-def start_server(args: list[str], timeout: float = 120.0):
-    """Start `python -m server` on a free port; returns (proc, url, output lines). A thread drains
-    the output, so a chatty log level can never block the server on a full pipe."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
-    if "--log-level" not in args:
-        cmd += ["--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            time.sleep(0.5)
-            raise RuntimeError(f"server exited {proc.returncode}: {''.join(lines)}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, lines
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+from benchmarks.common import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    proc, url, _ = start_server(["--model", str(tiny_ckpt), "--num-blocks", "64"])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
+    yield srv.url
+    srv.stop(30, must_exit=True)
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +225,8 @@ def test_request_id_header_on_every_endpoint(server, model):
 
 
 def test_api_key_applies_to_v1(tiny_ckpt):
-    proc, url, _ = start_server(["--model", str(tiny_ckpt), "--num-blocks", "16", "--api-key", "sekret"])
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "16", "--api-key", "sekret"])
+    url = srv.wait_healthy(120).url
     try:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -268,5 +236,4 @@ def test_api_key_applies_to_v1(tiny_ckpt):
         r = httpx.get(url + "/v1/models")
         assert r.status_code == 401 and r.headers["x-request-id"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        srv.stop(30, must_exit=True)

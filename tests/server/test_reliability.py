@@ -13,59 +13,19 @@ Three servers start together:
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from benchmarks.common import ServerProcess
+from tests.helpers import sse_events
+
 KEY = "test-key-8"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAIL_LATE = 511  # guarded: a step fails once the sequence has 2 tokens
 FAIL_NOW = 510  # small_kv: a step fails at once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, ckpt, args: list[str], env: dict[str, str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server", "--model", str(ckpt), "--device", "cpu", "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError("server did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +38,15 @@ def servers(tiny_ckpt):
         "lifecycle": (["--num-blocks", "64", "--request-timeout", "4.5", "--shutdown-grace", "3"],
                       {"FLASHPAGE_FAULT_INJECT": "sleep=0.02"}),
     }
-    started = {name: Server(tiny_ckpt, args, env) for name, (args, env) in specs.items()}  # start in parallel
+    started = {name: ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", *args], extra_env=env)
+               for name, (args, env) in specs.items()}  # start in parallel
     try:
         for srv in started.values():
-            srv.wait_healthy()
+            srv.wait_healthy(120)
         yield started
     finally:
         for srv in started.values():
-            srv.stop()
+            srv.stop(30)
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +74,6 @@ def assert_all_free(url: str, headers=None, timeout: float = 10.0) -> dict:
 def post(url: str, body=None, headers=AUTH, **kw) -> httpx.Response:
     kw.setdefault("timeout", 60)
     return httpx.post(url + "/generate", json=body, headers=headers, **kw)
-
-
-def sse(resp) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # -- access -----------------------------------------------------------------------------------------
@@ -259,7 +211,7 @@ def test_step_failure_is_500_with_request_id_and_engine_carries_on(guarded):
     with httpx.stream("POST", guarded + "/generate", headers=AUTH, timeout=60,
                       json={"prompt_token_ids": [2, FAIL_LATE], "max_tokens": 10, "stream": True}) as s:
         assert s.status_code == 200
-        events = sse(s)
+        events = sse_events(s)
     assert events[-1] == "[DONE]"
     final, chunks = events[-2], events[:-2]
     assert final["finished"] and final["finish_reason"] == "error"
@@ -328,7 +280,7 @@ def test_request_timeout_ends_with_finish_reason_timeout(servers):
     t0 = time.monotonic()
     with httpx.stream("POST", url + "/generate", timeout=60,
                       json={"prompt": "hi", "max_tokens": 250, "ignore_eos": True, "stream": True}) as s:
-        events = sse(s)
+        events = sse_events(s)
     assert 4.0 < time.monotonic() - t0 < 30
     final = events[-2]
     assert final["finish_reason"] == "timeout" and events[-1] == "[DONE]"
