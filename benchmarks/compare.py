@@ -18,7 +18,7 @@ rewritten after every level, so a run cut short still leaves what it measured.
 Writes `<out-dir>/load_<gpu>.json` ({device, torch, triton, date, command, rows: [{impl,
 concurrency, output_tokens_per_s, requests_per_s, ttft_p50_ms, ...}]}) and the plots
 `load_<gpu>_throughput.png`, `load_<gpu>_latency.png`. `report(result)` turns the JSON into the
-README section. Metric definitions: see benchmarks/load_test.py.
+README section. Metric definitions: see benchmarks/load_metrics.py.
 
 With no --model, a random-initialised GPT-2 small (transformers.GPT2Config() defaults: 124M,
 1024 positions, vocab 50257) is written to a temporary directory with the embedded model's
@@ -47,7 +47,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import REPO_ROOT, ServerProcess, free_port, gpu_slug  # noqa: E402
-from benchmarks.load_test import plot, print_row, run_load  # noqa: E402
+from benchmarks.load_metrics import print_row  # noqa: E402
+from benchmarks.load_plots import plot  # noqa: E402
+from benchmarks.load_test import run_load  # noqa: E402
 
 IMPLS = ("triton", "sdpa", "eager", "naive_hf")
 DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256]

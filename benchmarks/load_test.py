@@ -7,7 +7,9 @@
     python benchmarks/load_test.py plot load.json [other.json ...] --out-prefix load     # PNGs
 
 (`run` may be left out.) From Python: `run_load(url, concurrency=8, num_requests=32, ...)` returns one
-result row (a dict); `plot(results, out_prefix)` draws it.
+result row (a dict); `plot(results, out_prefix)` (benchmarks/load_plots.py) draws it. One client
+process's requests are in benchmarks/load_client.py; the metrics are defined and computed in
+benchmarks/load_metrics.py (its docstring is appended to --help).
 
 Load
 - closed loop (`--concurrency C`): C clients, each sends its next request when the previous one ends.
@@ -29,26 +31,6 @@ Load
   several spawned client processes (one per 32, at most 8 and CPUs - 2; `--workers`) that start
   together and whose records are merged. `client_cpu_util` (busiest process, fraction of a core)
   says whether the load generator itself was close to saturation.
-
-Metrics (one row per run; latencies in ms, each with mean, p50, p90, p99)
-- ttft: request sent -> first SSE event that carries tokens.
-- tpot: per request, (e2e - ttft) / (n_out - 1), over requests with n_out > 1.
-- itl: gaps between SSE events that carry tokens, counted per token: an event carrying k tokens
-  contributes one gap (time since the previous token-carrying event) and then k - 1 zeros, so a
-  request contributes n_out - 1 values whose sum is its last-token time minus its ttft. (The first
-  event's gap is the ttft, not an itl; its remaining k - 1 tokens count as zeros.)
-- e2e: request sent -> `data: [DONE]`.
-  ttft/tpot/itl/e2e are taken over successful requests only.
-- requests_per_s: successful requests / elapsed; output_tokens_per_s: every output token received
-  during the run (those of requests cancelled at the deadline included) / elapsed, where elapsed runs
-  from the first request sent to the last one ended. (With no deadline cut the two token counts are
-  equal; `output_tokens` counts successful requests only.)
-- errors: non-200 answers by status (`errors_by_status`), transport failures by exception type
-  (`errors_by_exception`: ConnectError, ReadTimeout, ...; a stream that ends without `[DONE]` is
-  `IncompleteStream`, an unparsable event `BadEvent`).
-- output tokens are counted from the stream and cross-checked against the final event's
-  `usage.completion_tokens` (`usage_mismatches`, with examples); with ignore_eos, every successful
-  request should also have exactly its `max_tokens` (`length_mismatches`).
 """
 
 from __future__ import annotations
@@ -59,343 +41,22 @@ import datetime
 import json
 import math
 import os
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import summarize  # noqa: E402
-
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
-
-
-# ------------------------------------------------------------------------------- requests
-@dataclass
-class RequestSpec:
-    index: int
-    max_tokens: int
-    prompt_token_ids: list[int] | None = None
-    prompt: str | None = None
-
-    @property
-    def input_len(self) -> int | None:
-        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+from benchmarks import load_metrics  # noqa: E402
+from benchmarks.load_client import Progress, load_prompts, measure, prepare  # noqa: E402
+from benchmarks.load_metrics import RequestRecord, print_row, summarize_records  # noqa: E402
+from benchmarks.load_plots import plot  # noqa: E402
 
 
-@dataclass
-class RequestRecord:
-    index: int
-    max_tokens: int
-    input_len: int | None
-    start: float = 0.0  # perf_counter when the request was sent
-    status: int | None = None
-    error: str | None = None  # "http_400", or an exception type name
-    error_detail: str | None = None
-    cancelled: bool = False
-    done: bool = False  # saw data: [DONE]
-    ttft: float | None = None  # seconds
-    e2e: float | None = None
-    n_out: int = 0  # tokens counted from the stream
-    usage_completion_tokens: int | None = None
-    prompt_tokens: int | None = None
-    finish_reason: str | None = None
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.cancelled and self.done
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.n_out < 2 or self.ttft is None:
-            return None
-        return (self.e2e - self.ttft) / (self.n_out - 1)
-
-
-def load_prompts(path: str | Path, split: str = "line") -> list[str]:
-    text = Path(path).read_text(encoding="utf-8")
-    if split == "line":
-        parts = text.splitlines()
-    elif split == "paragraph":
-        parts = [p.replace("\n", " ") for p in text.split("\n\n")]
-    else:
-        raise ValueError(f"split must be 'line' or 'paragraph', not {split!r}")
-    parts = [p.strip() for p in parts if p.strip()]
-    if not parts:
-        raise ValueError(f"{path} has no prompts")
-    return parts
-
-
-class PromptSource:
-    """Deterministic stream of RequestSpecs (random token ids or text prompts) for one seed."""
-
-    def __init__(self, *, input_len: int, input_jitter: int, output_len: int, output_jitter: int,
-                 vocab_size: int | None = None, prompts: list[str] | None = None, seed: int = 0) -> None:
-        if prompts is None and not vocab_size:
-            raise ValueError("random token prompts need a vocab size (--vocab-size) or --prompts-file")
-        self.rng = random.Random(seed)
-        self.input_len, self.input_jitter = input_len, input_jitter
-        self.output_len, self.output_jitter = output_len, output_jitter
-        self.vocab_size, self.prompts = vocab_size, prompts
-        self.count = 0
-
-    def _uniform(self, mean: int, jitter: int) -> int:
-        return max(1, self.rng.randint(mean - jitter, mean + jitter) if jitter > 0 else mean)
-
-    def next(self) -> RequestSpec:
-        i, self.count = self.count, self.count + 1
-        max_tokens = self._uniform(self.output_len, self.output_jitter)
-        if self.prompts is not None:
-            return RequestSpec(i, max_tokens, prompt=self.prompts[self.rng.randrange(len(self.prompts))])
-        n = self._uniform(self.input_len, self.input_jitter)
-        ids = [self.rng.randrange(self.vocab_size) for _ in range(n)]
-        return RequestSpec(i, max_tokens, prompt_token_ids=ids)
-
-
-async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
-                       body_extra: dict) -> RequestRecord:
-    """POST one streaming request and fill `rec` in place (so a cancelled request keeps what it got)."""
-    body = {"max_tokens": spec.max_tokens, "stream": True, **body_extra}
-    if spec.prompt_token_ids is not None:
-        body["prompt_token_ids"] = spec.prompt_token_ids
-    else:
-        body["prompt"] = spec.prompt
-    rec.start = start = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", url.rstrip("/") + "/generate", json=body) as resp:
-            rec.status = resp.status_code
-            if resp.status_code != 200:
-                await resp.aread()
-                rec.error = f"http_{resp.status_code}"
-                rec.error_detail = resp.text[:300]
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                now = time.perf_counter()
-                if data == "[DONE]":
-                    rec.done = True
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    rec.error, rec.error_detail = "BadEvent", data[:300]
-                    return rec
-                if "error" in event:
-                    rec.error, rec.error_detail = "StreamError", json.dumps(event["error"])[:300]
-                    return rec
-                tokens = event.get("token_ids") or []
-                if tokens:
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    rec.itl.extend([0.0] * (len(tokens) - 1))
-                    last = now
-                    rec.n_out += len(tokens)
-                if event.get("finished"):
-                    rec.finish_reason = event.get("finish_reason")
-                    usage = event.get("usage") or {}
-                    rec.usage_completion_tokens = usage.get("completion_tokens")
-                    rec.prompt_tokens = usage.get("prompt_tokens")
-            rec.e2e = time.perf_counter() - start
-            if not rec.done:
-                rec.error = "IncompleteStream"
-    except asyncio.CancelledError:
-        rec.cancelled = True
-        rec.e2e = time.perf_counter() - start
-        raise
-    except Exception as e:  # transport errors (httpx.HTTPError) and anything else: count, never crash
-        rec.error = type(e).__name__
-        rec.error_detail = str(e)[:300]
-        rec.e2e = time.perf_counter() - start
-    return rec
-
-
-# ------------------------------------------------------------------------------- progress
-class _Progress:
-    """tqdm when installed, else a plain stderr line redrawn at most twice a second."""
-
-    def __init__(self, total: int | None, desc: str, enabled: bool) -> None:
-        self.total, self.desc, self.enabled, self.n = total, desc, enabled, 0
-        self._bar, self._last = None, 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
-        except ImportError:
-            self._bar = None
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.5 or (self.total is not None and self.n >= self.total):
-            self._last = now
-            total = f"/{self.total}" if self.total is not None else ""
-            sys.stderr.write(f"\r{self.desc}: {self.n}{total} requests")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-# ------------------------------------------------------------------------------- the run
-async def _drive(client, url, source, body_extra, *, concurrency, request_rate, max_concurrency, num_requests,
-                 duration, grace, rate_seed, progress) -> tuple[list[RequestRecord], float, float]:
-    """Issue requests until a bound is hit; return (records, t0, t_end) in perf_counter seconds."""
-    records: list[RequestRecord] = []
-    t0 = time.perf_counter()
-    stop_at = t0 + duration if duration is not None else math.inf
-    hard_stop = stop_at + grace
-
-    def more() -> bool:
-        return (num_requests is None or len(records) < num_requests) and time.perf_counter() < stop_at
-
-    def new_record() -> tuple[RequestSpec, RequestRecord]:
-        spec = source.next()
-        rec = RequestRecord(spec.index, spec.max_tokens, spec.input_len)
-        records.append(rec)
-        return spec, rec
-
-    async def one(spec, rec):
-        try:
-            await send_request(client, url, spec, rec, body_extra)
-        finally:
-            progress.update()
-
-    tasks: set[asyncio.Task] = set()
-    if request_rate is None:  # closed loop
-        async def worker():
-            while more():
-                spec, rec = new_record()
-                await one(spec, rec)
-                if rec.error is not None and rec.status is None:
-                    await asyncio.sleep(0.01)  # transport error (server down): do not spin
-
-        tasks = {asyncio.create_task(worker()) for _ in range(concurrency)}
-    else:  # open loop, Poisson arrivals
-        rng = random.Random(rate_seed)
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-
-        async def capped(spec, rec):
-            if sem is None:
-                return await one(spec, rec)
-            try:
-                async with sem:
-                    return await one(spec, rec)
-            except asyncio.CancelledError:
-                rec.cancelled = True  # also when it never got past the cap
-                raise
-
-        async def issuer():
-            next_t = time.perf_counter()
-            while more():
-                tasks.add(asyncio.create_task(capped(*new_record())))
-                if math.isinf(request_rate):
-                    await asyncio.sleep(0)
-                    continue
-                next_t += rng.expovariate(request_rate)
-                delay = next_t - time.perf_counter()
-                if next_t >= stop_at:
-                    break
-                if delay > 0:
-                    await asyncio.sleep(delay)
-
-        issue_task = asyncio.create_task(issuer())
-        await asyncio.wait({issue_task}, timeout=None if math.isinf(hard_stop) else max(0.0, hard_stop - time.perf_counter()))
-        if not issue_task.done():
-            issue_task.cancel()
-        await asyncio.gather(issue_task, return_exceptions=True)
-
-    pending = {t for t in tasks if not t.done()}
-    if pending:
-        timeout = None if math.isinf(hard_stop) else max(0.0, hard_stop - time.perf_counter())
-        _, pending = await asyncio.wait(pending, timeout=timeout)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    t_end = max([t0] + [r.start + r.e2e for r in records if r.e2e is not None])
-    return records, t0, t_end
-
-
-async def fetch_server_info(client: httpx.AsyncClient, url: str) -> dict:
-    """`GET /info` then `/health`: the first JSON object with a `vocab_size` (empty dict if none)."""
-    for path in ("/info", "/health"):
-        try:
-            r = await client.get(url.rstrip("/") + path, timeout=10)
-            if r.status_code == 200:
-                body = r.json()
-                if isinstance(body, dict) and body.get("vocab_size"):
-                    return body
-        except (httpx.HTTPError, ValueError):
-            pass
-    return {}
-
-
-def summarize_records(records: list[RequestRecord], elapsed: float) -> dict:
-    ok = [r for r in records if r.ok]
-    errors = [r for r in records if r.error is not None and not r.cancelled]
-    by_status: dict[str, int] = {}
-    by_exc: dict[str, int] = {}
-    for r in errors:
-        if r.error.startswith("http_"):
-            by_status[r.error[5:]] = by_status.get(r.error[5:], 0) + 1
-        else:
-            by_exc[r.error] = by_exc.get(r.error, 0) + 1
-    mismatches = [r for r in ok if r.usage_completion_tokens != r.n_out]
-    length_mismatches = [r for r in ok if r.n_out != r.max_tokens]
-    out_tokens = sum(r.n_out for r in ok)
-    all_tokens = sum(r.n_out for r in records)
-    in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else (r.input_len or 0) for r in ok)
-    elapsed = max(elapsed, 1e-9)
-    row = {
-        "num_requests": len(records), "completed": len(ok), "cancelled": sum(r.cancelled for r in records),
-        "errors": len(errors), "errors_by_status": by_status, "errors_by_exception": by_exc,
-        "error_examples": sorted({f"{r.error}: {r.error_detail}" for r in errors})[:5],
-        "duration_s": elapsed,
-        "requests_per_s": len(ok) / elapsed,
-        "output_tokens_per_s": all_tokens / elapsed,
-        "completed_output_tokens_per_s": out_tokens / elapsed,
-        "input_tokens_per_s": in_tokens / elapsed,
-        "output_tokens": out_tokens, "output_tokens_received": all_tokens, "input_tokens": in_tokens,
-        "usage_mismatches": len(mismatches),
-        "usage_mismatch_examples": [{"index": r.index, "stream": r.n_out, "usage": r.usage_completion_tokens}
-                                    for r in mismatches[:5]],
-        "length_mismatches": len(length_mismatches),
-        "mean_in_flight": sum(r.e2e for r in records if r.e2e is not None) / elapsed,
-    }
-    values = {
-        "ttft": [r.ttft for r in ok if r.ttft is not None],
-        "tpot": [t for t in (r.tpot for r in ok) if t is not None],
-        "itl": [g for r in ok for g in r.itl],
-        "e2e": [r.e2e for r in ok],
-    }
-    for name in LATENCY_METRICS:
-        for stat, v in summarize(values[name], scale=1000.0).items():
-            row[f"{name}_{stat}_ms"] = v
-    return row
-
-
+# ------------------------------------------------------------------------------- client processes
 def _split(total: int | None, parts: int, i: int) -> int | None:
     """Part i of `total` split as evenly as possible into `parts`."""
     if total is None:
@@ -415,41 +76,6 @@ def auto_workers(concurrency: int | None, request_rate: float | None, max_concur
     return max(1, min(cap, math.ceil(streams / 32)))
 
 
-async def _measure(url: str, *, concurrency, request_rate, max_concurrency, num_requests, duration, grace, shape,
-                   body_extra, seed, timeout, progress, transport=None) -> tuple[list[RequestRecord], float, float, float]:
-    """One process's share of a level: (records, t0, t_end, client CPU seconds)."""
-    pool = (concurrency or max_concurrency or 0) + 16
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=pool)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits,
-                                 transport=transport) as client:
-        cpu = time.process_time()
-        records, t0, t_end = await _drive(client, url, PromptSource(**shape, seed=seed), body_extra,
-                                          concurrency=concurrency, request_rate=request_rate,
-                                          max_concurrency=max_concurrency, num_requests=num_requests,
-                                          duration=duration, grace=grace, rate_seed=seed + 1, progress=progress)
-        return records, t0, t_end, time.process_time() - cpu
-
-
-async def _prepare(url: str, *, vocab_size, prompts, warmup, warmup_concurrency, shape, body_extra, seed, timeout,
-                   progress, label, transport=None) -> tuple[int | None, int]:
-    """Resolve the vocab size (asking the server if needed) and send the warm-up; (vocab, warm-up errors)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                 limits=httpx.Limits(max_connections=None), transport=transport) as client:
-        if prompts is None and not vocab_size:
-            vocab_size = (await fetch_server_info(client, url)).get("vocab_size")
-            if not vocab_size:
-                raise ValueError(f"{url} does not tell its vocab size (GET /info or /health): pass vocab_size")
-        if warmup <= 0:
-            return vocab_size, 0
-        bar = _Progress(warmup, f"{label} warm-up", progress)
-        recs, _, _ = await _drive(client, url, PromptSource(**{**shape, "vocab_size": vocab_size}, seed=seed + 7919),
-                                  body_extra, concurrency=max(1, min(warmup, warmup_concurrency)), request_rate=None,
-                                  max_concurrency=None, num_requests=warmup, duration=None, grace=0.0, rate_seed=0,
-                                  progress=bar)
-        bar.close()
-        return vocab_size, sum(not r.ok for r in recs)
-
-
 class _SharedCounter:
     """Progress from a worker process: bumps a shared integer the parent draws."""
 
@@ -467,7 +93,7 @@ def _worker_main(url, kwargs, counter, ready, start, results, index) -> None:
         with ready.get_lock():
             ready.value += 1
         start.wait()
-        records, t0, t_end, cpu = asyncio.run(_measure(url, **kwargs, progress=_SharedCounter(counter)))
+        records, t0, t_end, cpu = asyncio.run(measure(url, **kwargs, progress=_SharedCounter(counter)))
         results.put((index, [asdict(r) for r in records], t0, t_end, cpu, None))
     except BaseException as e:  # report, never hang the parent
         results.put((index, [], 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"))
@@ -491,8 +117,8 @@ def _measure_in_processes(url: str, workers: int, *, concurrency, request_rate, 
         p = ctx.Process(target=_worker_main, args=(url, share, counter, ready, start, results, i), daemon=True)
         p.start()
         procs.append(p)
-    bar = _Progress(num_requests, f"{label} " + (f"c={concurrency}" if concurrency else f"rate={request_rate}/s")
-                    + f" ({len(procs)} client processes)", progress)
+    bar = Progress(num_requests, f"{label} " + (f"c={concurrency}" if concurrency else f"rate={request_rate}/s")
+                   + f" ({len(procs)} client processes)", progress)
     deadline = time.monotonic() + 120
     while ready.value < len(procs) and time.monotonic() < deadline and any(p.is_alive() for p in procs):
         time.sleep(0.05)  # every child imported and waiting: start them together
@@ -564,7 +190,7 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
     elif workers is None:
         workers = auto_workers(concurrency, request_rate, max_concurrency, output_len)
     workers = max(1, min(workers, concurrency or workers, num_requests or workers))
-    vocab_size, warm_errors = asyncio.run(_prepare(
+    vocab_size, warm_errors = asyncio.run(prepare(
         url, vocab_size=vocab_size, prompts=prompts, warmup=warmup, warmup_concurrency=concurrency or max_concurrency or 8,
         shape=shape, body_extra=body_extra, seed=seed, timeout=timeout, progress=progress, label=label,
         transport=transport))
@@ -574,8 +200,8 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
                  seed=seed, timeout=timeout)
     if workers == 1:
         what = f"c={concurrency}" if request_rate is None else f"rate={request_rate}/s"
-        bar = _Progress(num_requests, f"{label} {what}", progress)
-        records, t0, t_end, cpu = asyncio.run(_measure(url, **level, progress=bar, transport=transport))
+        bar = Progress(num_requests, f"{label} {what}", progress)
+        records, t0, t_end, cpu = asyncio.run(measure(url, **level, progress=bar, transport=transport))
         bar.close()
     else:
         records, t0, t_end, cpu = _measure_in_processes(url, workers, label=label, progress=progress, **level)
@@ -592,95 +218,6 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
     if keep_requests:
         row["requests"] = [{**asdict(r), "ok": r.ok, "tpot": r.tpot} for r in records]
     return row
-
-
-# ------------------------------------------------------------------------------- plots
-def _rows(results) -> list[dict]:
-    if isinstance(results, dict):
-        results = [results]
-    rows = []
-    for r in results:
-        if isinstance(r, (str, Path)):
-            r = json.loads(Path(r).read_text())
-        rows += r.get("rows", [r]) if isinstance(r, dict) else list(r)
-    return rows
-
-
-def _x_of(row: dict) -> tuple[str, float | None]:
-    if row.get("concurrency") is not None:
-        return "concurrency", row["concurrency"]
-    return "request_rate", row.get("request_rate")
-
-
-def plot(results, out_prefix: str | Path, title: str | None = None) -> list[str]:
-    """Throughput vs concurrency (or request rate) and latency percentiles vs concurrency, one line per
-    impl, from result dicts / rows / JSON file paths. Writes `<out_prefix>_throughput.png` and
-    `<out_prefix>_latency.png`; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in _rows(results) if _x_of(r)[1] is not None]
-    if not rows:
-        raise ValueError("no rows with a concurrency or request_rate to plot")
-    xname = _x_of(rows[0])[0]
-    rows = [r for r in rows if _x_of(r)[0] == xname]
-    impls = list(dict.fromkeys(r.get("impl", "server") for r in rows))
-    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}
-    xlabel = "concurrent clients" if xname == "concurrency" else "request rate (req/s)"
-    suffix = f" - {title}" if title else ""
-
-    def series(impl, key):
-        pts = sorted((_x_of(r)[1], r.get(key)) for r in rows if r.get("impl", "server") == impl)
-        return [p[0] for p in pts if p[1] is not None], [p[1] for p in pts if p[1] is not None]
-
-    def style_x(ax):
-        xs = sorted({_x_of(r)[1] for r in rows})
-        if min(xs) > 0 and max(xs) / min(xs) >= 8:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([f"{x:g}" for x in xs])
-        ax.set_xlabel(xlabel)
-        ax.grid(True, alpha=0.3)
-
-    out_prefix = str(out_prefix)
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, ylabel in ((axes[0], "output_tokens_per_s", "output tokens / s"),
-                            (axes[1], "requests_per_s", "requests / s")):
-        for impl in impls:
-            xs, ys = series(impl, key)
-            ax.plot(xs, ys, marker="o", color=colors[impl], label=impl)
-        style_x(ax)
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.suptitle(f"Throughput{suffix}")
-    fig.tight_layout()
-    paths.append(out_prefix + "_throughput.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    names = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency",
-             "e2e": "end-to-end latency"}
-    for ax, metric in zip(axes.flat, LATENCY_METRICS):
-        for impl in impls:
-            for stat, ls in (("p50", "-"), ("p99", "--")):
-                xs, ys = series(impl, f"{metric}_{stat}_ms")
-                ax.plot(xs, ys, marker="o", ls=ls, color=colors[impl], label=impl if stat == "p50" else None)
-        style_x(ax)
-        ax.set_yscale("log")
-        ax.set_ylabel("ms (log)")
-        ax.set_title(f"{names[metric]} (solid p50, dashed p99)")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Latency{suffix}")
-    fig.tight_layout()
-    paths.append(out_prefix + "_latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -715,7 +252,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/load_test.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/load_test.py",
+                                description=__doc__ + "\n" + load_metrics.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="run load levels against a server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -731,25 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out-prefix", required=True)
     pl.add_argument("--title", default=None)
     return p
-
-
-def print_row(row: dict, file=sys.stderr) -> None:
-    x = f"c={row['concurrency']}" if row.get("concurrency") is not None else f"rate={row.get('request_rate')}"
-
-    def ms(key):
-        v = row.get(key)
-        return "-" if v is None else f"{v:.1f}"
-
-    print(f"[{row.get('impl')}] {x}: {row['completed']}/{row['num_requests']} ok, {row['errors']} errors, "
-          f"{row['cancelled']} cancelled | {row['output_tokens_per_s']:.1f} tok/s, {row['requests_per_s']:.2f} req/s | "
-          f"ttft p50 {ms('ttft_p50_ms')} p99 {ms('ttft_p99_ms')} ms, tpot p50 {ms('tpot_p50_ms')} ms, "
-          f"itl p99 {ms('itl_p99_ms')} ms, e2e p50 {ms('e2e_p50_ms')} ms"
-          + (f" | usage mismatches {row['usage_mismatches']}" if row.get("usage_mismatches") else "")
-          + (f" | errors {row['errors_by_status']} {row['errors_by_exception']}" if row.get("errors") else ""),
-          file=file)
-    if (row.get("client_cpu_util") or 0) > 0.8:
-        print(f"   warning: a client process was {row['client_cpu_util']:.0%} busy: the load generator may be the "
-              "bottleneck; use more client processes (--workers)", file=file)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from benchmarks.common import REPO_ROOT, ServerProcess, free_port
-from benchmarks.load_test import plot, run_load
+from benchmarks.load_plots import plot
+from benchmarks.load_test import run_load
 
 VOCAB = 512  # tests/conftest.py make_checkpoint's default; n_positions 256
 
