@@ -22,6 +22,11 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """Flat cache slot of token `position` of a sequence with this page table."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 @dataclass
 class _Block:
     ref_count: int = 0
@@ -105,12 +110,6 @@ class BlockAllocator:
             del self.by_hash[block.hash]
         block.hash, block.token_ids = None, ()
 
-    def reset_prefix_cache(self) -> None:
-        for bid in list(self.evictable):
-            self._uncache(bid)
-            self.free_ids.append(bid)
-        self.evictable.clear()
-
 
 @dataclass
 class SeqBlocks:
@@ -163,9 +162,13 @@ class BlockManager:
             seq.block_table.append(alloc.allocate())
         return num_cached
 
+    def blocks_missing(self, seq: SeqBlocks, num_tokens: int) -> int:
+        """New blocks the sequence needs to hold `num_tokens` tokens in total."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+
     def can_append(self, seq: SeqBlocks, num_tokens: int) -> bool:
         """Room for the sequence to hold `num_tokens` tokens in total?"""
-        return self.allocator.can_allocate(max(0, self.blocks_for(num_tokens) - len(seq.block_table)))
+        return self.allocator.can_allocate(self.blocks_missing(seq, num_tokens))
 
     def append_slot(self, seq: SeqBlocks, num_tokens: int) -> None:
         while len(seq.block_table) < self.blocks_for(num_tokens):
@@ -192,7 +195,7 @@ class BlockManager:
         seq.hashes.clear()
 
     def slot(self, seq: SeqBlocks, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return slot_of(seq.block_table, position, self.block_size)
 
     def check_all_free(self) -> bool:
         """True when no block is referenced (what leak tests assert)."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
+from kvcache import slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
 
 log = logging.getLogger("flashpage.graphs")
@@ -81,7 +81,7 @@ class DecodeGraphs:
             table = seq.blocks.block_table
             ids[i] = seq.token_ids[p]
             pos[i] = p
-            slots[i] = table[p // block_size] * block_size + p % block_size
+            slots[i] = slot_of(table, p, block_size)
             ctx[i] = p + 1
             bt[i, : len(table)] = table
         slots[n:size], ctx[n:size], ids[n:size], pos[n:size] = -1, 1, 0, 0

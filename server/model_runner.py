@@ -9,19 +9,14 @@ with prefill runs eagerly.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
-from kvcache import CacheSpec, allocate_kv_cache
+from kvcache import CacheSpec, allocate_kv_cache, slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
 from server.batch import Packer, pad_rows
 from server.sampling import sample
 from server.scheduler import SchedulerOutput
-
-log = logging.getLogger("flashpage.runner")
-
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHeadModel, spec: CacheSpec, device: torch.device, max_num_seqs: int,
@@ -117,7 +112,7 @@ class ModelRunner:
             if n == 1:  # decode: plain ints, numpy calls cost more than they save here
                 ids.append(seq.token_ids[lo : lo + 1])
                 pos.append((lo,))
-                slots.append((table[lo // bs] * bs + lo % bs,))
+                slots.append((slot_of(table, lo, bs),))
             else:
                 ids.append(seq.token_ids[lo : lo + n])
                 pos.append(np.arange(lo, lo + n))

@@ -89,7 +89,7 @@ class Scheduler:
                 i += 1
                 continue
             # Make room for this chunk's KV, preempting the newest others if the cache is full.
-            extra = self.bm.blocks_for(seq.num_computed + n) - len(seq.blocks.block_table)
+            extra = self.bm.blocks_missing(seq.blocks, seq.num_computed + n)
             if extra > 0:
                 while self.bm.num_free_blocks < extra and self.running[-1] is not seq:
                     self._preempt(self.running[-1], out)
