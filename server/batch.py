@@ -1,8 +1,9 @@
 """Host-side batch packing: every int32 array a step needs goes through one pinned buffer and one
 host-to-device copy, and comes out as views of one device buffer (no per-step device allocation).
 
-The host buffer is reused every step. That is safe because each step ends by copying the sampled
-ids back to the host, which waits for the stream, so the previous step's upload has completed.
+There are two pinned host buffers, used in turn: with asynchronous scheduling step k is packed
+while step k-1 may not have started on the device, so its upload may still be reading the other
+buffer; the engine has waited for step k-2 to finish before packing step k.
 """
 
 from __future__ import annotations
@@ -14,25 +15,29 @@ import torch
 class Packer:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda)
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self.host
+        self.hosts = [torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        self.turn = 0
+        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self.hosts[0]
 
     def pack(self, arrays: list) -> list[torch.Tensor]:
         """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; views."""
+        if self.on_cuda:
+            self.turn = 1 - self.turn
+        host, host_np = self.hosts[self.turn], self.host_nps[self.turn]
         spans, off = [], 0
         for a in arrays:
             a = np.asarray(a, dtype=np.int32)
             n = a.size
-            if off + n > self.host_np.size:
-                raise ValueError(f"batch needs {off + n} int32 slots, packer holds {self.host_np.size}")
-            self.host_np[off : off + n] = a.reshape(-1)
+            if off + n > host_np.size:
+                raise ValueError(f"batch needs {off + n} int32 slots, packer holds {host_np.size}")
+            host_np[off : off + n] = a.reshape(-1)
             spans.append((off, a.shape))
             # Start every array on a 16-byte boundary: Triton specialises kernels on pointer
             # alignment, so shifting alignments would compile new variants mid-serving.
             off += -(-n // 4) * 4
         if self.on_cuda:
-            self.dev[:off].copy_(self.host[:off], non_blocking=True)
+            self.dev[:off].copy_(host[:off], non_blocking=True)
         return [self.dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]
 
 

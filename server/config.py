@@ -22,5 +22,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off

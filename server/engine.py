@@ -95,6 +95,7 @@ class LLMEngine:
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()  # test-only (server/faults.py); None in production
         self.stats = None  # server/metrics.EngineStats: on_first_token / on_finish / on_step hooks
+        self.inflight = None  # (batch, StepHandle) launched but not yet turned into outputs
 
     def _num_blocks(self, spec: CacheSpec) -> int:
         cfg = self.config
@@ -167,35 +168,59 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then turn the sampled tokens of the step launched before it
+        into outputs (asynchronous scheduling: the host works on step k-1's results while the
+        device runs step k). With `async_scheduling` off, a step's own results come back at once."""
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        launched = None
+        if not batch.is_empty:
+            try:
+                if self.faults is not None:
+                    self.faults.before_step(batch)
+                launched = (batch, self.runner.launch(batch))
+            except Exception as e:
+                return self._finish(self.inflight) + self._fail_step(batch, e)
+            self.scheduler.after_step(batch)
+            for row, seq in enumerate(launched[1].rows):
+                seq.add_placeholder(row)
+                n_out = len(seq.output_token_ids) + seq.num_pending
+                seq.capped = n_out >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        if self.config.async_scheduling:
+            outputs, self.inflight = self._finish(self.inflight), launched
+            return outputs
+        return self._finish(launched)
+
+    def _finish(self, launched) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and advance its sequences with them."""
+        self.inflight = None
+        if launched is None:
             return []
+        batch, handle = launched
         try:
-            if self.faults is not None:
-                self.faults.before_step(batch)
-            token_ids, top = self.runner.execute(batch)
+            token_ids, top = self.runner.collect(handle)
         except Exception as e:
             return self._fail_step(batch, e)
         self.consecutive_step_failures = 0
-        self.scheduler.after_step(batch)
         outputs = []
-        sampled = [item.seq for item in batch.scheduled if item.samples]
         now = time.monotonic()
-        for j, (seq, tok) in enumerate(zip(sampled, token_ids)):
+        for j, (seq, tok) in enumerate(zip(handle.rows, token_ids)):
+            if seq.is_finished:  # stopped, aborted or failed while this step was in flight
+                continue
+            seq.resolve(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
                 if self.stats is not None:
                     self.stats.on_first_token(seq, now)
-            seq.append_token(tok)
             self.num_generated_tokens += 1
-            if top is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(top[j])
-            outputs.append(self._advance(seq, tok, top[j] if top is not None and seq.params.logprobs is not None else None))
+            logprob = top[j] if top is not None and seq.params.logprobs is not None else None
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            outputs.append(self._advance(seq, tok, logprob))
         if self.stats is not None:
             self.stats.on_step(batch, now)
         return outputs
@@ -211,6 +236,8 @@ class LLMEngine:
         outputs = []
         for item in batch.scheduled:
             seq = item.seq
+            if seq.is_finished:
+                continue
             self._retire(seq, "error")
             outputs.append(RequestOutput(seq.request_id, "", [], True, "error", len(seq.prompt_token_ids),
                                          len(seq.output_token_ids), text=seq.text,

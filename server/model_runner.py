@@ -9,6 +9,8 @@ with prefill runs eagerly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -17,6 +19,20 @@ from models import AttentionMetadata, GPT2LMHeadModel
 from server.batch import Packer, pad_rows
 from server.sampling import sample
 from server.scheduler import SchedulerOutput
+from server.sequence import PLACEHOLDER, Sequence
+
+
+@dataclass
+class StepHandle:
+    """A launched step: which sequences sample, and where their results will land on the host."""
+
+    rows: list[Sequence]
+    ids: torch.Tensor | None = None  # [len(rows)] int32, host (pinned on CUDA)
+    top: torch.Tensor | None = None  # [len(rows), 1 + 2k] fp32: chosen logprob, top-k ids, top-k logprobs
+    k: int = 0
+    want: list[int | None] = field(default_factory=list)
+    event: torch.cuda.Event | None = None  # recorded after the copies; collect() waits on it
+
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHeadModel, spec: CacheSpec, device: torch.device, max_num_seqs: int,
@@ -33,6 +49,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.generators: dict[str, torch.Generator] = {}
+        self.on_cuda = device.type == "cuda"
+        # The last step's sampled ids stay here, on the device, for the next step's placeholders.
+        self.last_ids = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        # Two pinned landing buffers: step k's copy must not overwrite step k-1's before it is read.
+        self.host_ids = [torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
+        self.flip = 0
 
     # -- start-up -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -93,7 +115,8 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         from server.cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device,
+                                   self.last_ids)
         self.graphs.capture()
 
     # -- one step -----------------------------------------------------------------------------
@@ -103,17 +126,24 @@ class ModelRunner:
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         items = batch.scheduled
-        ids, pos, slots, ends = [], [], [], []
+        ids, pos, slots, ends, dst, src = [], [], [], [], [], []
         bs = self.block_size
         offset = 0
         for item in items:
             seq, lo, n = item.seq, item.start, item.num_tokens
             table = seq.blocks.block_table
             if n == 1:  # decode: plain ints, numpy calls cost more than they save here
-                ids.append(seq.token_ids[lo : lo + 1])
+                tok = seq.token_ids[lo]
+                if tok == PLACEHOLDER:  # sampled by the step before, still on the device only
+                    dst.append(offset)
+                    src.append(seq.pending_row)
+                    tok = 0
+                ids.append((tok,))
                 pos.append((lo,))
                 slots.append((slot_of(table, lo, bs),))
             else:
+                if lo + n > seq.num_tokens - seq.num_pending:  # the scheduler never does this
+                    raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
                 ids.append(seq.token_ids[lo : lo + n])
                 pos.append(np.arange(lo, lo + n))
                 slots.append(self._slots(table, lo, lo + n))
@@ -130,8 +160,13 @@ class ModelRunner:
         if dec:
             width = max(len(s.seq.blocks.block_table) for s in dec)
             arrays += [[s.start + 1 for s in dec], pad_rows([s.seq.blocks.block_table for s in dec], width)]
+        if dst:
+            arrays += [dst, src]
         views = self.packer.pack(arrays)
         input_ids, positions, slot_mapping, ends_t = views[:4]
+        if dst:
+            input_ids[views[-2].long()] = self.last_ids[views[-1].long()]
+            views = views[:-2]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=sum(s.num_tokens for s in pre))
         rest = views[4:]
         if pre:
@@ -144,32 +179,65 @@ class ModelRunner:
             meta.context_lens, meta.decode_block_tables = rest
         return input_ids, positions, meta, ends_t
 
-    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput) -> StepHandle:
+        """Enqueue one step on the device and return without waiting for it: the sampled ids (and
+        logprobs) are on their way to pinned host memory; `collect()` waits for them. Sampled ids
+        also stay on the device (`last_ids`), where the next step reads its placeholder tokens."""
+        with torch.inference_mode():
+            rows = [item.seq for item in batch.scheduled if item.samples]
+            if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
+                logits = self.graphs.run(batch.decodes, self.block_size)
+            else:
+                input_ids, positions, meta, ends = self.prepare(batch)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                if not rows:
+                    return StepHandle(rows)
+                logits = self.model.compute_logits(hidden[ends])
+            gens = [self._generator(s.request_id, s.params.seed) for s in rows]
+            want = [s.params.logprobs for s in rows]
+            ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
+            n = len(rows)
+            self.last_ids[:n].copy_(ids)
+            self.flip = 1 - self.flip
+            host_ids = self._to_host(self.last_ids[:n], self.host_ids[self.flip][:n])
+            handle = StepHandle(rows, host_ids, want=want)
+            if logprobs is not None:
+                k = max(max(w or 0 for w in want), 1)
+                chosen = logprobs.gather(1, ids[:, None])
+                top_v, top_i = logprobs.topk(k, dim=-1)
+                packed = torch.cat([chosen, top_i.float(), top_v], dim=1)
+                handle.top = self._to_host(packed, torch.empty(packed.shape, pin_memory=self.on_cuda))
+                handle.k = k
+            if self.on_cuda:
+                handle.event = torch.cuda.Event()
+                handle.event.record()
+            return handle
+
+    def _to_host(self, src: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+        if not self.on_cuda:
+            return src.clone()
+        pinned.copy_(src, non_blocking=True)
+        return pinned
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+        """Wait for a launched step; return the sampled token of each row (in batch order) and, where
+        requests asked for logprobs, the chosen token's and the top alternatives'."""
+        if handle.event is not None:
+            handle.event.synchronize()  # releases the GIL while the device finishes
+        if handle.ids is None:
+            return [], None
+        ids = handle.ids.tolist()
+        if handle.top is None:
+            return ids, None
+        k, top = handle.k, []
+        for j, (r, w) in enumerate(zip(handle.top.tolist(), handle.want)):
+            w = w or 0
+            top.append([(ids[j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + w], r[1 + k : 1 + k + w])])
+        return ids, top
+
     def execute(self, batch: SchedulerOutput) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
-        """Run one step. Returns the sampled token of each scheduled sequence that samples (in batch
-        order) and, where requests asked for logprobs, the chosen token's and the top alternatives'."""
-        rows = [item.seq for item in batch.scheduled if item.samples]
-        if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
-            logits = self.graphs.run(batch.decodes, self.block_size)
-        else:
-            input_ids, positions, meta, ends = self.prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if not rows:
-                return [], None
-            logits = self.model.compute_logits(hidden[ends])
-        gens = [self._generator(s.request_id, s.params.seed) for s in rows]
-        want = [s.params.logprobs for s in rows]
-        ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
-        if logprobs is None:
-            return ids.tolist(), None  # the step's one device-to-host transfer
-        k = max(max(w or 0 for w in want), 1)
-        chosen = logprobs.gather(1, ids[:, None])[:, 0]
-        top_v, top_i = logprobs.topk(k, dim=-1)
-        packed = torch.cat([ids[:, None].float(), chosen[:, None], top_i.float(), top_v], dim=1).tolist()
-        out_ids = [int(r[0]) for r in packed]
-        top = [[(out_ids[j], r[1])] + [(int(t), v) for t, v in zip(r[2 : 2 + (want[j] or 0)], r[2 + k : 2 + k + (want[j] or 0)])]
-               for j, r in enumerate(packed)]
-        return out_ids, top
+        """launch() + collect(): one step, synchronously."""
+        return self.collect(self.launch(batch))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -83,6 +83,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.capped:  # its last token is in flight; it finishes when that arrives
+                i += 1
+                continue
             remaining = seq.num_tokens - seq.num_computed
             n = remaining if remaining == 1 else self._prefill_chunk(remaining, budget, bool(out.prefills))
             if n == 0:
@@ -149,7 +152,8 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed = item.start + item.num_tokens
-            self.bm.cache_computed(seq.blocks, seq.token_ids, seq.num_computed)
+            # Only blocks whose token ids are all known: a placeholder cannot be hashed.
+            self.bm.cache_computed(seq.blocks, seq.token_ids, min(seq.num_computed, seq.num_tokens - seq.num_pending))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (or abort) a sequence wherever it is, returning its blocks."""

@@ -11,6 +11,9 @@ from kvcache import SeqBlocks
 from server.sampling import SamplingParams
 
 
+PLACEHOLDER = -1  # token id not yet known on the host (see Sequence.pending_row)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,15 +42,40 @@ class Sequence:
     read_offset: int = 0
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # Asynchronous scheduling: a step is launched before the previous one's sampled ids reach the
+    # host, so the newest token(s) may still be PLACEHOLDERs. `pending_row` is the row of the newest
+    # one in the launched step's sampled ids (the runner gathers it on the GPU); `capped` stops
+    # scheduling once the placeholders reach max_tokens or the context limit.
+    pending_row: int = -1
+    capped: bool = False
 
     token_ids: list[int] = field(init=False)  # prompt + output, kept as one list: read every step
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
 
-    def append_token(self, tok: int) -> None:
+    def add_placeholder(self, row: int) -> None:
+        """A step that samples this sequence's next token was launched; its id is row `row` of that
+        step's sampled ids, not yet on the host."""
+        self.token_ids.append(PLACEHOLDER)
+        self.pending_row = row
+
+    def resolve(self, tok: int) -> None:
+        """The oldest placeholder's id arrived."""
+        i = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.token_ids[i] = tok
         self.output_token_ids.append(tok)
-        self.token_ids.append(tok)
+        if i == len(self.token_ids) - 1:
+            self.pending_row = -1
+
+    def append_token(self, tok: int) -> None:
+        self.add_placeholder(-1)
+        self.resolve(tok)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens sampled by launched steps whose ids have not reached the host yet."""
+        return len(self.token_ids) - len(self.prompt_token_ids) - len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
