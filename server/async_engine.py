@@ -1,17 +1,24 @@
 """Drives the synchronous engine from asyncio.
 
-One background task loops: hand pending adds/aborts and a `step()` to a single worker thread, then
-route each output to the queue of the request it belongs to. The engine is touched only from that
-worker thread, so it needs no locks; the event loop stays free to accept and stream requests while
-the model runs.
+The engine runs in its own thread, stepping back to back while there is work: it takes the adds
+and aborts the event loop queued, runs `step()`, and hands the step's outputs to the event loop in
+one `call_soon_threadsafe`. It never waits for the HTTP side, and the engine is touched only from
+that thread, so it needs no locks.
+
+Each request's outputs land in a collector. When a consumer is behind (the event loop busy with
+hundreds of streams), the outputs waiting for it are merged into one: it then sends one SSE event
+with several tokens instead of falling further behind one event per token. vLLM streams the same
+way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import threading
+from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from server.engine import LLMEngine, RequestError, RequestOutput
 from server.sampling import SamplingParams
@@ -47,49 +54,91 @@ class _Cutoff:
         self.reason = reason
 
 
+class _Collector:
+    """One request's undelivered outputs; consecutive RequestOutputs merge into one."""
+
+    __slots__ = ("items", "ready")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        items = self.items
+        if (items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput)
+                and item.finish_reason != "error"):  # a failure stays separate: the tokens before it are kept
+            items[-1] = _merge(items[-1], item)
+        else:
+            items.append(item)
+        self.ready.set()
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """a then b as one output: the deltas concatenated, everything cumulative from b."""
+    b.new_text = a.new_text + b.new_text
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_logprobs = a.new_logprobs + b.new_logprobs
+    return b
+
+
+# The engine thread waits on the device with the GIL released; when the step it waits for ends it
+# must get the GIL back before the device runs dry. Python's default 5 ms switch interval is longer
+# than a decode step, so a busy event loop could hold the GIL that long.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None, request_timeout: float | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting  # admitted-but-not-running requests beyond which new ones get 503
         self.request_timeout = request_timeout  # seconds from arrival; past it: finish_reason "timeout"
         self.draining = False  # shutting down: admit nothing new
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Collector] = {}
+        self._lock = threading.Lock()  # guards _adds / _aborts, filled by the loop, drained by the engine
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashpage-step")
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop = asyncio.get_running_loop()
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._executor.shutdown(wait=True)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
 
     @property
     def num_active(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not in the running batch (new, queued or preempted)."""
-        return max(0, len(self._queues) - len(self.engine.scheduler.running))
+        return max(0, len(self._streams) - len(self.engine.scheduler.running))
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self._queues or request_id in self._aborts
+        return request_id in self._streams or request_id in self._aborts
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as they come; abort the request if the consumer stops early.
+        """Yield outputs as they come (merged when the consumer is behind); abort the request if
+        the consumer stops early.
 
         Raises RequestError (400), ServiceUnavailableError (503: draining, or the waiting queue is
         full), EngineDeadError (503), RequestFailedError (500: the step that ran it failed). A
@@ -101,27 +150,21 @@ class AsyncEngine:
             raise ServiceUnavailableError("the server is shutting down", retry_after=5)
         if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params)  # read-only checks: safe off the worker thread
+        self.engine.validate(prompt_token_ids, params)  # read-only checks: safe off the engine thread
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
                                           f"{self.max_waiting}); retry later")
-        loop = asyncio.get_running_loop()
-        deadline = None if self.request_timeout is None else loop.time() + self.request_timeout
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._adds.append((request_id, prompt_token_ids, params))
+        stream = self._streams[request_id] = _Collector()
+        timer = None
+        if self.request_timeout is not None:
+            timer = self._loop.call_later(self.request_timeout, self._cut_off, request_id, "timeout")
+        with self._lock:
+            self._adds.append((request_id, prompt_token_ids, params))
         self._wake.set()
         finished, last = False, None
         try:
             while not finished:
-                if deadline is None:
-                    item = await queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
-                    except asyncio.TimeoutError:
-                        self.abort(request_id)
-                        item = _Cutoff("timeout")
+                item = await stream.get()
                 if isinstance(item, _Cutoff):
                     finished = True
                     yield RequestOutput(request_id, "", [], True, item.reason, len(prompt_token_ids),
@@ -129,6 +172,7 @@ class AsyncEngine:
                                         token_ids=list(last.token_ids) if last else [])
                     break
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 if item.finish_reason == "error":
                     finished = True
@@ -136,63 +180,73 @@ class AsyncEngine:
                 finished, last = item.finished, item
                 yield item
         finally:
+            if timer is not None:
+                timer.cancel()
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None:
-            self._aborts.append(request_id)
+        if self._streams.pop(request_id, None) is not None:
+            with self._lock:
+                self._aborts.append(request_id)
             self._wake.set()
+
+    def _cut_off(self, request_id: str, reason: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.abort(request_id)
+            stream.put(_Cutoff(reason))
 
     def abort_all(self, reason: str = "abort") -> int:
         """End every request in flight now (shutdown): each gets finish_reason `reason` and the
         text it has so far; the engine frees their blocks at its next step."""
-        queues = list(self._queues.items())
-        for rid, queue in queues:
-            self.abort(rid)
-            queue.put_nowait(_Cutoff(reason))
-        return len(queues)
+        rids = list(self._streams)
+        for rid in rids:
+            self._cut_off(rid, reason)
+        return len(rids)
 
-    # -- the loop -----------------------------------------------------------------------------
-    def _step(self, adds, aborts):
-        errors = []
-        for rid, ids, params in adds:
-            try:
-                self.engine.add_request(rid, ids, params)
-            except RequestError as e:
-                errors.append((rid, e))
-        for rid in aborts:
-            self.engine.abort_request(rid)
-        return (self.engine.step() if self.engine.has_unfinished() else []), errors
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    # -- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
         try:
-            while True:
-                if not self._adds and not self._aborts and not self.engine.has_unfinished():
+            while not self._stopping:
+                with self._lock:
+                    adds, aborts = self._adds, self._aborts
+                    self._adds, self._aborts = [], []
+                if not adds and not aborts and not engine.has_unfinished():
+                    self._wake.wait()
                     self._wake.clear()
-                    await self._wake.wait()
                     continue
-                adds, aborts = self._adds, self._aborts
-                self._adds, self._aborts = [], []
-                outputs, errors = await loop.run_in_executor(self._executor, self._step, adds, aborts)
-                for rid, err in errors:
-                    self._deliver(rid, err)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                await asyncio.sleep(0)  # let handlers run between steps
-        except asyncio.CancelledError:
-            raise
+                errors = []
+                for rid, ids, params in adds:
+                    try:
+                        engine.add_request(rid, ids, params)
+                    except RequestError as e:
+                        errors.append((rid, e))
+                for rid in aborts:
+                    engine.abort_request(rid)
+                outputs = engine.step() if engine.has_unfinished() else []
+                if outputs or errors:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs, errors)
         except BaseException as e:  # the engine cannot continue: fail everyone, report unhealthy
             log.exception("engine loop died")
             self.dead = e
-            for rid in list(self._queues):
-                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+            self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _deliver(self, rid: str, item) -> None:
-        queue = self._queues.get(rid)
-        if queue is None:
-            return
-        queue.put_nowait(item)
-        if isinstance(item, BaseException) or item.finished:
-            del self._queues[rid]
+    def _deliver(self, outputs: list[RequestOutput], errors) -> None:
+        streams = self._streams
+        for rid, err in errors:
+            stream = streams.pop(rid, None)
+            if stream is not None:
+                stream.put(err)
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.put(out)
+            if out.finished:
+                del streams[out.request_id]
+
+    def _fail_all(self, e: BaseException) -> None:
+        for rid in list(self._streams):
+            self._streams.pop(rid).put(EngineDeadError(f"engine failed: {e!r}"))

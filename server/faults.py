@@ -39,6 +39,7 @@ class FaultInjector:
         if self.sleep:
             time.sleep(self.sleep)
         if self.raise_token is not None and any(
-                self.raise_token in item.seq.prompt_token_ids and len(item.seq.output_token_ids) >= self.after
+                self.raise_token in item.seq.prompt_token_ids
+                and len(item.seq.output_token_ids) + item.seq.num_pending >= self.after
                 for item in batch.scheduled):
             raise InjectedFault(f"injected fault ({ENV}: raise={self.raise_token})")
