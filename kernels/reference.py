@@ -103,3 +103,13 @@ def kv_write_ref(
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def add_layernorm_ref(x, y, weight, bias, eps):
+    """(x + y, LayerNorm(x + y)): the residual add and the next sub-layer's pre-norm."""
+    s = x + y
+    return s, torch.nn.functional.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def embed_ref(input_ids, positions, wte, wpe):
+    return wte[input_ids.long()] + wpe[positions.long()]

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
 
+from kernels.fused_norm import add_layernorm, embed
 from models.attention import AttentionMetadata, make_attention
 
 
@@ -66,9 +67,19 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, x, kv_cache, meta):
-        x = x + self.attn(self.ln_1(x), kv_cache, meta)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, kv_cache, meta: AttentionMetadata, next_norm: nn.LayerNorm,
+                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; h = ln_1(x). Returns the new residual stream and next_norm of it
+        (the next block's ln_1, or the final ln_f), so each residual add shares a kernel with a norm."""
+        x, h = _add_norm(x, self.attn(h, kv_cache, meta), self.ln_2, fused)
+        return _add_norm(x, self.mlp(h), next_norm, fused)
+
+
+def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused:
+        return add_layernorm(x, y, norm.weight, norm.bias, norm.eps)
+    x = x + y
+    return x, norm(x)
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -89,11 +100,20 @@ class GPT2LMHeadModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        x = self.wte(input_ids) + self.wpe(positions)
-        for block, kv_cache in zip(self.h, kv_caches):
-            x = block(x, kv_cache, meta)
-        return self.ln_f(x)
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after ln_f).
+
+        On CUDA the embedding and each residual-add + LayerNorm pair run as one Triton kernel
+        (kernels/fused_norm.py); elsewhere as plain torch ops."""
+        fused = input_ids.is_cuda
+        if fused:
+            x = embed(input_ids, positions, self.wte.weight, self.wpe.weight)
+        else:
+            x = self.wte(input_ids) + self.wpe(positions)
+        h = self.h[0].ln_1(x)
+        norms = [b.ln_1 for b in self.h[1:]] + [self.ln_f]
+        for block, kv_cache, norm in zip(self.h, kv_caches, norms):
+            x, h = block(x, h, kv_cache, meta, norm, fused)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head, fp32 logits for sampling."""
