@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvcache import slot_of
@@ -84,17 +85,18 @@ class DecodeGraphs:
         self.turn = 1 - self.turn
         host = self.hosts[self.turn]
         ids, pos, slots, ctx, src, bt = self._views(self.host_nps[self.turn])
-        for i, item in enumerate(decodes):
-            seq, p = item.seq, item.start
-            table = seq.blocks.block_table
-            tok = seq.token_ids[p]
-            if tok < 0:  # a placeholder: the id is row `pending_row` of the last step's sample
-                ids[i], src[i] = 0, seq.pending_row
-            else:
-                ids[i], src[i] = tok, -1
-            pos[i] = p
-            slots[i] = slot_of(table, p, block_size)
-            ctx[i] = p + 1
+        seqs = [item.seq for item in decodes]
+        starts = [item.start for item in decodes]
+        toks = [s.token_ids[p] for s, p in zip(seqs, starts)]
+        # A placeholder's id is row `pending_row` of the last step's sample, read on the device.
+        src[:n] = [s.pending_row if t < 0 else -1 for s, t in zip(seqs, toks)]
+        ids[:n] = toks
+        np.maximum(ids[:n], 0, out=ids[:n])
+        pos[:n] = starts
+        ctx[:n] = pos[:n] + 1
+        slots[:n] = [slot_of(s.blocks.block_table, p, block_size) for s, p in zip(seqs, starts)]
+        for i, s in enumerate(seqs):
+            table = s.blocks.block_table
             bt[i, : len(table)] = table
         slots[n:size], ctx[n:size], ids[n:size], pos[n:size], src[n:size] = -1, 1, 0, 0, -1
         bt[n:size, 0] = 0

@@ -185,10 +185,11 @@ class LLMEngine:
             except Exception as e:
                 return self._finish(self.inflight) + self._fail_step(batch, e)
             self.scheduler.after_step(batch)
+            max_len = self.max_model_len
             for row, seq in enumerate(launched[1].rows):
                 seq.add_placeholder(row)
-                n_out = len(seq.output_token_ids) + seq.num_pending
-                seq.capped = n_out >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+                n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
+                seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         if self.config.async_scheduling:
             outputs, self.inflight = self._finish(self.inflight), launched
             return outputs

@@ -149,11 +149,13 @@ class Scheduler:
 
     def after_step(self, out: SchedulerOutput) -> None:
         """Advance progress for what ran, and publish newly computed full blocks to the prefix cache."""
+        bs = self.bm.block_size
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed = item.start + item.num_tokens
-            # Only blocks whose token ids are all known: a placeholder cannot be hashed.
-            self.bm.cache_computed(seq.blocks, seq.token_ids, min(seq.num_computed, seq.num_tokens - seq.num_pending))
+            seq.num_computed = n = item.start + item.num_tokens
+            if n // bs > len(seq.blocks.hashes):  # a block filled up (the common step fills none)
+                # Only blocks whose token ids are all known: a placeholder cannot be hashed.
+                self.bm.cache_computed(seq.blocks, seq.token_ids, min(n, seq.num_tokens - seq.num_pending))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (or abort) a sequence wherever it is, returning its blocks."""
