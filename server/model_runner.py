@@ -185,20 +185,14 @@ class ModelRunner:
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens."""
         with torch.inference_mode():
             rows = [item.seq for item in batch.scheduled if item.samples]
-            if not rows and not batch.prefills:
-                return StepHandle(rows)
-            if self.graphs is not None and batch.decodes and len(batch.decodes) <= self.graphs.max_batch:
-                # Decodes replay their graph; prefill chunks in the same step run eagerly beside
-                # them. Under steady traffic nearly every step admits a prompt, and running those
-                # steps whole in eager mode would forfeit the graphs exactly when load is highest.
+            if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
                 logits = self.graphs.run(batch.decodes, self.block_size)
-                if batch.prefills:
-                    pre = self._eager(SchedulerOutput(prefills=batch.prefills))
-                    logits = torch.cat([pre, logits]) if pre is not None else logits
             else:
-                logits = self._eager(batch)
-                if logits is None:
+                input_ids, positions, meta, ends = self.prepare(batch)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                if not rows:
                     return StepHandle(rows)
+                logits = self.model.compute_logits(hidden[ends])
             gens = [self._generator(s.request_id, s.params.seed) for s in rows]
             want = [s.params.logprobs for s in rows]
             ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
@@ -218,14 +212,6 @@ class ModelRunner:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
-
-    def _eager(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Run the batch without graphs; logits of the rows that sample (None if none does)."""
-        input_ids, positions, meta, ends = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if ends.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[ends])
 
     def _to_host(self, src: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
         if not self.on_cuda:
