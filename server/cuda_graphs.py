@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from kvcache import slot_of
@@ -87,11 +86,7 @@ class DecodeGraphs:
         ids, pos, slots, ctx, src, bt = self._views(self.host_nps[self.turn])
         seqs = [item.seq for item in decodes]
         starts = [item.start for item in decodes]
-        toks = [s.token_ids[p] for s, p in zip(seqs, starts)]
-        # A placeholder's id is row `pending_row` of the last step's sample, read on the device.
-        src[:n] = [s.pending_row if t < 0 else -1 for s, t in zip(seqs, toks)]
-        ids[:n] = toks
-        np.maximum(ids[:n], 0, out=ids[:n])
+        ids[:n], src[:n] = zip(*[s.input_token(p) for s, p in zip(seqs, starts)])
         pos[:n] = starts
         ctx[:n] = pos[:n] + 1
         slots[:n] = [slot_of(s.blocks.block_table, p, block_size) for s, p in zip(seqs, starts)]

@@ -19,7 +19,7 @@ from models import AttentionMetadata, GPT2LMHeadModel
 from server.batch import Packer, pad_rows
 from server.sampling import sample
 from server.scheduler import SchedulerOutput
-from server.sequence import PLACEHOLDER, Sequence
+from server.sequence import Sequence
 
 
 @dataclass
@@ -133,11 +133,10 @@ class ModelRunner:
             seq, lo, n = item.seq, item.start, item.num_tokens
             table = seq.blocks.block_table
             if n == 1:  # decode: plain ints, numpy calls cost more than they save here
-                tok = seq.token_ids[lo]
-                if tok == PLACEHOLDER:  # sampled by the step before, still on the device only
+                tok, row = seq.input_token(lo)
+                if row >= 0:  # sampled by the step before, still on the device only
                     dst.append(offset)
-                    src.append(seq.pending_row)
-                    tok = 0
+                    src.append(row)
                 ids.append((tok,))
                 pos.append((lo,))
                 slots.append((slot_of(table, lo, bs),))

@@ -68,9 +68,11 @@ class Sequence:
         if i == len(self.token_ids) - 1:
             self.pending_row = -1
 
-    def append_token(self, tok: int) -> None:
-        self.add_placeholder(-1)
-        self.resolve(tok)
+    def input_token(self, pos: int) -> tuple[int, int]:
+        """Token `pos` as a step's input: (id, -1), or (0, pending_row) for a placeholder, whose id
+        the runner reads on the device from row `pending_row` of the last step's sampled ids."""
+        tok = self.token_ids[pos]
+        return (0, self.pending_row) if tok == PLACEHOLDER else (tok, -1)
 
     @property
     def num_pending(self) -> int:
