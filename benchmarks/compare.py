@@ -133,6 +133,12 @@ def server_command(impl: str, model: str, port: int, device: str | None, extra: 
             "--port", str(port), "--log-level", "warning", *dev, *extra]
 
 
+def level_seed(seed: int, level: int) -> int:
+    """Each concurrency level draws its own prompts: repeating the last level's would turn them into
+    prefix-cache hits for the configurations that have one and skip their prefill."""
+    return seed + 10_007 * level
+
+
 def requests_for(concurrency: int, args) -> int:
     if args.num_requests is not None:
         return args.num_requests
@@ -228,7 +234,7 @@ def run_compare(args) -> dict:
                                    duration=args.duration, grace=args.grace,
                                    warmup=args.warmup if i == 0 else 0, input_len=args.input_len,
                                    input_jitter=args.input_jitter, output_len=args.output_len,
-                                   output_jitter=args.output_jitter, vocab_size=vocab, seed=args.seed,
+                                   output_jitter=args.output_jitter, vocab_size=vocab, seed=level_seed(args.seed, i),
                                    temperature=0.0, ignore_eos=True, timeout=args.timeout,
                                    progress=args.progress, label=impl, workers=args.client_processes)
                     row["server_startup_s"] = startup
@@ -381,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=16,
                    help="uncounted requests sent to each server before its first level (default: %(default)s)")
     g.add_argument("--client-processes", type=int, default=None,
-                   help="load-generator processes per level (default: one per 32 clients, at most 8 and CPUs - 2)")
+                   help="load-generator processes per level (default: one per 16 clients, at most 8 and CPUs - 2)")
     g.add_argument("--timeout", type=float, default=300.0, help="per-request HTTP timeout in s (default: %(default)s)")
     g.add_argument("--input-len", type=int, default=512, help="prompt tokens, mean (default: %(default)s)")
     g.add_argument("--input-jitter", type=int, default=None, help="prompt length uniform in len +- jitter (default: len/4)")

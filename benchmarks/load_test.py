@@ -27,9 +27,9 @@ Load
   forces every output to that length.
 - warm-up: `--warmup N` requests (own prompts, same shape) before the clock starts, not counted.
 - client processes: one asyncio + httpx process spends some 30-60 us of CPU per streamed event, so
-  it tops out near 15-30k tokens/s; by default a level with more than 32 streams is split over
-  several spawned client processes (one per 32, at most 8 and CPUs - 2; `--workers`) that start
-  together and whose records are merged. `client_cpu_util` (busiest process, fraction of a core)
+  it tops out near 15-30k tokens/s (and, near that, delays its own next request and its timing);
+  by default a level with more than 16 streams is split over several spawned client processes (one
+  per 16, at most 8 and CPUs - 2; `--workers`) that start together and whose records are merged. `client_cpu_util` (busiest process, fraction of a core)
   says whether the load generator itself was close to saturation.
 """
 
@@ -66,14 +66,15 @@ def _split(total: int | None, parts: int, i: int) -> int | None:
 
 def auto_workers(concurrency: int | None, request_rate: float | None, max_concurrency: int | None,
                  output_len: int) -> int:
-    """Client processes: one per 32 concurrent streams (a single asyncio+httpx process spends
-    ~30-60 us of CPU per streamed event, so one process tops out around 15-30k events/s), at most
-    8 and at most the CPU count minus two (the server needs its own cores)."""
+    """Client processes: one per 16 concurrent streams (a single asyncio+httpx process spends
+    ~30-60 us of CPU per streamed event, so one process tops out around 15-30k events/s; on an H100
+    two processes for 64 streams ran 80% busy and kept only 55 requests in flight), at most 8 and at
+    most the CPU count minus two (the server needs its own cores)."""
     streams = concurrency or max_concurrency
     if streams is None:  # open loop, uncapped: guess the streams in flight from the rate
         streams = int((request_rate or 1) * max(output_len, 1) * 0.01) + 1
     cap = max(1, min(8, (os.cpu_count() or 2) - 2))
-    return max(1, min(cap, math.ceil(streams / 32)))
+    return max(1, min(cap, math.ceil(streams / 16)))
 
 
 class _SharedCounter:
@@ -211,7 +212,7 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
            "input_len": input_len if prompts is None else None, "input_jitter": input_jitter,
            "output_len": output_len, "output_jitter": output_jitter, "vocab_size": vocab_size,
            "warmup": warmup, "warmup_errors": warm_errors, "num_requests_bound": num_requests,
-           "duration_bound_s": duration, "client_processes": workers,
+           "duration_bound_s": duration, "client_processes": workers, "seed": seed,
            # CPU busy fraction of the busiest client process: near 1.0, the client may be the bottleneck
            "client_cpu_util": cpu / elapsed if elapsed > 0 else None,
            **summarize_records(records, elapsed)}
@@ -235,7 +236,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=0, help="requests sent before each level, not counted")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
     g.add_argument("--workers", type=int, default=None,
-                   help="client processes sharing the load (default: one per 32 streams, at most 8 and CPUs - 2)")
+                   help="client processes sharing the load (default: one per 16 streams, at most 8 and CPUs - 2)")
     g = p.add_argument_group("requests")
     g.add_argument("--input-len", type=int, default=512, help="prompt tokens (mean)")
     g.add_argument("--input-jitter", type=int, default=0, help="prompt length uniform in len +- jitter")

@@ -169,11 +169,11 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     @app.get("/debug/kv", response_model=KVDebug)
     async def debug_kv():
         """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
-        eng = engine.engine
-        return {"kv_blocks_total": eng.block_manager.num_blocks, "kv_blocks_free": eng.block_manager.num_free_blocks,
-                "requests_active": engine.num_active, "requests_running": len(eng.scheduler.running),
-                "requests_waiting": len(eng.scheduler.waiting), "engine_sequences": len(eng.seqs),
-                "preemptions": eng.scheduler.num_preemptions, "generated_tokens": eng.num_generated_tokens}
+        s = engine.engine.snapshot()
+        return {"kv_blocks_total": s["kv_blocks_total"], "kv_blocks_free": s["kv_blocks_free"],
+                "requests_active": engine.num_active, "requests_running": s["running"],
+                "requests_waiting": s["waiting"], "engine_sequences": s["sequences"],
+                "preemptions": s["preemptions"], "generated_tokens": s["generation_tokens"]}
 
     @app.post("/generate", response_model=GenerateResponse, responses=_GENERATE_RESPONSES)
     async def generate(body: GenerateRequest, request: Request):

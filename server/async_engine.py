@@ -1,9 +1,10 @@
 """Drives the synchronous engine from asyncio.
 
-The engine runs in its own thread, stepping back to back while there is work: it takes the adds
-and aborts the event loop queued, runs `step()`, and hands the step's outputs to the event loop in
-one `call_soon_threadsafe`. It never waits for the HTTP side, and the engine is touched only from
-that thread, so it needs no locks.
+The engine steps back to back while there is work, never waiting for the HTTP side, in one of two
+homes (a "core"): its own process (server/engine_process.py, what `python -m server` runs: the
+event loop and the engine then never compete for the GIL), or a thread of this process
+(`ThreadCore`: tests, notebooks, --no-engine-process). Either way adds and aborts reach it in the
+order they were made, and each step's outputs come back to the event loop in one call.
 
 Each request's outputs land in a collector. When a consumer is behind (the event loop busy with
 hundreds of streams), the outputs waiting for it are merged into one: it then sends one SSE event
@@ -21,6 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from server.engine import LLMEngine, RequestError, RequestOutput
+from server.engine_process import EngineClient
 from server.sampling import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
@@ -87,41 +89,101 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return b
 
 
+def apply_commands(engine: LLMEngine, commands: list[tuple]) -> list[tuple[str, RequestError]]:
+    """("add", rid, ids, params) and ("abort", rid), in order; returns the adds the engine refused."""
+    errors = []
+    for cmd in commands:
+        if cmd[0] == "add":
+            try:
+                engine.add_request(*cmd[1:])
+            except RequestError as e:
+                errors.append((cmd[1], e))
+        else:
+            engine.abort_request(cmd[1])
+    return errors
+
+
 # The engine thread waits on the device with the GIL released; when the step it waits for ends it
 # must get the GIL back before the device runs dry. Python's default 5 ms switch interval is longer
 # than a decode step, so a busy event loop could hold the GIL that long.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, request_timeout: float | None = None) -> None:
+class ThreadCore:
+    """Steps an LLMEngine on a thread of this process. Simple, and what the tests drive; under
+    heavy streaming the event loop and the engine share one GIL, which slows the engine (use the
+    engine process for serving). The engine is touched only from its thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.max_waiting = max_waiting  # admitted-but-not-running requests beyond which new ones get 503
-        self.request_timeout = request_timeout  # seconds from arrival; past it: finish_reason "timeout"
-        self.draining = False  # shutting down: admit nothing new
-        self._streams: dict[str, _Collector] = {}
-        self._lock = threading.Lock()  # guards _adds / _aborts, filled by the loop, drained by the engine
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
+        self._lock = threading.Lock()  # guards _commands, filled by the loop, drained by the thread
+        self._commands: list[tuple] = []
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead: BaseException | None = None
 
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def start(self, loop: asyncio.AbstractEventLoop, deliver, die) -> None:
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(loop, deliver, die), name="flashpage-engine",
+                                        daemon=True)
         self._thread.start()
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._send(("add", request_id, prompt_token_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, cmd: tuple) -> None:
+        with self._lock:
+            self._commands.append(cmd)
+        self._wake.set()
 
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+
+    def _run(self, loop, deliver, die) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                with self._lock:
+                    commands, self._commands = self._commands, []
+                if not commands and not engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                errors = apply_commands(engine, commands)
+                outputs = engine.step() if engine.has_unfinished() else []
+                if outputs or errors:
+                    loop.call_soon_threadsafe(deliver, outputs, errors)
+        except BaseException as e:  # the engine cannot continue: fail everyone, report unhealthy
+            log.exception("engine loop died")
+            loop.call_soon_threadsafe(die, e)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine | EngineClient, max_waiting: int | None = None,
+                 request_timeout: float | None = None) -> None:
+        self.engine = engine  # what the HTTP side asks: tokenizer, model_name, max_model_len, validate, snapshot
+        self.core = engine if isinstance(engine, EngineClient) else ThreadCore(engine)
+        self.max_waiting = max_waiting  # admitted-but-not-running requests beyond which new ones get 503
+        self.request_timeout = request_timeout  # seconds from arrival; past it: finish_reason "timeout"
+        self.draining = False  # shutting down: admit nothing new
+        self._streams: dict[str, _Collector] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.start(self._loop, self._deliver, self._die)
+
+    async def stop(self) -> None:
+        await self.core.stop()
 
     @property
     def num_active(self) -> int:
@@ -130,10 +192,10 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not in the running batch (new, queued or preempted)."""
-        return max(0, len(self._streams) - len(self.engine.scheduler.running))
+        return max(0, len(self._streams) - self.engine.snapshot()["running"])
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self._streams or request_id in self._aborts
+        return request_id in self._streams  # an abort reaches the engine before any later add
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -158,9 +220,7 @@ class AsyncEngine:
         timer = None
         if self.request_timeout is not None:
             timer = self._loop.call_later(self.request_timeout, self._cut_off, request_id, "timeout")
-        with self._lock:
-            self._adds.append((request_id, prompt_token_ids, params))
-        self._wake.set()
+        self.core.add(request_id, prompt_token_ids, params)
         finished, last = False, None
         try:
             while not finished:
@@ -187,9 +247,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            with self._lock:
-                self._aborts.append(request_id)
-            self._wake.set()
+            self.core.abort(request_id)
 
     def _cut_off(self, request_id: str, reason: str) -> None:
         stream = self._streams.get(request_id)
@@ -205,34 +263,7 @@ class AsyncEngine:
             self._cut_off(rid, reason)
         return len(rids)
 
-    # -- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                with self._lock:
-                    adds, aborts = self._adds, self._aborts
-                    self._adds, self._aborts = [], []
-                if not adds and not aborts and not engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                errors = []
-                for rid, ids, params in adds:
-                    try:
-                        engine.add_request(rid, ids, params)
-                    except RequestError as e:
-                        errors.append((rid, e))
-                for rid in aborts:
-                    engine.abort_request(rid)
-                outputs = engine.step() if engine.has_unfinished() else []
-                if outputs or errors:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs, errors)
-        except BaseException as e:  # the engine cannot continue: fail everyone, report unhealthy
-            log.exception("engine loop died")
-            self.dead = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
-
+    # -- called on the event loop by the core ------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput], errors) -> None:
         streams = self._streams
         for rid, err in errors:
@@ -247,6 +278,8 @@ class AsyncEngine:
             if out.finished:
                 del streams[out.request_id]
 
-    def _fail_all(self, e: BaseException) -> None:
+    def _die(self, e: BaseException) -> None:
+        """The engine cannot continue: fail everyone; /health reports it and the server exits 1."""
+        self.dead = e
         for rid in list(self._streams):
             self._streams.pop(rid).put(EngineDeadError(f"engine failed: {e!r}"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
@@ -39,9 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's n_positions)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-admit-delay", type=int, default=8,
+                   help="steps a waiting request may be held back while many others decode, so that "
+                        "prompts arriving together share one prefill (0 = admit at once)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule and launch each step while the previous one still runs on the device")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, so that HTTP streaming never slows its steps "
+                        "(--no-engine-process: a thread of the server process)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -67,18 +74,24 @@ def main(argv: list[str] | None = None) -> None:
     from server.api import create_app
     from server.async_engine import AsyncEngine
     from server.engine import LLMEngine
+    from server.engine_process import EngineClient
     from server.lifecycle import serve
 
     torch.manual_seed(args.seed)
     log = logging.getLogger("flashpage.cli")
     t0 = time.perf_counter()
     log.info("starting engine: model=%s", args.model or "embedded")
-    engine = LLMEngine(config_from_args(args))
+    config = config_from_args(args)
+    engine = EngineClient(config, args.log_level, args.log_format) if args.engine_process else LLMEngine(config)
     log.info("engine ready in %.1f s: serving %r (context %d tokens) on http://%s:%d", time.perf_counter() - t0,
              engine.model_name, engine.max_model_len, args.host, args.port)
     limits = ServerLimits.from_args(args)
     aengine = AsyncEngine(engine, max_waiting=limits.max_waiting_requests, request_timeout=limits.request_timeout)
     app = create_app(aengine, limits)
+    # Start-up leaves millions of long-lived objects (torch, transformers, the tokenizer); each full
+    # collection would walk them all again, a pause in the middle of serving. Freeze them out of it.
+    gc.collect()
+    gc.freeze()
     # log_config=None: uvicorn's loggers propagate to our handler (text or JSON); our request-id
     # middleware writes the access lines, so uvicorn's own are off.
     # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1 (server/lifecycle.py).

@@ -21,6 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_admit_delay: int = 8  # steps waiting requests may be held back to share a prefill (server/scheduler.py)
     enforce_eager: bool = False
     async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0

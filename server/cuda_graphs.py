@@ -20,6 +20,7 @@ import time
 import torch
 
 from kvcache import slot_of
+from server.batch import fill_rows
 from models import AttentionMetadata, GPT2LMHeadModel
 
 log = logging.getLogger("flashpage.graphs")
@@ -90,9 +91,7 @@ class DecodeGraphs:
         pos[:n] = starts
         ctx[:n] = pos[:n] + 1
         slots[:n] = [slot_of(s.blocks.block_table, p, block_size) for s, p in zip(seqs, starts)]
-        for i, s in enumerate(seqs):
-            table = s.blocks.block_table
-            bt[i, : len(table)] = table
+        fill_rows(bt, [s.blocks.block_table for s in seqs])
         slots[n:size], ctx[n:size], ids[n:size], pos[n:size], src[n:size] = -1, 1, 0, 0, -1
         bt[n:size, 0] = 0
         self.dev.copy_(host, non_blocking=True)

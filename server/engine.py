@@ -50,6 +50,35 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed
 
 
+@dataclass(frozen=True)
+class RequestBounds:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, b: RequestBounds) -> None:
+    """Raise RequestError if the engine cannot serve this request as asked. Read-only, so the
+    HTTP side calls it before queueing."""
+    n, vocab = len(prompt_token_ids), b.vocab_size
+    if n == 0:
+        raise RequestError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+    if n + params.max_tokens > b.max_model_len:
+        raise RequestError(
+            f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
+            f"exceeds the model's context of {b.max_model_len} tokens")
+    need = -(-(n + params.max_tokens) // b.block_size)
+    if need > b.num_blocks:
+        raise RequestError(f"request needs {need} KV blocks but the whole cache has {b.num_blocks}")
+
+
 class LLMEngine:
     MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
 
@@ -79,7 +108,7 @@ class LLMEngine:
         self.runner.allocate_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.max_admit_delay)
         if self.device.type == "cuda":
             t0 = time.monotonic()
             self.runner.warmup()
@@ -94,7 +123,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()  # test-only (server/faults.py); None in production
-        self.stats = None  # server/metrics.EngineStats: on_first_token / on_finish / on_step hooks
+        self.stats = None  # server/metrics.EngineStats (or the engine process's recorder): first_token / finished / step
         self.inflight = None  # (batch, StepHandle) launched but not yet turned into outputs
 
     def _num_blocks(self, spec: CacheSpec) -> int:
@@ -118,22 +147,22 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n, vocab = len(prompt_token_ids), self.hf_config.vocab_size
-        if n == 0:
-            raise RequestError("the prompt is empty: give at least one token")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
-                f"exceeds the model's context of {self.max_model_len} tokens")
-        need = self.block_manager.blocks_for(n + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise RequestError(f"request needs {need} KV blocks but the whole cache has {self.block_manager.num_blocks}")
+        validate_request(prompt_token_ids, params, self.limits())
+
+    def limits(self) -> RequestBounds:
+        """What validation needs to know, also sent to an API process that runs this engine in
+        another process (server/engine_process.py)."""
+        return RequestBounds(self.hf_config.vocab_size, self.max_model_len, self.block_manager.block_size,
+                             self.block_manager.num_blocks)
+
+    def snapshot(self) -> dict:
+        """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
+        sched, bm = self.scheduler, self.block_manager
+        prefix = bm.allocator.stats
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "sequences": len(self.seqs),
+                "preemptions": sched.num_preemptions, "kv_blocks_total": bm.num_blocks,
+                "kv_blocks_free": bm.num_free_blocks, "prefix_queries": prefix.queries, "prefix_hits": prefix.hits,
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generated_tokens}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.seqs:
@@ -155,7 +184,10 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.runner.release(seq.request_id)
         if self.stats is not None:
-            self.stats.on_finish(seq, time.monotonic())
+            now = time.monotonic()
+            n = len(seq.output_token_ids)
+            tpot = (now - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time is not None else None
+            self.stats.finished(now - seq.arrival_time, tpot, str(reason))
 
     def close(self) -> None:
         """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
@@ -216,14 +248,15 @@ class LLMEngine:
                 seq.first_token_time = now
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
                 if self.stats is not None:
-                    self.stats.on_first_token(seq, now)
+                    self.stats.first_token(now - seq.arrival_time)
             self.num_generated_tokens += 1
             logprob = top[j] if top is not None and seq.params.logprobs is not None else None
             if logprob is not None:
                 seq.logprobs.append(logprob)
             outputs.append(self._advance(seq, tok, logprob))
-        if self.stats is not None:
-            self.stats.on_step(batch, now)
+        if self.stats is not None:  # decodes are one token each; only the (few) prefill chunks are summed
+            self.stats.step(len(batch.decodes) + len(batch.prefills),
+                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills), now)
         return outputs
 
     def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:

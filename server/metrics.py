@@ -6,13 +6,13 @@ Two kinds of series, all labelled by `model`:
 - Read on scrape from engine state, costing the engine nothing: requests running / waiting,
   preemptions, KV cache blocks used / total and usage ratio, prefix-cache queries / hits / hit rate,
   prompt and generated token counters (the engine's own counters).
-- Recorded by the engine thread through three hooks the engine calls when `engine.stats` is set:
-  `on_first_token(seq, now)` and `on_finish(seq, now)` once per request, `on_step(batch, now)` once
-  per step. Histograms: time to first token (from when the engine received the request), time per
+- Recorded through three hooks the engine calls when `engine.stats` is set: `first_token` and
+  `finished` once per request, `step` once per step. With the engine in its own process the hooks
+  are recorded there and replayed here with each step's outputs. Histograms: time to first token (from when the engine received the request), time per
   output token (per request: (finish - first token) / (output tokens - 1)), end-to-end latency,
   and batch size in tokens and in sequences per step. Nothing is done per token.
 
-`on_step` also logs a one-line summary every `log_stats_interval` seconds while the engine is busy
+`step` also logs a one-line summary every `log_stats_interval` seconds while the engine is busy
 (prompt and generation throughput, running, waiting, KV cache usage, prefix-cache hit rate).
 """
 
@@ -37,17 +37,15 @@ _POW2 = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 
 
 class _EngineCollector:
-    """Gauges and counters computed from engine state at scrape time."""
+    """Gauges and counters computed from the engine's snapshot() at scrape time."""
 
     def __init__(self, engine, model: str) -> None:
         self.engine, self.model = engine, model
 
     def collect(self):
-        eng, m = self.engine, [self.model]
-        sched, bm = eng.scheduler, eng.block_manager
-        total = bm.num_blocks
-        used = total - bm.num_free_blocks
-        prefix = bm.allocator.stats
+        s, m = self.engine.snapshot(), [self.model]
+        total = s["kv_blocks_total"]
+        used = total - s["kv_blocks_free"]
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc, labels=["model"])
@@ -59,24 +57,29 @@ class _EngineCollector:
             c.add_metric(m, value)
             return c
 
-        yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", len(sched.running))
-        yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting))
-        yield counter("flashpage_preemptions", "Running requests preempted for lack of KV blocks.",
-                      sched.num_preemptions)
+        yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", s["running"])
+        yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", s["waiting"])
+        yield counter("flashpage_preemptions", "Running requests preempted for lack of KV blocks.", s["preemptions"])
         yield gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", used / total if total else 0.0)
         yield gauge("flashpage_kv_cache_blocks_used", "KV blocks referenced by sequences.", used)
         yield gauge("flashpage_kv_cache_blocks_total", "KV blocks allocated at start-up.", total)
         yield counter("flashpage_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
-                      prefix.queries)
-        yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", prefix.hits)
-        yield gauge("flashpage_prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", prefix.hit_rate)
+                      s["prefix_queries"])
+        yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", s["prefix_hits"])
+        yield gauge("flashpage_prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", _hit_rate(s))
         yield counter("flashpage_prompt_tokens", "Prompt tokens of requests that produced a first token.",
-                      eng.num_prompt_tokens)
-        yield counter("flashpage_generation_tokens", "Tokens generated.", eng.num_generated_tokens)
+                      s["prompt_tokens"])
+        yield counter("flashpage_generation_tokens", "Tokens generated.", s["generation_tokens"])
+
+
+def _hit_rate(s: dict) -> float:
+    return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
 
 
 class EngineStats:
-    """Owns the registry; its hooks are called from the engine thread."""
+    """Owns the registry. `engine` is an LLMEngine or an EngineClient (server/engine_process.py):
+    anything with `model_name`, `config` and `snapshot()`. Its hooks are called from the engine
+    thread, or replayed from the engine process's recorded events."""
 
     def __init__(self, engine, log_interval: float | None = None) -> None:
         self.engine = engine
@@ -95,7 +98,7 @@ class EngineStats:
                                     buckets=_POW2[:11], registry=r).labels(self.model)
         self._finished = Counter("flashpage_requests_finished", "Requests finished, by finish reason.",
                                  ["model", "finish_reason"], registry=r)
-        self.finished = {k: self._finished.labels(self.model, k) for k in ("stop", "length")}
+        self.by_reason = {k: self._finished.labels(self.model, k) for k in ("stop", "length")}
         r.register(_EngineCollector(engine, self.model))
         try:
             ProcessCollector(registry=r)
@@ -107,24 +110,25 @@ class EngineStats:
         self._last_step = float("-inf")
         self._mark(0.0)
 
-    # -- engine-thread hooks ------------------------------------------------------------------
-    def on_first_token(self, seq, now: float) -> None:
-        self.ttft.observe(now - seq.arrival_time)
+    # -- engine hooks ---------------------------------------------------------------------------
+    def first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
 
-    def on_finish(self, seq, now: float) -> None:
-        self.e2e.observe(now - seq.arrival_time)
-        n = len(seq.output_token_ids)
-        if n > 1 and seq.first_token_time is not None:
-            self.tpot.observe((now - seq.first_token_time) / (n - 1))
-        child = self.finished.get(seq.finish_reason)
+    def finished(self, e2e: float, tpot: float | None, reason: str) -> None:
+        self.e2e.observe(e2e)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        child = self.by_reason.get(reason)
         if child is None:
-            child = self.finished[seq.finish_reason] = self._finished.labels(self.model, str(seq.finish_reason))
+            child = self.by_reason[reason] = self._finished.labels(self.model, reason)
         child.inc()
 
-    def on_step(self, batch, now: float) -> None:
-        decodes = len(batch.decodes)  # one token each; only the (few) prefill chunks are summed
-        self.batch_seqs.observe(decodes + len(batch.prefills))
-        self.batch_tokens.observe(decodes + sum(s.num_tokens for s in batch.prefills))
+    def step(self, num_seqs: int, num_tokens: int, now: float) -> None:
+        self.batch_seqs.observe(num_seqs)
+        self.batch_tokens.observe(num_tokens)
+        self._steps += 1
+        self._prefill_steps += num_tokens > num_seqs  # a prompt chunk rode along
+        self._seqs += num_seqs
         if self.log_interval <= 0:
             return
         if now - self._last_step > self.log_interval:  # busy again after idling: restart the window
@@ -133,31 +137,58 @@ class EngineStats:
         if now - self._t >= self.log_interval:
             self.log_summary(now)
 
+    def replay(self, events: list[tuple]) -> None:
+        """Hook calls recorded in the engine process (StatsRecorder), in order."""
+        for name, *args in events:
+            getattr(self, name)(*args)
+
     # -- the summary line ---------------------------------------------------------------------
     def _mark(self, now: float) -> None:
-        self._t = now
-        self._prompt = self.engine.num_prompt_tokens
-        self._gen = self.engine.num_generated_tokens
+        s = self.engine.snapshot()
+        self._t, self._prompt, self._gen = now, s["prompt_tokens"], s["generation_tokens"]
+        self._steps = self._prefill_steps = self._seqs = 0
 
     def summary(self, now: float) -> dict:
-        eng = self.engine
+        s = self.engine.snapshot()
         dt = max(now - self._t, 1e-9)
-        bm = eng.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        return {"prompt_tokens_per_s": round((eng.num_prompt_tokens - self._prompt) / dt, 1),
-                "generation_tokens_per_s": round((eng.num_generated_tokens - self._gen) / dt, 1),
-                "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
-                "kv_cache_usage": round(used / bm.num_blocks, 4) if bm.num_blocks else 0.0,
-                "prefix_cache_hit_rate": round(bm.allocator.stats.hit_rate, 4),
-                "preemptions": eng.scheduler.num_preemptions}
+        total = s["kv_blocks_total"]
+        return {"prompt_tokens_per_s": round((s["prompt_tokens"] - self._prompt) / dt, 1),
+                "generation_tokens_per_s": round((s["generation_tokens"] - self._gen) / dt, 1),
+                "running": s["running"], "waiting": s["waiting"],
+                "kv_cache_usage": round((total - s["kv_blocks_free"]) / total, 4) if total else 0.0,
+                "prefix_cache_hit_rate": round(_hit_rate(s), 4), "preemptions": s["preemptions"],
+                "steps_per_s": round(self._steps / dt, 1), "mean_batch": round(self._seqs / max(self._steps, 1), 1),
+                "prefill_step_share": round(self._prefill_steps / max(self._steps, 1), 3)}
 
     def log_summary(self, now: float) -> None:
         s = self.summary(now)
         log.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
-                 "prefix cache hit rate %.1f%%, preemptions %d", s["prompt_tokens_per_s"],
-                 s["generation_tokens_per_s"], s["running"], s["waiting"], 100 * s["kv_cache_usage"],
-                 100 * s["prefix_cache_hit_rate"], s["preemptions"], extra={"stats": s})
+                 "prefix cache hit rate %.1f%%, preemptions %d, %.0f steps/s (%.0f%% with prefill, mean batch "
+                 "%.1f)", s["prompt_tokens_per_s"], s["generation_tokens_per_s"], s["running"], s["waiting"],
+                 100 * s["kv_cache_usage"], 100 * s["prefix_cache_hit_rate"], s["preemptions"], s["steps_per_s"],
+                 100 * s["prefill_step_share"], s["mean_batch"], extra={"stats": s})
         self._mark(now)
+
+
+class StatsRecorder:
+    """Stands in for EngineStats inside the engine process: records the hook calls, which travel
+    to the API process with the step's outputs and are replayed there (EngineStats.replay)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def first_token(self, ttft: float) -> None:
+        self.events.append(("first_token", ttft))
+
+    def finished(self, e2e: float, tpot: float | None, reason: str) -> None:
+        self.events.append(("finished", e2e, tpot, reason))
+
+    def step(self, num_seqs: int, num_tokens: int, now: float) -> None:
+        self.events.append(("step", num_seqs, num_tokens, now))
+
+    def take(self) -> list[tuple]:
+        events, self.events = self.events, []
+        return events
 
 
 def install_metrics(app: FastAPI, engine) -> EngineStats:

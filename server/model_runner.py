@@ -3,8 +3,8 @@
 Batch layout (what the attention backends expect): prefill chunks first, packed and delimited by
 `cu_seqlens`, then one token per decoding sequence. `slot_mapping[t]` is the flat cache slot that
 token t's K/V go to; `block_tables` rows are the sequences' page tables. A step with decodes only
-replays a CUDA graph captured for the next larger batch size (server/cuda_graphs.py); anything
-with prefill runs eagerly.
+replays a CUDA graph captured for the next larger batch size (server/cuda_graphs.py); prefill
+chunks run eagerly (beside the decodes' graph in a mixed step).
 """
 
 from __future__ import annotations
@@ -184,14 +184,19 @@ class ModelRunner:
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens."""
         with torch.inference_mode():
             rows = [item.seq for item in batch.scheduled if item.samples]
-            if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
+            if self.graphs is not None and batch.decodes and len(batch.decodes) <= self.graphs.max_batch:
+                # Decodes replay their graph; prefill chunks in the same step run eagerly after it
+                # (their launches overlap the graph on the device). Under steady traffic nearly
+                # every step admits a prompt: running those steps wholly eager would give up the
+                # graphs exactly when the load is highest.
                 logits = self.graphs.run(batch.decodes, self.block_size)
+                if batch.prefills:
+                    pre = self._eager(SchedulerOutput(prefills=batch.prefills))
+                    logits = torch.cat([pre, logits]) if pre is not None else logits
             else:
-                input_ids, positions, meta, ends = self.prepare(batch)
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
-                if not rows:
+                logits = self._eager(batch)
+                if logits is None:
                     return StepHandle(rows)
-                logits = self.model.compute_logits(hidden[ends])
             gens = [self._generator(s.request_id, s.params.seed) for s in rows]
             want = [s.params.logprobs for s in rows]
             ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
@@ -211,6 +216,12 @@ class ModelRunner:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
+
+    def _eager(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Run the batch without graphs; logits of the rows that sample (None if none does)."""
+        input_ids, positions, meta, ends = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[ends]) if len(ends) else None
 
     def _to_host(self, src: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
         if not self.on_cuda:

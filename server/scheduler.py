@@ -9,6 +9,13 @@ generated so far), so the engine degrades to queueing instead of failing.
 
 With chunked prefill, a prompt larger than the budget left is split across steps; without it, a
 prompt is prefilled whole (alone if it exceeds the budget by itself).
+
+A step that carries a prefill runs it eagerly beside the decodes' CUDA graph, at a host cost
+nearly independent of how many prompts it holds. So while many sequences decode, waiting requests
+are admitted together: once there is one per `RUNNING_PER_ADMIT` running, or after
+`max_admit_delay` steps (as TGI's `max_waiting_tokens` bounds its wait). Below 64 running a
+request is admitted at once; at 256 running, four share a prefill (measured on an H100 with 256
+streaming clients: 41k output tokens/s against 32k admitting every step).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from dataclasses import dataclass, field
 
 from kvcache import BlockManager
 from server.sequence import Sequence, Status
+
+RUNNING_PER_ADMIT = 64  # hold waiting requests back while fewer than one waits per this many running
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        max_admit_delay: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -70,6 +80,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.max_admit_delay = max_admit_delay
+        self.steps_waited = 0  # steps in which waiting requests were held back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -105,6 +117,11 @@ class Scheduler:
             budget -= n
             i += 1
 
+        if (self.waiting and out.decodes and len(self.waiting) * RUNNING_PER_ADMIT < len(self.running)
+                and self.steps_waited < self.max_admit_delay):
+            self.steps_waited += 1
+            return out  # let more prompts gather for one shared prefill
+        self.steps_waited = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if not self.bm.can_allocate(seq.num_tokens):

@@ -233,5 +233,7 @@ def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
         assert r["completed"] == 2 and r["errors"] == 0 and r["usage_mismatches"] == 0
         assert r["output_tokens"] == r["output_tokens_received"] and r["output_tokens_per_s"] > 0
         assert r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] is not None and r["itl_p99_ms"] is not None
+    for impl in ("triton", "naive_hf"):  # each level its own prompts: no prefix-cache hits carried over
+        assert got[(impl, 1)]["seed"] != got[(impl, 2)]["seed"]
     assert (tmp_path / "load_cpu_throughput.png").exists() and (tmp_path / "load_cpu_latency.png").exists()
     assert "| triton | 2 |" in p.stdout and "triton / naive_hf" in p.stdout  # report() printed

@@ -35,7 +35,7 @@ def _run(path, prompts, max_tokens=24, **kw):
     return [o.token_ids for o in outs]
 
 
-def _assert_same_greedy(path, prompts, got, ref, dtype="float16"):
+def _assert_same_greedy(path, prompts, got, ref, dtype="float16", min_exact=0.75):
     """Token-identical, except where two half-precision runs part at a near-tie. Different kernels
     round differently in fp16/bf16, so where the reference model's two best tokens are within
     rounding of each other either choice is right, and the sequences legitimately part there. Each
@@ -57,7 +57,7 @@ def _assert_same_greedy(path, prompts, got, ref, dtype="float16"):
         tie = 16 * torch.finfo(getattr(torch, dtype)).eps * logits.abs().max().item()
         assert gap < tie, f"parted at token {i} where the logits differ by {gap:.3f} (tie: < {tie:.3f})"
     if dtype == "float16":  # bf16 keeps 8 bits of mantissa: near-ties are common, partings too
-        assert exact >= 0.75 * len(prompts), f"only {exact} of {len(prompts)} sequences token-identical"
+        assert exact >= min_exact * len(prompts), f"only {exact} of {len(prompts)} sequences token-identical"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -74,16 +74,51 @@ def test_triton_with_prefix_cache_and_chunks_matches_eager(gpt2_ckpt):
     prompts = [shared + p for p in _prompts(12, 1, 90, seed=4)]
     ref = _run(gpt2_ckpt, prompts, attention="eager", enable_prefix_caching=False, enforce_eager=True)
     got = _run(gpt2_ckpt, prompts, attention="triton", max_num_batched_tokens=128)
-    _assert_same_greedy(gpt2_ckpt, prompts, got, ref)
+    # Twelve continuations of one 200-token text are far from independent: where one meets a
+    # near-tie, others tend to. Each parting is still checked to be a near-tie; the numerics of
+    # these mixed steps are pinned down by test_mixed_step_logprobs_match_enforce_eager.
+    _assert_same_greedy(gpt2_ckpt, prompts, got, ref, min_exact=0.5)
 
 
+@pytest.mark.parametrize("budget", [8192, 96])
 @pytest.mark.parametrize("attention", ["triton", "eager"])
-def test_cuda_graphs_match_enforce_eager(gpt2_ckpt, attention):
-    # 5, 11, 23 and 40 sequences: none is a captured size, so every graph step runs padded.
+def test_cuda_graphs_match_enforce_eager(gpt2_ckpt, attention, budget):
+    # 5, 11, 23 and 40 sequences: none is a captured size, so every graph step runs padded. With a
+    # 96-token budget prompts are prefilled a chunk at a time while earlier ones decode: mixed steps,
+    # whose decodes replay a graph beside the eager prefill chunk.
     for n in (5, 11, 23, 40):
         prompts = _prompts(n, 3, 120, seed=n)
-        graphs = _run(gpt2_ckpt, prompts, attention=attention)
-        _assert_same_greedy(gpt2_ckpt, prompts, graphs, _run(gpt2_ckpt, prompts, attention=attention, enforce_eager=True))
+        kw = dict(attention=attention, max_num_batched_tokens=budget)
+        graphs = _run(gpt2_ckpt, prompts, **kw)
+        _assert_same_greedy(gpt2_ckpt, prompts, graphs, _run(gpt2_ckpt, prompts, enforce_eager=True, **kw))
+
+
+def test_mixed_step_logprobs_match_enforce_eager(gpt2_ckpt):
+    # A 96-token budget prefills prompts a chunk at a time while earlier ones decode, so most steps
+    # mix an eager prefill chunk with graph-replayed decodes. Every token's log-probability must
+    # agree with a fully eager run wherever the two sequences are still the same (a wrong input
+    # token, page table or row order would be off by nats, not rounding).
+    prompts = _prompts(24, 40, 200, seed=11)
+
+    def run(**kw):
+        eng = LLMEngine(EngineConfig(model=str(gpt2_ckpt), device="cuda", num_blocks=2048,
+                                     max_num_batched_tokens=96, **kw))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        toks, lps = {}, {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                toks.setdefault(out.request_id, []).extend(out.new_token_ids)
+                lps.setdefault(out.request_id, []).extend(lp[0][1] for lp in out.new_logprobs)
+        return toks, lps
+
+    (gt, gl), (et, el) = run(), run(enforce_eager=True)
+    worst = 0.0
+    for rid in gt:
+        same = next((i for i, (a, b) in enumerate(zip(gt[rid], et[rid])) if a != b), len(gt[rid]))
+        worst = max([worst] + [abs(a - b) for a, b in zip(gl[rid][: same + 1], el[rid][: same + 1])])
+    assert worst < 0.1, f"log-probabilities differ by up to {worst:.3f}"
 
 
 def test_async_scheduling_matches_synchronous_steps(gpt2_ckpt):

@@ -181,14 +181,14 @@ def test_every_ending_reaches_the_finish_hook(tiny_ckpt):
     ended = []
 
     class Recorder:
-        def on_first_token(self, seq, now):
+        def first_token(self, ttft):
             pass
 
-        def on_step(self, batch, now):
+        def step(self, num_seqs, num_tokens, now):
             pass
 
-        def on_finish(self, seq, now):
-            ended.append((seq.request_id, seq.finish_reason))
+        def finished(self, e2e, tpot, reason):
+            ended.append(reason)
 
     eng.stats = Recorder()
     eng.add_request("done", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -197,5 +197,61 @@ def test_every_ending_reaches_the_finish_hook(tiny_ckpt):
     eng.abort_request("aborted")
     while eng.has_unfinished():
         eng.step()
-    assert sorted(ended) == [("aborted", "abort"), ("done", "length")]
+    assert sorted(ended) == ["abort", "length"]
     assert eng.block_manager.check_all_free()
+
+
+def test_fill_rows_writes_ragged_page_tables_and_leaves_the_rest():
+    import numpy as np
+
+    from server.batch import fill_rows, pad_rows
+
+    out = np.full((4, 6), 7, dtype=np.int32)
+    fill_rows(out, [[1, 2, 3], [4], [5, 6, 8, 9, 10]])
+    assert out.tolist() == [[1, 2, 3, 7, 7, 7], [4, 7, 7, 7, 7, 7], [5, 6, 8, 9, 10, 7], [7] * 6]
+    fill_rows(out, [])  # nothing to do
+    assert pad_rows([[3], [1, 2]], 4).tolist() == [[3, 0, 0, 0], [1, 2, 0, 0]]
+
+
+@pytest.mark.parametrize("delay", [0, 3])
+def test_waiting_requests_gather_for_one_prefill_while_many_decode(tiny_ckpt, monkeypatch, delay):
+    import server.scheduler as sched
+
+    monkeypatch.setattr(sched, "RUNNING_PER_ADMIT", 3)  # 4 running: one waiting is held back, two are not
+    eng = _engine(tiny_ckpt, max_admit_delay=delay, async_scheduling=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"first{i}", [1, 2, 3 + i], params)
+    eng.step()  # nothing was running: admitted and prefilled at once
+    assert len(eng.scheduler.running) == 4
+    admitted, seen = [], {s.request_id for s in eng.scheduler.running}  # (step, request ids admitted in it)
+    for step in range(6):
+        if step < 2:
+            eng.add_request(f"late{step}", [4, 5, 6, 7], params)
+        eng.step()
+        new = [s.request_id for s in eng.scheduler.running if s.request_id not in seen]
+        seen.update(new)
+        if new:
+            admitted.append((step, new))
+    if delay == 0:
+        assert admitted == [(0, ["late0"]), (1, ["late1"])]
+    else:  # late0 alone is held back until late1 joins it; both share one prefill
+        assert admitted == [(1, ["late0", "late1"])]
+    assert eng.scheduler.steps_waited == 0
+
+
+def test_a_lone_waiting_request_is_held_back_at_most_max_admit_delay_steps(tiny_ckpt, monkeypatch):
+    import server.scheduler as sched
+
+    monkeypatch.setattr(sched, "RUNNING_PER_ADMIT", 2)  # 4 running: one waiting is held back
+    eng = _engine(tiny_ckpt, max_admit_delay=3, async_scheduling=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"first{i}", [1, 2, 3 + i], params)
+    eng.step()
+    eng.add_request("late", [4, 5, 6, 7], params)
+    steps = 0
+    while not any(s.request_id == "late" for s in eng.scheduler.running):
+        eng.step()
+        steps += 1
+    assert steps == 4  # three steps held back, admitted in the fourth

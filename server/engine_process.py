@@ -1,0 +1,292 @@
+"""The engine in its own process, as vLLM's engine core and SGLang's scheduler run.
+
+Why a process: PyTorch releases the GIL around every op it launches, and a thread that gives the
+GIL up waits to get it back behind whatever Python other threads run (with the engine on a thread
+of the HTTP server, a tiny CPU engine stepped 8x slower beside one busy Python thread). Under load
+the event loop streaming hundreds of responses is that busy thread, so every engine step stretched
+with the number of clients. Here the engine loop shares nothing with the HTTP side but two pipes.
+
+- `EngineClient` (API process): starts the engine process and waits until the model is loaded,
+  then stands in for the LLMEngine on the HTTP side (tokenizer, model_name, max_model_len,
+  validate, snapshot) and is the core AsyncEngine drives: adds and aborts are batched per event-loop
+  turn into one message down the command pipe; the event loop reads step messages off the output
+  pipe (`add_reader`, no thread) and rebuilds RequestOutputs with cumulative text and ids.
+- `engine_main` (engine process): builds the LLMEngine, then loops: take commands (blocking only
+  when idle), step, send the step's outputs. When the output pipe is full (the API process is
+  behind) it keeps stepping and merges each request's outputs until the pipe drains, so the engine
+  never waits on HTTP and a slow reader gets fewer, larger messages.
+
+Messages up: ("ready", info) once; ("step", outputs, errors, stats events, snapshot) per step;
+("fatal", text) before the engine process exits on an error it cannot recover from. An output on
+the wire is a list: see `_wire`. The engine process ignores SIGINT/SIGTERM (the API process owns
+shutdown: it drains, then sends ("stop",)) and exits when the command pipe closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import multiprocessing as mp
+import select
+import signal
+import time
+import traceback
+
+from models import load_tokenizer, resolve_model_path
+from server.config import EngineConfig
+from server.engine import RequestBounds, RequestError, RequestOutput, validate_request
+from server.sampling import SamplingParams
+
+log = logging.getLogger("flashpage.engine")
+
+PIPE_BYTES = 1 << 20  # Linux pipes hold 64 KiB by default; room for a burst of prompts or outputs
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+def _grow_pipe(conn) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+        pass
+
+
+# ------------------------------------------------------------------------------ API process side
+class EngineClient:
+    def __init__(self, config: EngineConfig, log_level: str = "info", log_format: str = "text",
+                 startup_timeout: float | None = None) -> None:
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        cmd_reader, self._cmd = ctx.Pipe(duplex=False)
+        self._out, out_writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=engine_main, args=(config, cmd_reader, out_writer, log_level, log_format),
+                                   name="flashpage-engine", daemon=True)
+        self.process.start()
+        cmd_reader.close()
+        out_writer.close()
+        _grow_pipe(self._cmd)
+        info = self._wait_ready(startup_timeout)
+        self.config = config
+        self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
+        self.bounds: RequestBounds = info["bounds"]
+        self._snapshot: dict = info["snapshot"]
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model))
+        self.stats = None  # server/metrics.EngineStats: replays the engine process's hook calls
+        self._text: dict[str, tuple[str, list[int]]] = {}  # text and ids so far, per request in flight
+        self._commands: list[tuple] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver = self._die = None
+        self._closed = False
+
+    def _wait_ready(self, timeout: float | None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            if self._out.poll(0.2):
+                try:
+                    kind, payload = self._out.recv()
+                except EOFError:
+                    break
+                if kind == "ready":
+                    return payload
+                raise EngineProcessError(f"the engine failed to start:\n{payload}")
+            if not self.process.is_alive():
+                break
+        self.process.kill()
+        raise EngineProcessError(f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                                 if deadline is None or time.monotonic() < deadline else
+                                 f"the engine was not ready within {timeout} s")
+
+    # -- what the HTTP side asks of an engine --------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_token_ids, params, self.bounds)
+
+    def snapshot(self) -> dict:
+        return self._snapshot  # as of the engine's last step message
+
+    # -- the core protocol (server/async_engine.py) --------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, deliver, die) -> None:
+        self._loop, self._deliver, self._die = loop, deliver, die
+        loop.add_reader(self._out.fileno(), self._on_readable)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._text[request_id] = ("", [])
+        self._send(("add", request_id, prompt_token_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        self._text.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _send(self, cmd: tuple) -> None:
+        if not self._commands:  # one message per event-loop turn, however many requests arrive in it
+            self._loop.call_soon(self._flush)
+        self._commands.append(cmd)
+
+    def _flush(self) -> None:
+        commands, self._commands = self._commands, []
+        if commands and not self._closed:
+            try:
+                self._cmd.send(commands)
+            except OSError as e:
+                self._lost(e)
+
+    async def stop(self) -> None:
+        if self._loop is not None and not self._closed:
+            self._loop.remove_reader(self._out.fileno())
+        self._closed = True
+        try:
+            self._cmd.send([("stop",)])
+        except OSError:
+            pass
+        await asyncio.to_thread(self.process.join, 30)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop; killing it")
+            self.process.kill()
+
+    def _on_readable(self) -> None:
+        try:
+            for _ in range(16):  # then let the HTTP tasks run; the reader fires again while data waits
+                if self._closed or not self._out.poll():
+                    break
+                kind, *payload = self._out.recv()
+                if kind == "step":
+                    self._on_step(*payload)
+                else:
+                    self._lost(EngineProcessError(f"the engine process failed:\n{payload[0]}"))
+        except (EOFError, OSError) as e:
+            self._lost(e)
+
+    def _on_step(self, wire: list[list], errors: list[tuple[str, str]], events: list[tuple], snapshot: dict) -> None:
+        self._snapshot = snapshot
+        if self.stats is not None and events:
+            self.stats.replay(events)
+        outputs = []
+        texts = self._text
+        for (rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens, new_logprobs, cached,
+             error, final_text, final_ids) in wire:
+            if finished:
+                texts.pop(rid, None)
+                text, ids = final_text, final_ids
+            else:
+                text, ids = texts.get(rid, ("", []))
+                text += new_text
+                ids.extend(new_ids)
+                if rid in texts:
+                    texts[rid] = (text, ids)
+            outputs.append(RequestOutput(rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens,
+                                         new_logprobs, text, ids, cached, error))
+        for rid, _ in errors:
+            texts.pop(rid, None)
+        if outputs or errors:
+            self._deliver(outputs, [(rid, RequestError(msg)) for rid, msg in errors])
+
+    def _lost(self, e: BaseException) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._out.fileno())
+        self.process.join(1)
+        code = self.process.exitcode
+        log.critical("lost the engine process (exit code %s): %s", code, e)
+        self._die(e if isinstance(e, EngineProcessError) else
+                  EngineProcessError(f"the engine process is gone (exit code {code})"))
+
+
+# ------------------------------------------------------------------------------ engine process side
+def _wire(o: RequestOutput) -> list:
+    """An output as sent: the cumulative text and ids only once, when the request finishes."""
+    return [o.request_id, o.new_text, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
+            o.completion_tokens, o.new_logprobs, o.cached_prompt_tokens, o.error,
+            o.text if o.finished else None, list(o.token_ids) if o.finished else None]
+
+
+class _Outbox:
+    """Outputs not sent yet. While the API process is behind, a request's outputs merge into one."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list] = {}
+        self.failed: list[list] = []  # kept apart, after the tokens before them (as the HTTP side does)
+        self.errors: list[tuple[str, str]] = []
+        self.events: list[tuple] = []
+        self.dirty = False
+
+    def add(self, outputs: list[RequestOutput], errors, events: list[tuple]) -> None:
+        self.dirty = True
+        self.events += events
+        self.errors += [(rid, str(e)) for rid, e in errors]
+        for o in outputs:
+            if o.finish_reason == "error":
+                self.failed.append(_wire(o))
+                continue
+            prev = self.outputs.get(o.request_id)
+            if prev is None:
+                self.outputs[o.request_id] = _wire(o)
+                continue
+            new = _wire(o)
+            new[1] = prev[1] + new[1]
+            new[2] = prev[2] + new[2]
+            new[7] = prev[7] + new[7]
+            self.outputs[o.request_id] = new
+
+    def flush(self, conn, snapshot: dict, block: bool) -> None:
+        if not self.dirty:
+            return
+        if not block and not select.select([], [conn], [], 0)[1]:
+            return  # the pipe is full: keep stepping, send merged later
+        conn.send(("step", list(self.outputs.values()) + self.failed, self.errors, self.events, snapshot))
+        self.__init__()
+
+
+def engine_main(config: EngineConfig, commands, out, log_level: str, log_format: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the API
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process drains, then stops us
+    from server.logs import setup_logging
+
+    setup_logging(log_level, log_format)
+    import torch
+
+    from server.async_engine import apply_commands
+    from server.engine import LLMEngine
+    from server.metrics import StatsRecorder
+
+    _grow_pipe(out)
+    try:
+        torch.manual_seed(config.seed)
+        engine = LLMEngine(config)
+    except BaseException:
+        out.send(("fatal", traceback.format_exc()))
+        return
+    engine.stats = recorder = StatsRecorder()
+    gc.collect()
+    gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/cli.py)
+    out.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                        "bounds": engine.limits(), "snapshot": engine.snapshot()}))
+    outbox = _Outbox()
+    try:
+        while True:
+            idle = not engine.has_unfinished()
+            if idle:
+                outbox.flush(out, engine.snapshot(), block=True)
+            batches = [commands.recv()] if idle else []  # idle: sleep until there is something to do
+            while commands.poll():
+                batches.append(commands.recv())
+            cmds = [c for batch in batches for c in batch]
+            if any(c[0] == "stop" for c in cmds):
+                return
+            errors = apply_commands(engine, cmds)
+            outputs = engine.step() if engine.has_unfinished() else []
+            if cmds or outputs or errors or recorder.events:
+                outbox.add(outputs, errors, recorder.take())
+            outbox.flush(out, engine.snapshot(), block=False)
+    except EOFError:  # the API process is gone
+        return
+    except BaseException:
+        log.exception("engine loop died")
+        try:
+            out.send(("fatal", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
