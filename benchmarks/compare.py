@@ -318,7 +318,8 @@ def report(result: dict) -> str:
             per_level += f", cut at {s['duration_s']:g} s"
         lines[-1] += (f"; prompts of {jit(s.get('input_len'), s.get('input_jitter'))} random token ids, outputs of "
                       f"{jit(s.get('output_len'), s.get('output_jitter'))} tokens (`ignore_eos`), greedy; "
-                      f"per level {per_level}")
+                      f"per level {per_level}, each level with prompts of its own (no prefix-cache hits carried "
+                      "over)")
     lines[-1] += (f". torch {result.get('torch')}, triton {result.get('triton')}, {result.get('date')}. "
                   f"`{result.get('command')}`")
     lines += ["", "TTFT: time to first token; TPOT: (end-to-end − TTFT) / (output tokens − 1) per request; "
