@@ -22,6 +22,11 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of `num_tokens` tokens occupies."""
+    return -(-num_tokens // block_size)
+
+
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     """Flat cache slot of token `position` of a sequence with this page table."""
     return block_table[position // block_size] * block_size + position % block_size
@@ -135,7 +140,7 @@ class BlockManager:
         return self.allocator.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
         # Conservative: ignores possible prefix hits, so admission never over-commits.

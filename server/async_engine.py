@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
-from server.engine import LLMEngine, RequestError, RequestOutput
+from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
 from server.engine_process import EngineClient
 from server.sampling import SamplingParams
 
@@ -69,7 +69,7 @@ class _Collector:
         items = self.items
         if (items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput)
                 and item.finish_reason != "error"):  # a failure stays separate: the tokens before it are kept
-            items[-1] = _merge(items[-1], item)
+            items[-1] = merge_outputs(items[-1], item)
         else:
             items.append(item)
         self.ready.set()
@@ -79,14 +79,6 @@ class _Collector:
             self.ready.clear()
             await self.ready.wait()
         return self.items.popleft()
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """a then b as one output: the deltas concatenated, everything cumulative from b."""
-    b.new_text = a.new_text + b.new_text
-    b.new_token_ids = a.new_token_ids + b.new_token_ids
-    b.new_logprobs = a.new_logprobs + b.new_logprobs
-    return b
 
 
 def apply_commands(engine: LLMEngine, commands: list[tuple]) -> list[tuple[str, RequestError]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache import BlockManager, CacheSpec
+from kvcache import BlockManager, CacheSpec, blocks_for
 from models import DTYPES, load_config, load_model, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.detokenize import Detokenizer, find_stop
@@ -24,6 +24,16 @@ from server.scheduler import Scheduler
 from server.sequence import Sequence
 
 log = logging.getLogger("flashpage.engine")
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """a then b (same request) as one output: the deltas concatenated, everything cumulative from b.
+    Where a consumer falls behind, its waiting outputs merge this way (the HTTP side's collectors,
+    the engine process's outbox)."""
+    b.new_text = a.new_text + b.new_text
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_logprobs = a.new_logprobs + b.new_logprobs
+    return b
 
 
 class RequestError(ValueError):
@@ -74,7 +84,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, b: Req
         raise RequestError(
             f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
             f"exceeds the model's context of {b.max_model_len} tokens")
-    need = -(-(n + params.max_tokens) // b.block_size)
+    need = blocks_for(n + params.max_tokens, b.block_size)
     if need > b.num_blocks:
         raise RequestError(f"request needs {need} KV blocks but the whole cache has {b.num_blocks}")
 

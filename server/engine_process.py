@@ -35,7 +35,7 @@ import traceback
 
 from models import load_tokenizer, resolve_model_path
 from server.config import EngineConfig
-from server.engine import RequestBounds, RequestError, RequestOutput, validate_request
+from server.engine import RequestBounds, RequestError, RequestOutput, merge_outputs, validate_request
 from server.sampling import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
@@ -167,15 +167,15 @@ class EngineClient:
         texts = self._text
         for (rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens, new_logprobs, cached,
              error, final_text, final_ids) in wire:
+            so_far = texts.pop(rid, None) if finished else texts.get(rid)
+            if so_far is None:
+                continue  # aborted here meanwhile: nobody waits for it
             if finished:
-                texts.pop(rid, None)
                 text, ids = final_text, final_ids
             else:
-                text, ids = texts.get(rid, ("", []))
-                text += new_text
+                text, ids = so_far[0] + new_text, so_far[1]
                 ids.extend(new_ids)
-                if rid in texts:
-                    texts[rid] = (text, ids)
+                texts[rid] = (text, ids)
             outputs.append(RequestOutput(rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens,
                                          new_logprobs, text, ids, cached, error))
         for rid, _ in errors:
@@ -207,8 +207,8 @@ class _Outbox:
     """Outputs not sent yet. While the API process is behind, a request's outputs merge into one."""
 
     def __init__(self) -> None:
-        self.outputs: dict[str, list] = {}
-        self.failed: list[list] = []  # kept apart, after the tokens before them (as the HTTP side does)
+        self.outputs: dict[str, RequestOutput] = {}
+        self.failed: list[RequestOutput] = []  # kept apart, after the tokens before them (as the HTTP side does)
         self.errors: list[tuple[str, str]] = []
         self.events: list[tuple] = []
         self.dirty = False
@@ -219,24 +219,20 @@ class _Outbox:
         self.errors += [(rid, str(e)) for rid, e in errors]
         for o in outputs:
             if o.finish_reason == "error":
-                self.failed.append(_wire(o))
+                self.failed.append(o)
                 continue
             prev = self.outputs.get(o.request_id)
-            if prev is None:
-                self.outputs[o.request_id] = _wire(o)
-                continue
-            new = _wire(o)
-            new[1] = prev[1] + new[1]
-            new[2] = prev[2] + new[2]
-            new[7] = prev[7] + new[7]
-            self.outputs[o.request_id] = new
+            self.outputs[o.request_id] = o if prev is None else merge_outputs(prev, o)
 
-    def flush(self, conn, snapshot: dict, block: bool) -> None:
+    def flush(self, conn, snapshot, block: bool) -> None:
+        """Send what waits, unless `block` is off and the pipe is full; `snapshot()` is the
+        engine's, taken only when a message goes."""
         if not self.dirty:
             return
         if not block and not select.select([], [conn], [], 0)[1]:
             return  # the pipe is full: keep stepping, send merged later
-        conn.send(("step", list(self.outputs.values()) + self.failed, self.errors, self.events, snapshot))
+        wire = [_wire(o) for o in self.outputs.values()] + [_wire(o) for o in self.failed]
+        conn.send(("step", wire, self.errors, self.events, snapshot()))
         self.__init__()
 
 
@@ -269,7 +265,7 @@ def engine_main(config: EngineConfig, commands, out, log_level: str, log_format:
         while True:
             idle = not engine.has_unfinished()
             if idle:
-                outbox.flush(out, engine.snapshot(), block=True)
+                outbox.flush(out, engine.snapshot, block=True)
             batches = [commands.recv()] if idle else []  # idle: sleep until there is something to do
             while commands.poll():
                 batches.append(commands.recv())
@@ -280,7 +276,7 @@ def engine_main(config: EngineConfig, commands, out, log_level: str, log_format:
             outputs = engine.step() if engine.has_unfinished() else []
             if cmds or outputs or errors or recorder.events:
                 outbox.add(outputs, errors, recorder.take())
-            outbox.flush(out, engine.snapshot(), block=False)
+            outbox.flush(out, engine.snapshot, block=False)
     except EOFError:  # the API process is gone
         return
     except BaseException:

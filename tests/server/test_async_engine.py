@@ -35,3 +35,30 @@ def test_a_slow_consumer_gets_merged_outputs_and_every_token(tiny_ckpt):
         assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert len(slow) < len(fast) // 2  # merged while the consumer slept
     assert engine.block_manager.check_all_free()
+
+
+def test_engine_process_outbox_merges_a_requests_outputs_until_sent():
+    # While the API process is behind, the engine process keeps stepping and merges each request's
+    # outputs; a failure stays apart, after the tokens before it; the snapshot is taken on send.
+    import multiprocessing as mp
+
+    from server.engine import RequestOutput
+    from server.engine_process import _Outbox
+
+    box = _Outbox()
+    box.add([RequestOutput("a", "x", [1], False, new_logprobs=[(1, -0.5)], completion_tokens=1),
+             RequestOutput("b", "p", [7], False, completion_tokens=1)], [], [("step", 2, 2, 0.0)])
+    box.add([RequestOutput("a", "y", [2], True, "length", new_logprobs=[(2, -0.1)], completion_tokens=2,
+                           text="xy", token_ids=[1, 2]),
+             RequestOutput("b", "", [], True, "error", text="p", token_ids=[7], error="boom")],
+            [("c", ValueError("bad"))], [("step", 2, 2, 0.1)])
+    reader, writer = mp.Pipe(duplex=False)
+    box.flush(writer, lambda: {"running": 0}, block=False)
+    kind, wire, errors, events, snapshot = reader.recv()
+    assert kind == "step" and snapshot == {"running": 0} and errors == [("c", "bad")] and len(events) == 2
+    (a, b1, b2) = wire
+    assert a == ["a", "xy", [1, 2], True, "length", 0, 2, [(1, -0.5), (2, -0.1)], 0, None, "xy", [1, 2]]
+    assert b1[:4] == ["b", "p", [7], False] and b2[3:5] == [True, "error"] and b2[9] == "boom"
+    assert not box.dirty and not box.outputs
+    box.flush(writer, lambda: 1 / 0, block=True)  # nothing waits: nothing sent, no snapshot taken
+    assert not reader.poll(0.05)
