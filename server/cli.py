@@ -95,8 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     # log_config=None: uvicorn's loggers propagate to our handler (text or JSON); our request-id
     # middleware writes the access lines, so uvicorn's own are off.
     # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1 (server/lifecycle.py).
-    sys.exit(serve(app, aengine, limits.shutdown_grace, host=args.host, port=args.port, log_level=args.log_level,
-                   log_config=None, access_log=False))
+    try:
+        code = serve(app, aengine, limits.shutdown_grace, host=args.host, port=args.port, log_level=args.log_level,
+                     log_config=None, access_log=False)
+    finally:
+        gc.unfreeze()  # frozen objects are never freed: triton's bindings would report them leaked at exit
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -286,3 +286,5 @@ def engine_main(config: EngineConfig, commands, out, log_level: str, log_format:
         except OSError:
             pass
         raise SystemExit(1)
+    finally:
+        gc.unfreeze()  # as in server/cli.py: let exit free what start-up froze
