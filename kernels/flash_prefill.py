@@ -29,6 +29,11 @@ never read: those loads are masked with other=0 *and* their scores set to -inf, 
 in unowned slots cannot reach the output. Rows past a sequence's end are neither read nor written.
 Cache addressing is int64. The launch path does no host sync (.item()/.tolist()).
 
+Tile map (for CUDA graphs, whose grid cannot follow the batch): with ``tiles=(tile_seq, tile_start)``,
+two int32 [num_tiles] device tensors, the grid is (num_tiles, heads) and program i serves rows
+tile_start[i] .. + BLOCK_M of sequence tile_seq[i] (-1: no work); ``tile_map()`` builds it for a
+batch, ``block_m()`` gives the BLOCK_M it must use. max_seqlen then only picks the tile config.
+
 Returns out [total_tokens, num_heads, head_dim] in q's dtype (written into ``out`` if given).
 """
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -125,18 +131,24 @@ def _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_v
 @triton.jit(do_not_specialize=["stride_bts"])
 def _flash_prefill_kernel(
     Q, K, V, O, CU_SEQLENS,
-    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS,
+    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START,
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_bts,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr,
 ):
-    # Heaviest (last, longest-causal-row) query tiles are launched first: better tail balance.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    if TILE_MAP:  # the host listed (sequence, first row) per query tile; seq -1 = an idle program
+        seq = tl.load(TILE_SEQ + tl.program_id(0))
+        if seq < 0:
+            return
+        start_m = tl.load(TILE_START + tl.program_id(0))
+    else:
+        # Heaviest (last, longest-causal-row) query tiles are launched first: better tail balance.
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        seq = tl.program_id(2)
     seq_start = tl.load(CU_SEQLENS + seq)
     seq_len = tl.load(CU_SEQLENS + seq + 1) - seq_start
     if start_m >= seq_len:
@@ -266,6 +278,7 @@ def flash_prefill(
     block_tables: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed new tokens (+ optional paged prefix). See module docstring.
@@ -312,10 +325,17 @@ def flash_prefill(
     block_m, block_n, num_warps, num_stages = _config or _pick_config(block_d, max_seqlen, q.device)
     if block_m % block_n:
         raise ValueError("BLOCK_N must divide BLOCK_M (the off-diagonal loop stops at a BLOCK_M edge)")
-    grid = (triton.cdiv(max_seqlen, block_m), num_heads, num_seqs)
+    if tiles is not None:
+        tile_seq, tile_start = tiles
+        if tile_seq.shape != tile_start.shape or tile_seq.dtype != torch.int32 or tile_start.dtype != torch.int32:
+            raise ValueError("tiles: two int32 tensors of one shape [num_tiles]")
+        grid = (tile_seq.numel(), num_heads, 1)
+    else:
+        tile_seq = tile_start = cu_seqlens  # never read (TILE_MAP is a compile-time False)
+        grid = (triton.cdiv(max_seqlen, block_m), num_heads, num_seqs)
     _flash_prefill_kernel[grid](
         q, k, v, out, cu_seqlens,
-        k_cache, v_cache, block_tables, prefix_lens,
+        k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -326,6 +346,30 @@ def flash_prefill(
         # under it we feed the dots fp32 copies of the same bf16 values instead.
         UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
+        TILE_MAP=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def block_m(head_dim: int, max_seqlen: int, device: torch.device) -> int:
+    """The BLOCK_M flash_prefill uses for these shapes (what a tile map must be built with)."""
+    return _pick_config(max(16, triton.next_power_of_2(head_dim)), max_seqlen, device)[0]
+
+
+def tile_map(lens: np.ndarray, prefix_lens: np.ndarray, block_m: int, num_tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_seq, tile_start), int32 [num_tiles]: every query tile of sequences with `lens` new
+    tokens, the most work first (a tile's causal row reaches prefix + start + block_m keys: long
+    rows first balance the tail), then idle tiles (-1). Raises if the batch needs more tiles."""
+    lens = np.asarray(lens, dtype=np.int64)
+    counts = -(-lens // block_m)
+    need = int(counts.sum())
+    if need > num_tiles:
+        raise ValueError(f"batch needs {need} query tiles, the map holds {num_tiles}")
+    seq = np.repeat(np.arange(len(lens)), counts)
+    start = (np.arange(need) - np.repeat(np.cumsum(counts) - counts, counts)) * block_m
+    order = np.argsort(-(np.asarray(prefix_lens, dtype=np.int64)[seq] + start), kind="stable")
+    tile_seq = np.full(num_tiles, -1, dtype=np.int32)
+    tile_start = np.zeros(num_tiles, dtype=np.int32)
+    tile_seq[:need], tile_start[:need] = seq[order], start[order]
+    return tile_seq, tile_start

@@ -38,6 +38,9 @@ class AttentionMetadata:
     has_prefix: bool = False
     cu_seqlens_host: list[int] | None = None
     prefix_lens_host: list[int] | None = None
+    # (tile_seq, tile_start) int32: flash_prefill's tile map, set in captured prefill graphs
+    # (server/cuda_graphs.py), whose grid cannot follow the batch. Only the triton backend.
+    prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
     # decode part
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [num_decodes] int32, this step's token included
@@ -120,6 +123,8 @@ class TorchAttention:
 class TritonAttention:
     """Our kernels: KV write, flash prefill (with paged prefix), paged decode."""
 
+    prefill_graphs = True  # prefill steps can be captured (flash_prefill takes a tile map)
+
     def __init__(self, scale: float) -> None:
         from kernels.flash_prefill import flash_prefill
         from kernels.kv_write import kv_write
@@ -143,7 +148,7 @@ class TritonAttention:
             self._prefill(
                 q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, self.scale,
                 k_cache=cache[0], v_cache=cache[1], block_tables=meta.prefill_block_tables,
-                prefix_lens=meta.prefix_lens, out=out[:p],
+                prefix_lens=meta.prefix_lens, out=out[:p], tiles=meta.prefill_tiles,
             )
         if q.shape[0] > p:
             self._decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, self.scale, out=out[p:])

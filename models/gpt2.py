@@ -39,10 +39,13 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.reshape(n, -1))
 
 
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
 def _activation(name: str):
     # transformers' "gelu_new" is GELU-tanh spelled out in eight elementwise ops, i.e. eight kernel
     # launches per layer per step; torch's fused tanh-approximate GELU computes the same function.
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+    if name in _GELU_TANH:
         return partial(F.gelu, approximate="tanh")
     return ACT2FN[name]
 
@@ -54,9 +57,16 @@ class GPT2MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.c_proj = nn.Linear(inner, config.n_embd)
         self.act = _activation(config.activation_function)
+        self.gelu_tanh = config.activation_function in _GELU_TANH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        if self.gelu_tanh and x.is_cuda and x.dim() == 2:
+            # One kernel instead of two: cuBLASLt's GELU epilogue is the same tanh approximation
+            # (computed in fp32 before rounding); a decode step at small batch is launch-bound.
+            h = torch._addmm_activation(self.c_fc.bias, x, self.c_fc.weight.t(), use_gelu=True)
+        else:
+            h = self.act(self.c_fc(x))
+        return self.c_proj(h)
 
 
 class GPT2Block(nn.Module):

@@ -8,6 +8,7 @@ buffer; the engine has waited for step k-2 to finish before packing step k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -60,3 +61,39 @@ def fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
     flat = np.fromiter(chain.from_iterable(rows), dtype=out.dtype, count=int(lens.sum()))
     mask = np.arange(int(lens.max())) < lens[:, None]
     out[: len(rows), : mask.shape[1]][mask] = flat  # True cells in row-major order = rows concatenated
+
+
+@dataclass
+class PrefillArrays:
+    """A step's prefill chunks, flat (what both the eager step and the prefill graphs upload)."""
+
+    ids: np.ndarray  # [num_tokens] token ids, chunks back to back
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] flat cache slot of each token's K/V
+    lens: list[int]  # new tokens per chunk
+    prefix: list[int]  # tokens of each sequence already in the cache (the chunk's start)
+    tables: list[list[int]]  # page tables
+    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end)
+
+
+def pack_prefills(prefills: list, block_size: int) -> PrefillArrays:
+    """prefills: the scheduler's ScheduledSeq chunks (server/scheduler.py)."""
+    ids, pos, slots, lens, prefix, tables, ends = [], [], [], [], [], [], []
+    offset = 0
+    for item in prefills:
+        seq, lo, n = item.seq, item.start, item.num_tokens
+        if lo + n > seq.num_tokens - seq.num_pending:  # the scheduler never does this
+            raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
+        table = seq.blocks.block_table
+        p = np.arange(lo, lo + n)
+        ids.append(seq.token_ids[lo : lo + n])
+        pos.append(p)
+        slots.append(np.asarray(table, dtype=np.int64)[p // block_size] * block_size + p % block_size)
+        lens.append(n)
+        prefix.append(lo)
+        tables.append(table)
+        offset += n
+        if item.samples:
+            ends.append(offset - 1)
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return PrefillArrays(cat(ids), cat(pos), cat(slots), lens, prefix, tables, ends)

@@ -10,6 +10,13 @@ The static inputs are views of one device buffer with two pinned host mirrors us
 server/batch.py for why two), so a step's inputs travel in a single host-to-device copy. A token
 whose id is still on the device (asynchronous scheduling) is taken inside the graph from the last
 step's sampled ids: `src[i] >= 0` names its row there.
+
+Prefill steps are captured too (`PrefillGraphs`), for a ladder of token counts up to 2048 and at
+most PREFILL_GRAPH_SEQS chunks: run eagerly, a prefill step's ~150 launches cost a few
+milliseconds of host time, so under load (a prompt admitted every few steps) they would take a
+large share of the engine's time. Padding tokens write no K/V and belong to no sequence; the
+attention's grid is a tile map (kernels/flash_prefill.py) with idle tiles. Larger steps run
+eagerly: their GPU time dwarfs the launches.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ import time
 
 import torch
 
+import numpy as np
+
+from kernels.flash_prefill import block_m, tile_map
 from kvcache import slot_of
-from server.batch import fill_rows
 from models import AttentionMetadata, GPT2LMHeadModel
+from server.batch import fill_rows, pack_prefills
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -32,6 +42,26 @@ def batch_ladder(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def capture_ladder(sizes: list[int], forward, device: torch.device, inputs=None) -> dict:
+    """{size: (graph, output)} of forward(size) for each size. Largest first, so that the smaller
+    graphs reuse its memory pool; each runs twice before capture, so that Triton compiles and
+    autotunes outside it. inputs(size), if given, fills the static inputs first."""
+    graphs, pool = {}, None
+    for size in reversed(sizes):
+        if inputs is not None:
+            inputs(size)
+        for _ in range(2):
+            forward(size)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(size)
+        pool = graph.pool()
+        graphs[size] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 class DecodeGraphs:
@@ -64,17 +94,7 @@ class DecodeGraphs:
         _, _, slots, ctx, src, _ = self._views(self.host_nps[0])
         slots[:], ctx[:], src[:] = -1, 1, -1
         self.dev.copy_(self.hosts[0])
-        pool = None
-        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                self._forward(n)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(n)
-            pool = graph.pool()
-            self.graphs[n] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        self.graphs = capture_ladder(self.sizes, self._forward, self.device)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
@@ -99,3 +119,100 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
+
+
+PREFILL_GRAPH_SEQS = 16  # chunks one captured prefill step holds; a step with more runs eagerly
+PREFILL_GRAPH_MAX_TOKENS = 2048
+
+
+def prefill_ladder(max_tokens: int) -> list[int]:
+    sizes = [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048) if t <= min(max_tokens, PREFILL_GRAPH_MAX_TOKENS)]
+    if max_tokens < PREFILL_GRAPH_MAX_TOKENS and (not sizes or sizes[-1] != max_tokens):
+        sizes.append(max_tokens)
+    return sizes
+
+
+def _align(n: int) -> int:
+    return -(-n // 4) * 4  # int32 count -> 16-byte boundary
+
+
+class PrefillGraphs:
+    def __init__(self, model: GPT2LMHeadModel, kv_caches, max_tokens: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.sizes = prefill_ladder(max_tokens)
+        head_dim = model.config.n_embd // model.config.n_head
+        self.block_m = {t: block_m(head_dim, t, device) for t in self.sizes}
+        # Tiles a batch of <= S chunks and t tokens can need: sum(ceil(len / bm)) <= t / bm + S.
+        self.num_tiles = {t: -(-t // self.block_m[t]) + PREFILL_GRAPH_SEQS for t in self.sizes}
+        t_max, n_max, s = self.sizes[-1], max(self.num_tiles.values()), PREFILL_GRAPH_SEQS
+        # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens | ends (s each) |
+        # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.
+        lens = [_align(t_max)] * 3 + [_align(s + 1), _align(s), _align(s), _align(n_max), _align(n_max)]
+        self.offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        self.max_blocks = max_blocks
+        size = self.offsets[-1] + s * max_blocks
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        self.turn = 0
+        self.dev = torch.zeros_like(self.hosts[0], device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _views(self, buf):
+        o = self.offsets
+        sec = [buf[o[i] : o[i + 1]] for i in range(8)]
+        s = PREFILL_GRAPH_SEQS
+        return (sec[0], sec[1], sec[2], sec[3][: s + 1], sec[4][:s], sec[5][:s], sec[6], sec[7],
+                buf[o[8] :].reshape(s, self.max_blocks))
+
+    def _forward(self, t: int) -> torch.Tensor:
+        ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.dev)
+        n = self.num_tiles[t]
+        meta = AttentionMetadata(slot_mapping=slots[:t], num_prefill_tokens=t, cu_seqlens=cu, max_seqlen=t,
+                                 prefix_lens=prefix, prefill_block_tables=bt, has_prefix=True,
+                                 prefill_tiles=(tseq[:n], tstart[:n]))
+        hidden = self.model(ids[:t], pos[:t], self.kv_caches, meta)
+        return self.model.compute_logits(hidden[ends])
+
+    def _fill(self, buf, t: int, ids, pos, slots, lens, prefix, tables, ends) -> None:
+        v_ids, v_pos, v_slots, cu, v_prefix, v_ends, tseq, tstart, bt = self._views(buf)
+        n, k = len(ids), len(lens)
+        v_ids[:n], v_pos[:n], v_slots[:n] = ids, pos, slots
+        v_ids[n:t], v_pos[n:t], v_slots[n:t] = 0, 0, -1  # padding: written nowhere, in no sequence
+        cu[0] = 0
+        cu[1 : k + 1] = np.cumsum(lens)
+        cu[k + 1 :] = n
+        v_prefix[:k], v_prefix[k:] = prefix, 0
+        v_ends[: len(ends)], v_ends[len(ends) :] = ends, 0
+        nt = self.num_tiles[t]
+        tseq[:nt], tstart[:nt] = tile_map(lens, prefix, self.block_m[t], nt)
+        fill_rows(bt, tables)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.monotonic()
+
+        def inputs(t: int) -> None:  # one chunk of t tokens, nothing cached, no K/V written
+            pos = np.arange(t) % self.model.config.n_positions  # t may pass the model's positions
+            self._fill(self.host_nps[0], t, np.zeros(t), pos, np.full(t, -1), [t], [0], [[0]], [t - 1])
+            self.dev.copy_(self.hosts[0])
+
+        self.graphs = capture_ladder(self.sizes, self._forward, self.device, inputs)
+        log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0],
+                 self.sizes[-1], time.monotonic() - t0)
+
+    def fits(self, prefills) -> bool:
+        return len(prefills) <= PREFILL_GRAPH_SEQS and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
+
+    def run(self, prefills, block_size: int) -> torch.Tensor | None:
+        """Fill the static inputs for these chunks, replay; logits of the chunks that sample
+        [num_sampling, V], in order (None if none does)."""
+        pf = pack_prefills(prefills, block_size)
+        t = next(s for s in self.sizes if s >= len(pf.ids))
+        self.turn = 1 - self.turn
+        self._fill(self.host_nps[self.turn], t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,
+                   pf.ends)
+        self.dev.copy_(self.hosts[self.turn], non_blocking=True)
+        graph, logits = self.graphs[t]
+        graph.replay()
+        return logits[: len(pf.ends)] if pf.ends else None

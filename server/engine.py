@@ -203,7 +203,7 @@ class LLMEngine:
         """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
         import gc
 
-        self.runner.graphs = None
+        self.runner.graphs = self.runner.prefill_graphs = None
         self.runner.kv_caches = []
         gc.collect()
         if self.device.type == "cuda":

@@ -16,7 +16,7 @@ import torch
 
 from kvcache import CacheSpec, allocate_kv_cache, slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
-from server.batch import Packer, pad_rows
+from server.batch import Packer, pack_prefills, pad_rows
 from server.sampling import sample
 from server.scheduler import SchedulerOutput
 from server.sequence import Sequence
@@ -48,6 +48,7 @@ class ModelRunner:
         self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 4 * 8, device)  # + alignment
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
+        self.prefill_graphs = None
         self.generators: dict[str, torch.Generator] = {}
         self.on_cuda = device.type == "cuda"
         # The last step's sampled ids stay here, on the device, for the next step's placeholders.
@@ -113,52 +114,40 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def capture_graphs(self) -> None:
-        from server.cuda_graphs import DecodeGraphs
+        from server.cuda_graphs import DecodeGraphs, PrefillGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device,
                                    self.last_ids)
         self.graphs.capture()
+        if getattr(self.model.h[0].attn.attn, "prefill_graphs", False):
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.max_tokens, self.max_blocks,
+                                                self.device)
+            self.prefill_graphs.capture()
 
     # -- one step -----------------------------------------------------------------------------
-    def _slots(self, table: list[int], lo: int, hi: int) -> np.ndarray:
-        pos = np.arange(lo, hi)
-        return np.asarray(table, dtype=np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        items = batch.scheduled
-        ids, pos, slots, ends, dst, src = [], [], [], [], [], []
-        bs = self.block_size
-        offset = 0
-        for item in items:
-            seq, lo, n = item.seq, item.start, item.num_tokens
-            table = seq.blocks.block_table
-            if n == 1:  # decode: plain ints, numpy calls cost more than they save here
-                tok, row = seq.input_token(lo)
-                if row >= 0:  # sampled by the step before, still on the device only
-                    dst.append(offset)
-                    src.append(row)
-                ids.append((tok,))
-                pos.append((lo,))
-                slots.append((slot_of(table, lo, bs),))
-            else:
-                if lo + n > seq.num_tokens - seq.num_pending:  # the scheduler never does this
-                    raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
-                ids.append(seq.token_ids[lo : lo + n])
-                pos.append(np.arange(lo, lo + n))
-                slots.append(self._slots(table, lo, lo + n))
-            offset += n
-            if item.samples:
-                ends.append(offset - 1)
-        arrays = [np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), ends]
         pre, dec = batch.prefills, batch.decodes
-        cu = np.concatenate([[0], np.cumsum([s.num_tokens for s in pre])]) if pre else []
-        prefix = [s.start for s in pre]
+        bs = self.block_size
+        pf = pack_prefills(pre, bs)
+        ids, pos, slots, dst, src = [], [], [], [], []
+        offset = len(pf.ids)
+        for item in dec:  # plain ints: numpy calls cost more than they save for one token
+            seq, lo = item.seq, item.start
+            tok, row = seq.input_token(lo)
+            if row >= 0:  # sampled by the step before, still on the device only
+                dst.append(offset + len(ids))
+                src.append(row)
+            ids.append(tok)
+            pos.append(lo)
+            slots.append(slot_of(seq.blocks.block_table, lo, bs))
+        ends = pf.ends + [offset + i for i, item in enumerate(dec) if item.samples]
+        arrays = [np.concatenate([pf.ids, ids]), np.concatenate([pf.positions, pos]),
+                  np.concatenate([pf.slots, slots]), ends]
         if pre:
-            width = max(len(s.seq.blocks.block_table) for s in pre)
-            arrays += [cu, prefix, pad_rows([s.seq.blocks.block_table for s in pre], width)]
+            arrays += [np.concatenate([[0], np.cumsum(pf.lens)]), pf.prefix, pad_rows(pf.tables, max(map(len, pf.tables)))]
         if dec:
-            width = max(len(s.seq.blocks.block_table) for s in dec)
-            arrays += [[s.start + 1 for s in dec], pad_rows([s.seq.blocks.block_table for s in dec], width)]
+            tables = [s.seq.blocks.block_table for s in dec]
+            arrays += [[s.start + 1 for s in dec], pad_rows(tables, max(map(len, tables)))]
         if dst:
             arrays += [dst, src]
         views = self.packer.pack(arrays)
@@ -166,13 +155,14 @@ class ModelRunner:
         if dst:
             input_ids[views[-2].long()] = self.last_ids[views[-1].long()]
             views = views[:-2]
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=sum(s.num_tokens for s in pre))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=offset)
         rest = views[4:]
         if pre:
             meta.cu_seqlens, meta.prefix_lens, meta.prefill_block_tables = rest[:3]
-            meta.cu_seqlens_host, meta.prefix_lens_host = [int(c) for c in cu], prefix
-            meta.max_seqlen = max(s.num_tokens for s in pre)
-            meta.has_prefix = any(prefix)
+            meta.cu_seqlens_host = [0, *np.cumsum(pf.lens).tolist()]
+            meta.prefix_lens_host = pf.prefix
+            meta.max_seqlen = max(pf.lens)
+            meta.has_prefix = any(pf.prefix)
             rest = rest[3:]
         if dec:
             meta.context_lens, meta.decode_block_tables = rest
@@ -185,18 +175,20 @@ class ModelRunner:
         with torch.inference_mode():
             rows = [item.seq for item in batch.scheduled if item.samples]
             if self.graphs is not None and batch.decodes and len(batch.decodes) <= self.graphs.max_batch:
-                # Decodes replay their graph; prefill chunks in the same step run eagerly after it
-                # (their launches overlap the graph on the device). Under steady traffic nearly
-                # every step admits a prompt: running those steps wholly eager would give up the
-                # graphs exactly when the load is highest.
+                # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
+                # eagerly) after it. Under steady traffic nearly every step admits a prompt:
+                # running those steps wholly eager would give up the graphs exactly when the load
+                # is highest.
                 logits = self.graphs.run(batch.decodes, self.block_size)
                 if batch.prefills:
-                    pre = self._eager(SchedulerOutput(prefills=batch.prefills))
+                    pre = self._prefill(batch.prefills)
                     logits = torch.cat([pre, logits]) if pre is not None else logits
+            elif not batch.decodes:
+                logits = self._prefill(batch.prefills)
             else:
                 logits = self._eager(batch)
-                if logits is None:
-                    return StepHandle(rows)
+            if logits is None:
+                return StepHandle(rows)
             gens = [self._generator(s.request_id, s.params.seed) for s in rows]
             want = [s.params.logprobs for s in rows]
             ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
@@ -216,6 +208,12 @@ class ModelRunner:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
+
+    def _prefill(self, prefills) -> torch.Tensor | None:
+        """Logits of the prefill chunks that sample: from a captured graph where one fits."""
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(prefills):
+            return self.prefill_graphs.run(prefills, self.block_size)
+        return self._eager(SchedulerOutput(prefills=prefills))
 
     def _eager(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Run the batch without graphs; logits of the rows that sample (None if none does)."""

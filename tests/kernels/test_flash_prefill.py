@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from kernels.flash_prefill import flash_prefill
+from kernels.flash_prefill import block_m, flash_prefill, tile_map
 from kernels.reference import prefill_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,6 +116,42 @@ def test_paged_prefix(gen, block_size, dtype, head_dim, heads, kv_heads):
     prefix = [37, 2 * block_size, 0, 300, 5]
     lens = [1, 70, 33, 1, 65]
     _run_case(gen, lens, heads, kv_heads, head_dim, dtype, prefix_lens=prefix, block_size=block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tile_map_over_padded_batch(gen, dtype):
+    """The CUDA-graph form: rows and sequences padded to a fixed size, a grid of fixed size with
+    idle tiles, max_seqlen only a bound. Real rows match the reference; padding rows and padding
+    sequences are never written (they stay NaN)."""
+    lens, prefix, heads, d, bs = [1, 70, 33, 128, 5], [0, 17, 40, 0, 3], 2, 64, 16
+    total, pad_rows, pad_seqs = sum(lens), 9, 2
+    kc, vc, bt, pl = _paged_prefix(gen, prefix, bs, heads, d, dtype)
+    q = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
+    k = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
+    v = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [total] * pad_seqs, dtype=torch.int32, device=DEVICE)
+    bt_pad = torch.cat([bt, bt[:1].expand(pad_seqs, -1)])
+    pl_pad = torch.cat([pl, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
+    bound = 256  # the graph's token bucket, not the longest run
+    bm = block_m(d, bound, q.device)
+    need = sum(-(-n // bm) for n in lens)
+    seqs, starts = tile_map(lens, prefix, bm, need + 7)
+    assert (seqs[need:] == -1).all() and sorted(zip(seqs[:need], starts[:need])) == sorted(
+        (s, t) for s, n in enumerate(lens) for t in range(0, n, bm))
+    tiles = (torch.from_numpy(seqs).to(DEVICE), torch.from_numpy(starts).to(DEVICE))
+    out = torch.full_like(q, float("nan"))
+    flash_prefill(q, k, v, cu, bound, d**-0.5, k_cache=kc, v_cache=vc, block_tables=bt_pad, prefix_lens=pl_pad,
+                  out=out, tiles=tiles)
+    cu_real = cu[: len(lens) + 1]
+    ref = prefill_attention_ref(q[:total], k[:total], v[:total], cu_real, d**-0.5, k_cache=kc, v_cache=vc,
+                                block_tables=bt, prefix_lens=pl)
+    _check(out[:total], ref, dtype)
+    assert torch.isnan(out[total:]).all(), "a padding row was written"
+
+
+def test_tile_map_rejects_overflow():
+    with pytest.raises(ValueError, match="query tiles"):
+        tile_map([64, 65], [0, 0], 64, 2)
 
 
 def test_strided_views_and_returned_buffer(gen):
