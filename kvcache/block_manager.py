@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     """Chained content hash of one full block (module-level so tests can force collisions)."""
@@ -30,6 +32,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     """Flat cache slot of token `position` of a sequence with this page table."""
     return block_table[position // block_size] * block_size + position % block_size
+
+
+def slots_of(block_table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """slot_of for an array of positions (int64)."""
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 @dataclass

@@ -14,20 +14,38 @@ from itertools import chain
 import numpy as np
 import torch
 
+from kvcache import slots_of
+
+
+class Staging:
+    """One int32 device buffer and two pinned host mirrors, filled in turn (why two: see above).
+    `next_host()` hands out the mirror to fill for this step, `upload()` copies it over; on the
+    CPU the one buffer is both."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2 if self.on_cuda else 1)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        self.turn = 0
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device) if self.on_cuda else self.hosts[0]
+
+    def next_host(self) -> np.ndarray:
+        self.turn = (self.turn + 1) % len(self.hosts)
+        return self.host_nps[self.turn]
+
+    def upload(self, n: int | None = None, non_blocking: bool = True) -> None:
+        """Copy the first n (default all) values of the current mirror to the device buffer."""
+        if self.on_cuda:
+            self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
+
 
 class Packer:
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self.on_cuda = device.type == "cuda"
-        self.hosts = [torch.zeros(capacity, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
-        self.host_nps = [h.numpy() for h in self.hosts]
-        self.turn = 0
-        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if self.on_cuda else self.hosts[0]
+        self.staging = Staging(capacity, device)
 
     def pack(self, arrays: list) -> list[torch.Tensor]:
         """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; views."""
-        if self.on_cuda:
-            self.turn = 1 - self.turn
-        host, host_np = self.hosts[self.turn], self.host_nps[self.turn]
+        host_np = self.staging.next_host()
         spans, off = [], 0
         for a in arrays:
             a = np.asarray(a, dtype=np.int32)
@@ -39,9 +57,9 @@ class Packer:
             # Start every array on a 16-byte boundary: Triton specialises kernels on pointer
             # alignment, so shifting alignments would compile new variants mid-serving.
             off += -(-n // 4) * 4
-        if self.on_cuda:
-            self.dev[:off].copy_(host[:off], non_blocking=True)
-        return [self.dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]
+        self.staging.upload(off)
+        dev = self.staging.dev
+        return [dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]
 
 
 def pad_rows(rows: list[list[int]], width: int) -> np.ndarray:
@@ -88,7 +106,7 @@ def pack_prefills(prefills: list, block_size: int) -> PrefillArrays:
         p = np.arange(lo, lo + n)
         ids.append(seq.token_ids[lo : lo + n])
         pos.append(p)
-        slots.append(np.asarray(table, dtype=np.int64)[p // block_size] * block_size + p % block_size)
+        slots.append(slots_of(table, p, block_size))
         lens.append(n)
         prefix.append(lo)
         tables.append(table)

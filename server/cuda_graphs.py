@@ -24,14 +24,13 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 import numpy as np
+import torch
 
 from kernels.flash_prefill import block_m, tile_map
 from kvcache import slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
-from server.batch import fill_rows, pack_prefills
+from server.batch import Staging, fill_rows, pack_prefills
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -72,16 +71,13 @@ class DecodeGraphs:
         self.sizes = batch_ladder(max_batch)
         b = -(-max_batch // 4) * 4  # section length: keeps every view 16-byte aligned (Triton specialises on it)
         # Layout: input_ids | positions | slot_mapping | context_lens | src | block_tables (b x max_blocks)
-        self.hosts = [torch.zeros(b * (5 + max_blocks), dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.host_nps = [h.numpy() for h in self.hosts]
-        self.turn = 0
-        self.dev = torch.zeros_like(self.hosts[0], device=device)
+        self.staging = Staging(b * (5 + max_blocks), device)
         self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], buf[4 * b : 5 * b],
                                    buf[5 * b :].reshape(b, max_blocks))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, n: int) -> torch.Tensor:
-        ids, pos, slots, ctx, src, bt = self._views(self.dev)
+        ids, pos, slots, ctx, src, bt = self._views(self.staging.dev)
         meta = AttentionMetadata(slot_mapping=slots[:n], num_prefill_tokens=0, context_lens=ctx[:n],
                                  decode_block_tables=bt[:n])
         src = src[:n]
@@ -91,9 +87,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
-        _, _, slots, ctx, src, _ = self._views(self.host_nps[0])
+        _, _, slots, ctx, src, _ = self._views(self.staging.next_host())
         slots[:], ctx[:], src[:] = -1, 1, -1
-        self.dev.copy_(self.hosts[0])
+        self.staging.upload(non_blocking=False)
         self.graphs = capture_ladder(self.sizes, self._forward, self.device)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
@@ -102,9 +98,7 @@ class DecodeGraphs:
         """Fill the static inputs for these decode items, replay, return logits [len(decodes), V]."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
-        self.turn = 1 - self.turn
-        host = self.hosts[self.turn]
-        ids, pos, slots, ctx, src, bt = self._views(self.host_nps[self.turn])
+        ids, pos, slots, ctx, src, bt = self._views(self.staging.next_host())
         seqs = [item.seq for item in decodes]
         starts = [item.start for item in decodes]
         ids[:n], src[:n] = zip(*[s.input_token(p) for s, p in zip(seqs, starts)])
@@ -114,11 +108,10 @@ class DecodeGraphs:
         fill_rows(bt, [s.blocks.block_table for s in seqs])
         slots[n:size], ctx[n:size], ids[n:size], pos[n:size], src[n:size] = -1, 1, 0, 0, -1
         bt[n:size, 0] = 0
-        self.dev.copy_(host, non_blocking=True)
+        self.staging.upload()
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
-
 
 
 PREFILL_GRAPH_SEQS = 16  # chunks one captured prefill step holds; a step with more runs eagerly
@@ -152,10 +145,7 @@ class PrefillGraphs:
         self.offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
         self.max_blocks = max_blocks
         size = self.offsets[-1] + s * max_blocks
-        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.host_nps = [h.numpy() for h in self.hosts]
-        self.turn = 0
-        self.dev = torch.zeros_like(self.hosts[0], device=device)
+        self.staging = Staging(size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _views(self, buf):
@@ -166,7 +156,7 @@ class PrefillGraphs:
                 buf[o[8] :].reshape(s, self.max_blocks))
 
     def _forward(self, t: int) -> torch.Tensor:
-        ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.dev)
+        ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.staging.dev)
         n = self.num_tiles[t]
         meta = AttentionMetadata(slot_mapping=slots[:t], num_prefill_tokens=t, cu_seqlens=cu, max_seqlen=t,
                                  prefix_lens=prefix, prefill_block_tables=bt, has_prefix=True,
@@ -194,8 +184,8 @@ class PrefillGraphs:
 
         def inputs(t: int) -> None:  # one chunk of t tokens, nothing cached, no K/V written
             pos = np.arange(t) % self.model.config.n_positions  # t may pass the model's positions
-            self._fill(self.host_nps[0], t, np.zeros(t), pos, np.full(t, -1), [t], [0], [[0]], [t - 1])
-            self.dev.copy_(self.hosts[0])
+            self._fill(self.staging.next_host(), t, np.zeros(t), pos, np.full(t, -1), [t], [0], [[0]], [t - 1])
+            self.staging.upload(non_blocking=False)
 
         self.graphs = capture_ladder(self.sizes, self._forward, self.device, inputs)
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0],
@@ -209,10 +199,9 @@ class PrefillGraphs:
         [num_sampling, V], in order (None if none does)."""
         pf = pack_prefills(prefills, block_size)
         t = next(s for s in self.sizes if s >= len(pf.ids))
-        self.turn = 1 - self.turn
-        self._fill(self.host_nps[self.turn], t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,
+        self._fill(self.staging.next_host(), t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,
                    pf.ends)
-        self.dev.copy_(self.hosts[self.turn], non_blocking=True)
+        self.staging.upload()
         graph, logits = self.graphs[t]
         graph.replay()
         return logits[: len(pf.ends)] if pf.ends else None

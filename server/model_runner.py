@@ -3,8 +3,9 @@
 Batch layout (what the attention backends expect): prefill chunks first, packed and delimited by
 `cu_seqlens`, then one token per decoding sequence. `slot_mapping[t]` is the flat cache slot that
 token t's K/V go to; `block_tables` rows are the sequences' page tables. A step with decodes only
-replays a CUDA graph captured for the next larger batch size (server/cuda_graphs.py); prefill
-chunks run eagerly (beside the decodes' graph in a mixed step).
+replays a CUDA graph captured for the next larger batch size, and prefill chunks one captured for
+their padded token count where one fits (server/cuda_graphs.py); a mixed step replays both.
+Anything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ class ModelRunner:
         ends = pf.ends + [offset + i for i, item in enumerate(dec) if item.samples]
         arrays = [np.concatenate([pf.ids, ids]), np.concatenate([pf.positions, pos]),
                   np.concatenate([pf.slots, slots]), ends]
+        cu = [0, *np.cumsum(pf.lens).tolist()]
         if pre:
-            arrays += [np.concatenate([[0], np.cumsum(pf.lens)]), pf.prefix, pad_rows(pf.tables, max(map(len, pf.tables)))]
+            arrays += [cu, pf.prefix, pad_rows(pf.tables, max(map(len, pf.tables)))]
         if dec:
             tables = [s.seq.blocks.block_table for s in dec]
             arrays += [[s.start + 1 for s in dec], pad_rows(tables, max(map(len, tables)))]
@@ -159,7 +161,7 @@ class ModelRunner:
         rest = views[4:]
         if pre:
             meta.cu_seqlens, meta.prefix_lens, meta.prefill_block_tables = rest[:3]
-            meta.cu_seqlens_host = [0, *np.cumsum(pf.lens).tolist()]
+            meta.cu_seqlens_host = cu
             meta.prefix_lens_host = pf.prefix
             meta.max_seqlen = max(pf.lens)
             meta.has_prefix = any(pf.prefix)

@@ -1,10 +1,11 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
 import kvcache.block_manager as bm_mod
-from kvcache import BlockAllocator, BlockManager, CacheSpec, SeqBlocks, allocate_kv_cache
+from kvcache import BlockAllocator, BlockManager, CacheSpec, SeqBlocks, allocate_kv_cache, slots_of
 
 
 def test_allocate_free_refcounts():
@@ -29,6 +30,7 @@ def test_page_table_slots_and_append():
     assert len(s.block_table) == 2
     for pos in range(6):
         assert m.slot(s, pos) == s.block_table[pos // 4] * 4 + pos % 4
+    assert slots_of(s.block_table, np.arange(1, 6), 4).tolist() == [m.slot(s, p) for p in range(1, 6)]
     m.append_slot(s, 8)
     assert len(s.block_table) == 2  # still fits
     m.append_slot(s, 9)
