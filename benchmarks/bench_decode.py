@@ -256,7 +256,7 @@ def host_times(log_path: str) -> None:
         res[f"flashpage splits={ns} (paged_decode, cached plan)"] = per_call_us(
             lambda: pd.paged_decode(q, kc, vc, bt, ctx, 0.125, num_splits=ns))
         res[f"flashpage splits={ns} (Triton dispatch)"] = per_call_us(
-            lambda: pd._launch(q, kc, vc, bt, ctx, 0.125, torch.empty_like(q), cfg))
+            lambda: pd._launch(q, kc, vc, bt, ctx, None, 0.125, torch.empty_like(q), cfg))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         res["sdpa_flash"] = per_call_us(lambda: scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=0.125))
     res["eager_paged"] = per_call_us(lambda: eager_paged(q, kc, vc, bt, 0.125), n=100)

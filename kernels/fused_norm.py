@@ -13,9 +13,13 @@ add_layernorm contract (semantics = ``kernels.reference.add_layernorm_ref``):
   One program per token; hidden must fit one block (<= 16384).
 
 embed contract (semantics = ``kernels.reference.embed_ref``):
-  input_ids, positions  [num_tokens] int32 / int64.
+  input_ids, positions  [num_tokens] int32 / int64. An id < 0 is a placeholder for a token sampled
+            by the previous step and still on the device only: id -1 - r stands for sampled_ids[r].
+  sampled_ids  [>= 1] int32 / int64, or None when no id is a placeholder.
   wte [vocab, hidden], wpe [max_positions, hidden], same dtype, rows contiguous.
-  returns   wte[input_ids] + wpe[positions], [num_tokens, hidden], rounded to the weights' dtype.
+  returns   x = wte[ids] + wpe[positions], [num_tokens, hidden], rounded to the weights' dtype;
+            embed_layernorm also h = LayerNorm(x) * weight + bias (the first block's pre-norm),
+            as add_layernorm computes it.
   Ids are not range-checked (the engine validates prompts; sampled ids are in range by construction).
 """
 
@@ -24,6 +28,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _norm_store(s, mask, cols, row, hidden, eps, w_ptr, b_ptr, h_ptr):
+    """h[row] = LayerNorm(s) * w + b, s a [BLOCK] fp32 row (0 past hidden)."""
+    mean = tl.sum(s, axis=0) / hidden
+    d = tl.where(mask, s - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * hidden + cols, (d * rstd * w + b).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -36,13 +51,7 @@ def _add_layernorm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, h_ptr, hidden, eps, BLOCK:
     # Add in fp32, round to the model dtype: exactly what torch's fp16/bf16 add does.
     s = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + row * hidden + cols, s, mask=mask)
-    s = s.to(tl.float32)
-    mean = tl.sum(s, axis=0) / hidden
-    d = tl.where(mask, s - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + row * hidden + cols, (d * rstd * w + b).to(h_ptr.dtype.element_ty), mask=mask)
+    _norm_store(s.to(tl.float32), mask, cols, row, hidden, eps, w_ptr, b_ptr, h_ptr)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -58,21 +67,44 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 @triton.jit
-def _embed_kernel(ids_ptr, pos_ptr, wte_ptr, wpe_ptr, out_ptr, hidden, BLOCK: tl.constexpr):
+def _embed_kernel(ids_ptr, pos_ptr, sampled_ptr, wte_ptr, wpe_ptr, out_ptr, w_ptr, b_ptr, h_ptr, hidden, eps,
+                  BLOCK: tl.constexpr, SAMPLED: tl.constexpr, NORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     tok = tl.load(ids_ptr + row).to(tl.int64)
+    if SAMPLED:
+        held = tl.load(sampled_ptr + tl.maximum(-1 - tok, 0)).to(tl.int64)
+        tok = tl.where(tok < 0, held, tok)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     e = tl.load(wte_ptr + tok * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(wpe_ptr + pos * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (e + p).to(out_ptr.dtype.element_ty), mask=mask)
+    x = (e + p).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * hidden + cols, x, mask=mask)
+    if NORM:
+        _norm_store(x.to(tl.float32), mask, cols, row, hidden, eps, w_ptr, b_ptr, h_ptr)
 
 
-def embed(input_ids: torch.Tensor, positions: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor) -> torch.Tensor:
+def _embed(input_ids, positions, wte, wpe, sampled_ids, norm) -> tuple[torch.Tensor, torch.Tensor]:
     n, hidden = input_ids.shape[0], wte.shape[1]
     assert wte.is_contiguous() and wpe.is_contiguous()
     out = torch.empty(n, hidden, dtype=wte.dtype, device=wte.device)
+    h = torch.empty_like(out) if norm is not None else out
+    w, b, eps = norm if norm is not None else (out, out, 0.0)
     if n:
-        _embed_kernel[(n,)](input_ids, positions, wte, wpe, out, hidden, BLOCK=triton.next_power_of_2(hidden))
-    return out
+        _embed_kernel[(n,)](input_ids, positions, sampled_ids if sampled_ids is not None else input_ids, wte, wpe,
+                            out, w, b, h, hidden, eps, BLOCK=triton.next_power_of_2(hidden),
+                            SAMPLED=sampled_ids is not None, NORM=norm is not None)
+    return out, h
+
+
+def embed(input_ids: torch.Tensor, positions: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+          sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
+    return _embed(input_ids, positions, wte, wpe, sampled_ids, None)[0]
+
+
+def embed_layernorm(input_ids: torch.Tensor, positions: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+                    weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                    sampled_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, LayerNorm(x)) in one kernel: the embedding and the first block's pre-norm."""
+    return _embed(input_ids, positions, wte, wpe, sampled_ids, (weight, bias, eps))

@@ -10,6 +10,13 @@ Contract (semantics = ``kernels.reference.paged_decode_ref``):
   context_lens  [num_seqs] int32: tokens to attend to, this step's token included (>= 1; a 0 gives
                 an all-zero output row, so padded rows of a captured graph stay finite).
   out           [num_seqs, num_heads, head_dim] in q's dtype (allocated when not given).
+  k_new, v_new, slot_mapping (optional, together; the KV write fused in): k_new, v_new
+                [num_seqs, num_kv_heads, head_dim] (last dim contiguous) are this step's K/V, the
+                token at position context_len - 1 of each sequence, and slot_mapping [num_seqs]
+                int32/int64 its flat cache slot. That token's K/V are taken from k_new/v_new
+                (whatever its cache slot holds is ignored), and split 0 of each (sequence, kv
+                head) writes them into the cache at the slot (slot < 0: not written): kv_write
+                and attention in one launch (a decode step at small batch is bound by launches).
   num_kv_heads divides num_heads; query head h reads kv head h // (num_heads // num_kv_heads).
 
 What it masks: every token index >= context_len. K/V loads there use other=0 *and* their scores are
@@ -34,7 +41,6 @@ compiled kernels directly (see ``_PLANS``), since Triton's dispatch can cost mor
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -43,11 +49,12 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 
+from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count  # noqa: F401 (re-exported)
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
-MAX_SPLITS = 64  # also bounds the fused merge's [splits, d] tile (registers)
 
 
 @triton.jit
@@ -67,18 +74,19 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
 # a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bts"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, kn_ptr, vn_ptr, slot_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bts, stride_os, stride_oh,
+    stride_kns, stride_knh, stride_vns, stride_vnh,
     num_heads,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,6 +111,19 @@ def _decode_kernel(
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    if NEW_KV:
+        last = ctx - 1
+        k_last = tl.load(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh + offs_d, mask=d_ok, other=0.0)
+        v_last = tl.load(vn_ptr + seq.to(tl.int64) * stride_vns + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0)
+        k_last = k_last.to(k_ptr.dtype.element_ty)
+        v_last = v_last.to(v_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        # Whatever another split loads from this slot meanwhile is replaced by k_last/v_last below.
+        if (split == 0) & (slot >= 0):
+            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+            tl.store(k_base + dst + offs_d, k_last, mask=d_ok)
+            dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+            tl.store(v_base + dst + offs_d, v_last, mask=d_ok)
 
     if LANES:
         # One query row (GROUP_PAD == 1): no tensor-core shape fits, so dot products are
@@ -146,6 +167,10 @@ def _decode_kernel(
             page = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
             k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        if NEW_KV:  # this step's token: from registers, not from its (maybe not yet written) slot
+            is_last = (tok == last)[:, None]
+            k = tl.where(is_last, k_last[None, :], k)
+            v = tl.where(is_last, v_last[None, :], v)
         if LANES:
             s = tl.sum(k.to(tl.float32) * qv[None, :], axis=1)
             s = tl.where(valid, s, float("-inf"))  # masked K loaded as 0, and NaN must not leak
@@ -241,49 +266,6 @@ def _merge_kernel(
                out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, "")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if _INTERPRET or device.type != "cuda":
-        return 4  # the interpreter runs programs one by one: keep grids small
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def split_count(pairs: int, max_ctx: int, block_n: int, slots: int, min_tiles: int = 4) -> int:
-    """Splits per (sequence, kv head): as many as keep all programs resident in one wave on the GPU
-    (``slots`` programs fit at once; rounding down, since a small second wave costs a whole
-    program's time), with at least ``min_tiles`` tiles of the longest possible context (the
-    block-table width) per split."""
-    max_tiles = max(1, -(-max_ctx // block_n))
-    return max(1, min(slots // pairs, max_tiles // min_tiles, MAX_SPLITS))
-
-
-def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int) -> dict:
-    """Tile / warps / stages / split count, from shapes only (never from tensor values)."""
-    pairs = num_seqs * num_kv_heads
-    if _INTERPRET:  # one fixed small config; programs run one by one, so few splits
-        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1, "PREFETCH": 2,
-                "num_splits": split_count(pairs, max_ctx, 32, 4 * sm_count, min_tiles=1)}
-    if group == 1:
-        # Tuned on H100 (benchmarks/results/decode_sweep_h100.txt): the lane-wise path with 32-token
-        # tiles and K/V loaded one tile ahead was within noise of the best config at every large
-        # shape. It takes 64-72 registers a thread (Triton 3.6); counting 6 programs of 4 warps
-        # per SM keeps every split program in one wave (the sweep's best split counts).
-        cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": 2}
-        per_sm = 6
-        if max_ctx <= 128 and pairs <= 4 * sm_count:
-            # few short sequences: latency-bound, so one tile per program (fewest round trips)
-            cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
-    else:  # tensor-core path; Triton pipelines its loads with cp.async (3 stages of shared memory)
-        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PREFETCH": 0}
-        per_sm = 4
-    cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], per_sm * sm_count)
-    return cfg
-
-
 class _Plan:
     """What a later call with the same key needs to relaunch the compiled kernels directly."""
 
@@ -319,7 +301,7 @@ def _counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
 _FUSED_MERGE = os.environ.get("FLASHPAGE_DECODE_MERGE", "fused") != "launch"
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg: dict, plan: _Plan | None = None):
+def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None):
     """Launch through Triton's normal dispatch (compiling on first use); fill ``plan`` if given."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -342,20 +324,23 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg: di
     if fused:
         stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
         cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
+    kn, vn, slots = new_kv if new_kv is not None else (q, q, context_lens)  # placeholders where unused
     tail = (
         num_splits, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), num_heads,
     )
     consts = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
-        FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad,
+        FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
-    dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, po, plse, cnt, scale * _LOG2E,
+    dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,
+                               scale * _LOG2E,
                                *tail, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if plan is not None:  # runtime args after the scale, then the constexprs, in signature order
         plan.dec, plan.grid, plan.tail, plan.split = dec, grid, tail + tuple(consts.values()), split
@@ -391,19 +376,18 @@ def _disable_plans() -> None:
     _PLANS_OK = False
 
 
-def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
+def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out) -> torch.Tensor:
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     stream = plan.stream(q.device.index)
+    head = (q, k_cache, v_cache, block_tables, context_lens) + (new_kv if new_kv is not None else (q, q, context_lens))
     if not plan.split:  # one launch writes out
-        _fast(plan.dec, plan.grid, stream, (q, k_cache, v_cache, block_tables, context_lens,
-                                            out, out, out, out, scale * _LOG2E) + plan.tail)
+        _fast(plan.dec, plan.grid, stream, head + (out, out, out, out, scale * _LOG2E) + plan.tail)
         return out
     po = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
     plse = po[plan.lse_off :]
     cnt = out if plan.mer is not None else _counters(q.device, stream, plan.pairs)
-    _fast(plan.dec, plan.grid, stream, (q, k_cache, v_cache, block_tables, context_lens,
-                                        out, po, plse, cnt, scale * _LOG2E) + plan.tail)
+    _fast(plan.dec, plan.grid, stream, head + (out, po, plse, cnt, scale * _LOG2E) + plan.tail)
     if plan.mer is not None:  # separate merge launch
         _fast(plan.mer, plan.m_grid, stream, (po, plse, out) + plan.m_tail)
     return out
@@ -419,26 +403,41 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
     _config: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged K/V. See the module docstring.
-    ``_config`` overrides the tile/warps/stages config (tuning and benchmarks only)."""
+    """Attention of one query token per sequence over its paged K/V; with k_new, v_new and
+    slot_mapping, this step's K/V written into the cache in the same launch. See the module
+    docstring. ``_config`` overrides the tile/warps/stages config (tuning and benchmarks only)."""
+    new_kv = None
+    if k_new is not None or v_new is not None or slot_mapping is not None:
+        new_kv = (k_new, v_new, slot_mapping)
+        assert all(t is not None for t in new_kv), "k_new, v_new and slot_mapping come together"
+        assert k_new.shape == v_new.shape == (q.shape[0], *k_cache.shape[2:]), "k_new, v_new: [num_seqs, kv_heads, d]"
+        assert k_new.stride(2) == 1 and v_new.stride(2) == 1
+        assert slot_mapping.shape == (q.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
     key = None
     if not _INTERPRET and q.is_cuda:
         ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | block_tables.data_ptr() | context_lens.data_ptr()
         if out is not None:
             ptrs |= out.data_ptr()
+        if new_kv is not None:
+            ptrs |= k_new.data_ptr() | v_new.data_ptr() | slot_mapping.data_ptr()
         hook = knobs.runtime.launch_enter_hook  # a HookChain (empty unless a profiler registered one)
         if ptrs & 15 == 0 and (hook is None or not getattr(hook, "calls", True)):
             key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
                    v_cache.shape, v_cache.stride(), v_cache.dtype, block_tables.shape, block_tables.stride(),
                    block_tables.dtype, context_lens.shape, context_lens.dtype, num_splits,
                    None if out is None else (out.shape, out.stride(), out.dtype),
+                   None if new_kv is None else (k_new.stride(), k_new.dtype, v_new.stride(), v_new.dtype,
+                                                slot_mapping.dtype),
                    None if _config is None else tuple(sorted(_config.items())))
             plan = _PLANS.get(key) if _PLANS_OK else None
             if plan is not None:
                 try:
-                    return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, scale, out)
+                    return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out)
                 except (TypeError, AttributeError):  # a Triton whose launcher differs: dispatch normally
                     _disable_plans()
 
@@ -463,7 +462,7 @@ def paged_decode(
     if num_splits is not None:
         cfg["num_splits"] = max(1, min(int(num_splits), 1024))
     plan = None if key is None or not _PLANS_OK else _Plan()
-    _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, cfg, plan)
+    _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg, plan)
     if plan is not None and hasattr(plan.dec, "packed_metadata") and len(_PLANS) < 4096:
         _PLANS[key] = plan
     return out

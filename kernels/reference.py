@@ -111,5 +111,19 @@ def add_layernorm_ref(x, y, weight, bias, eps):
     return s, torch.nn.functional.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
-def embed_ref(input_ids, positions, wte, wpe):
-    return wte[input_ids.long()] + wpe[positions.long()]
+def resolve_ids(input_ids, sampled_ids=None):
+    """Placeholder ids (-1 - r) replaced by sampled_ids[r]."""
+    ids = input_ids.long()
+    if sampled_ids is None:
+        return ids
+    return torch.where(ids < 0, sampled_ids.long()[(-1 - ids).clamp(min=0)], ids)
+
+
+def embed_ref(input_ids, positions, wte, wpe, sampled_ids=None):
+    return wte[resolve_ids(input_ids, sampled_ids)] + wpe[positions.long()]
+
+
+def argmax_ref(logits, num_cols):
+    """Greedy choice per row over the first num_cols columns (NaN counts as +inf, as in the kernel)."""
+    x = logits[:, :num_cols].float()
+    return torch.where(x.isnan(), float("inf"), x).argmax(dim=-1)

@@ -125,7 +125,8 @@ class BlockAllocator:
 
 @dataclass
 class SeqBlocks:
-    """Per-sequence page table plus how many of its leading blocks are hashed."""
+    """Per-sequence page table plus how many of its leading blocks are hashed. A block_table list
+    only grows (append); freeing replaces it with a new one."""
 
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # hashes of the leading full, computed blocks
@@ -203,8 +204,9 @@ class BlockManager:
         # Tail first, so that eviction (oldest first) drops a prefix's leaves before its root.
         for bid in reversed(seq.block_table):
             self.allocator.free(bid)
-        seq.block_table.clear()
-        seq.hashes.clear()
+        # New lists rather than clear(): a page table list only ever grows, so a runner may cache
+        # what it copied of one by (identity, length) (server/cuda_graphs.py).
+        seq.block_table, seq.hashes = [], []
 
     def slot(self, seq: SeqBlocks, position: int) -> int:
         return slot_of(seq.block_table, position, self.block_size)

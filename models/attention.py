@@ -140,9 +140,13 @@ class TritonAttention:
         warmup_split_variants(k_cache, v_cache, num_heads, k_cache.dtype)
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
+        if not p:  # decodes only: the decode kernel writes this step's K/V itself (one launch fewer a layer)
+            self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.context_lens, self.scale, out=out,
+                         k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
+            return out
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         if p:
             cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
             self._prefill(

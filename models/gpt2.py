@@ -16,7 +16,7 @@ from torch import nn
 from transformers import GPT2Config
 from transformers.activations import ACT2FN
 
-from kernels.fused_norm import add_layernorm, embed
+from kernels.fused_norm import add_layernorm, embed_layernorm
 from models.attention import AttentionMetadata, make_attention
 
 
@@ -112,25 +112,37 @@ class GPT2LMHeadModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        sampled_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after ln_f).
 
-        On CUDA the embedding and each residual-add + LayerNorm pair run as one Triton kernel
-        (kernels/fused_norm.py); elsewhere as plain torch ops."""
+        An input id -1 - r stands for sampled_ids[r]: a token the previous step sampled, whose id
+        has not been to the host (asynchronous scheduling). On CUDA the embedding with the first
+        norm, and each residual-add + LayerNorm pair, run as one Triton kernel (kernels/fused_norm.py);
+        elsewhere as plain torch ops."""
         fused = input_ids.is_cuda
+        ln = self.h[0].ln_1
         if fused:
-            x = embed(input_ids, positions, self.wte.weight, self.wpe.weight)
+            x, h = embed_layernorm(input_ids, positions, self.wte.weight, self.wpe.weight, ln.weight, ln.bias, ln.eps,
+                                   sampled_ids)
         else:
-            x = self.wte(input_ids) + self.wpe(positions)
-        h = self.h[0].ln_1(x)
+            ids = input_ids.long()
+            if sampled_ids is not None:
+                ids = torch.where(ids < 0, sampled_ids.long()[(-1 - ids).clamp(min=0)], ids)
+            x = self.wte(ids) + self.wpe(positions)
+            h = ln(x)
         norms = [b.ln_1 for b in self.h[1:]] + [self.ln_f]
         for block, kv_cache, norm in zip(self.h, kv_caches, norms):
             x, h = block(x, h, kv_cache, meta, norm, fused)
         return h
 
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head in the model dtype, [n, padded vocab]: columns past vocab_size are padding."""
+        return hidden @ self.wte.weight.t()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head, fp32 logits for sampling."""
-        return (hidden @ self.wte.weight.t())[:, : self.vocab_size].float()
+        """fp32 logits over the vocabulary, for sampling."""
+        return self.lm_head(hidden)[:, : self.vocab_size].float()
 
     # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -9,7 +9,9 @@ size. Padding rows write their K/V nowhere (slot -1) and attend to one token of 
 The static inputs are views of one device buffer with two pinned host mirrors used in turn (see
 server/batch.py for why two), so a step's inputs travel in a single host-to-device copy. A token
 whose id is still on the device (asynchronous scheduling) is taken inside the graph from the last
-step's sampled ids: `src[i] >= 0` names its row there.
+step's sampled ids: input id -1 - r names row r there. The graphs end with the greedy choice of
+every row (kernels/argmax.py): the decode graph writes it straight into the sampled ids, so a
+greedy step needs nothing launched after the replay but the copy of its ids to the host.
 
 Prefill steps are captured too (`PrefillGraphs`), for a ladder of token counts up to 2048 and at
 most PREFILL_GRAPH_SEQS chunks: run eagerly, a prefill step's ~150 launches cost a few
@@ -27,8 +29,8 @@ import time
 import numpy as np
 import torch
 
+from kernels.argmax import argmax_rows
 from kernels.flash_prefill import block_m, tile_map
-from kvcache import slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
 from server.batch import Staging, fill_rows, pack_prefills
 
@@ -70,44 +72,60 @@ class DecodeGraphs:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.sizes = batch_ladder(max_batch)
         b = -(-max_batch // 4) * 4  # section length: keeps every view 16-byte aligned (Triton specialises on it)
-        # Layout: input_ids | positions | slot_mapping | context_lens | src | block_tables (b x max_blocks)
-        self.staging = Staging(b * (5 + max_blocks), device)
-        self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], buf[4 * b : 5 * b],
-                                   buf[5 * b :].reshape(b, max_blocks))
+        # Layout: input_ids | positions | slot_mapping | context_lens | block_tables (b x max_blocks)
+        self.staging = Staging(b * (4 + max_blocks), device)
+        self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
+                                   buf[4 * b :].reshape(b, max_blocks))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per host buffer: the page-table list each row holds a copy of, and how long it was then.
+        self._copied = [[None] * b for _ in self.staging.hosts]
+        self._copied_len = [[0] * b for _ in self.staging.hosts]
 
     def _forward(self, n: int) -> torch.Tensor:
-        ids, pos, slots, ctx, src, bt = self._views(self.staging.dev)
+        ids, pos, slots, ctx, bt = self._views(self.staging.dev)
         meta = AttentionMetadata(slot_mapping=slots[:n], num_prefill_tokens=0, context_lens=ctx[:n],
                                  decode_block_tables=bt[:n])
-        src = src[:n]
-        ids = torch.where(src >= 0, self.last_ids[src.clamp(min=0)], ids[:n])
-        return self.model.compute_logits(self.model(ids, pos[:n], self.kv_caches, meta))
+        logits = self.model.lm_head(self.model(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
+        argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
-        _, _, slots, ctx, src, _ = self._views(self.staging.next_host())
-        slots[:], ctx[:], src[:] = -1, 1, -1
+        ids, _, slots, ctx, _ = self._views(self.staging.next_host())
+        ids[:], slots[:], ctx[:] = 0, -1, 1
         self.staging.upload(non_blocking=False)
         self.graphs = capture_ladder(self.sizes, self._forward, self.device)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
     def run(self, decodes, block_size: int) -> torch.Tensor:
-        """Fill the static inputs for these decode items, replay, return logits [len(decodes), V]."""
+        """Fill the static inputs for these decode items and replay: raw logits [len(decodes), padded
+        vocab] come back, and the greedy ids are in last_ids[:len(decodes)]."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
-        ids, pos, slots, ctx, src, bt = self._views(self.staging.next_host())
-        seqs = [item.seq for item in decodes]
-        starts = [item.start for item in decodes]
-        ids[:n], src[:n] = zip(*[s.input_token(p) for s, p in zip(seqs, starts)])
-        pos[:n] = starts
-        ctx[:n] = pos[:n] + 1
-        slots[:n] = [slot_of(s.blocks.block_table, p, block_size) for s, p in zip(seqs, starts)]
-        fill_rows(bt, [s.blocks.block_table for s in seqs])
-        slots[n:size], ctx[n:size], ids[n:size], pos[n:size], src[n:size] = -1, 1, 0, 0, -1
+        ids, pos, slots, ctx, bt = self._views(self.staging.next_host())
+        # Page-table rows are copied only where this host buffer holds another table, or a shorter
+        # one, than the row's sequence now has: in steady decoding a row changes once per block_size
+        # steps, and copying every row every step (~10k ids at batch 256) took most of this method.
+        copied, copied_len = self._copied[self.staging.turn], self._copied_len[self.staging.turn]
+        toks, starts = [], []
+        for i, item in enumerate(decodes):  # one pass of plain ints (hundreds of sequences a step)
+            seq = item.seq
+            table = seq.blocks.block_table
+            toks.append(seq.input_token(item.start))
+            starts.append(item.start)
+            if copied[i] is not table or copied_len[i] != len(table):
+                bt[i, : len(table)] = table
+                copied[i] = table
+                copied_len[i] = len(table)
+        ids[:n], pos[:n] = toks, starts
+        p = pos[:n]
+        slots[:n] = bt[np.arange(n), p // block_size] * block_size + p % block_size  # kvcache.slot_of
+        ctx[:n] = p + 1
+        slots[n:size], ctx[n:size], ids[n:size], pos[n:size] = -1, 1, 0, 0
         bt[n:size, 0] = 0
+        copied[n:size] = [None] * (size - n)
         self.staging.upload()
         graph, logits = self.graphs[size]
         graph.replay()
@@ -146,6 +164,7 @@ class PrefillGraphs:
         self.max_blocks = max_blocks
         size = self.offsets[-1] + s * max_blocks
         self.staging = Staging(size, device)
+        self.ids = torch.zeros(s, dtype=torch.int32, device=device)  # greedy id of each sampling chunk
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _views(self, buf):
@@ -161,8 +180,9 @@ class PrefillGraphs:
         meta = AttentionMetadata(slot_mapping=slots[:t], num_prefill_tokens=t, cu_seqlens=cu, max_seqlen=t,
                                  prefix_lens=prefix, prefill_block_tables=bt, has_prefix=True,
                                  prefill_tiles=(tseq[:n], tstart[:n]))
-        hidden = self.model(ids[:t], pos[:t], self.kv_caches, meta)
-        return self.model.compute_logits(hidden[ends])
+        logits = self.model.lm_head(self.model(ids[:t], pos[:t], self.kv_caches, meta)[ends])
+        argmax_rows(logits, self.model.vocab_size, out=self.ids)
+        return logits
 
     def _fill(self, buf, t: int, ids, pos, slots, lens, prefix, tables, ends) -> None:
         v_ids, v_pos, v_slots, cu, v_prefix, v_ends, tseq, tstart, bt = self._views(buf)
@@ -195,8 +215,8 @@ class PrefillGraphs:
         return len(prefills) <= PREFILL_GRAPH_SEQS and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
 
     def run(self, prefills, block_size: int) -> torch.Tensor | None:
-        """Fill the static inputs for these chunks, replay; logits of the chunks that sample
-        [num_sampling, V], in order (None if none does)."""
+        """Fill the static inputs for these chunks, replay; raw logits of the chunks that sample
+        [num_sampling, padded vocab], in order (None if none does), their greedy ids in self.ids."""
         pf = pack_prefills(prefills, block_size)
         t = next(s for s in self.sizes if s >= len(pf.ids))
         self._fill(self.staging.next_host(), t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,

@@ -50,10 +50,20 @@ def byte_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes] | None:
     return table
 
 
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.table = byte_table(tokenizer)
+        # The text of each token whose bytes are whole UTF-8 characters (nearly all of them): with
+        # no partial character pending, such a token needs no decoder call.
+        self.text = [_whole_text(b) for b in self.table] if self.table is not None else None
 
     def step(self, seq: Sequence, final: bool = False) -> str:
         """Append the text of the newest token to seq.text and return the new piece. On the final
@@ -63,11 +73,18 @@ class Detokenizer:
         return new
 
     def _fast(self, seq: Sequence, final: bool) -> str:
-        if seq.utf8 is None:
-            seq.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         tok = seq.output_token_ids[-1]
-        data = self.table[tok] if tok < len(self.table) else b""
-        return seq.utf8.decode(data, final=final)
+        if tok >= len(self.table):
+            return seq.utf8.decode(b"", final=final) if seq.utf8 is not None else ""
+        if seq.utf8 is None:  # no partial character pending
+            text = self.text[tok]
+            if text is not None:
+                return text
+            seq.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        out = seq.utf8.decode(self.table[tok], final=final)
+        if not seq.utf8.getstate()[0]:  # the pending character completed (or was replaced)
+            seq.utf8 = None
+        return out
 
     def _window(self, seq: Sequence, final: bool) -> str:
         ids = seq.output_token_ids

@@ -21,7 +21,7 @@ from server.faults import FaultInjector
 from server.model_runner import ModelRunner
 from server.sampling import SamplingParams
 from server.scheduler import Scheduler
-from server.sequence import Sequence
+from server.sequence import Sequence, Status
 
 log = logging.getLogger("flashpage.engine")
 
@@ -250,8 +250,9 @@ class LLMEngine:
         self.consecutive_step_failures = 0
         outputs = []
         now = time.monotonic()
+        advance = self._advance
         for j, (seq, tok) in enumerate(zip(handle.rows, token_ids)):
-            if seq.is_finished:  # stopped, aborted or failed while this step was in flight
+            if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
                 continue
             seq.resolve(tok)
             if seq.first_token_time is None:
@@ -259,11 +260,12 @@ class LLMEngine:
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
                 if self.stats is not None:
                     self.stats.first_token(now - seq.arrival_time)
-            self.num_generated_tokens += 1
-            logprob = top[j] if top is not None and seq.params.logprobs is not None else None
-            if logprob is not None:
+            logprob = None
+            if top is not None and seq.params.logprobs is not None:
+                logprob = top[j]
                 seq.logprobs.append(logprob)
-            outputs.append(self._advance(seq, tok, logprob))
+            outputs.append(advance(seq, tok, logprob))
+        self.num_generated_tokens += len(outputs)
         if self.stats is not None:  # decodes are one token each; only the (few) prefill chunks are summed
             self.stats.step(len(batch.decodes) + len(batch.prefills),
                             len(batch.decodes) + sum(s.num_tokens for s in batch.prefills), now)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.argmax import argmax_rows
 from kvcache import CacheSpec, allocate_kv_cache, slot_of
 from models import AttentionMetadata, GPT2LMHeadModel
 from server.batch import Packer, pack_prefills, pad_rows
@@ -130,18 +131,15 @@ class ModelRunner:
         pre, dec = batch.prefills, batch.decodes
         bs = self.block_size
         pf = pack_prefills(pre, bs)
-        ids, pos, slots, dst, src = [], [], [], [], []
+        ids, pos, slots = [], [], []
         offset = len(pf.ids)
         for item in dec:  # plain ints: numpy calls cost more than they save for one token
             seq, lo = item.seq, item.start
-            tok, row = seq.input_token(lo)
-            if row >= 0:  # sampled by the step before, still on the device only
-                dst.append(offset + len(ids))
-                src.append(row)
-            ids.append(tok)
+            ids.append(seq.input_token(lo))  # a placeholder (< 0) is read from the sampled ids on the device
             pos.append(lo)
             slots.append(slot_of(seq.blocks.block_table, lo, bs))
-        ends = pf.ends + [offset + i for i, item in enumerate(dec) if item.samples]
+        # Rows that sample, decodes first: the order of the step's sampled ids (see launch()).
+        ends = [offset + i for i, item in enumerate(dec) if item.samples] + pf.ends
         arrays = [np.concatenate([pf.ids, ids]), np.concatenate([pf.positions, pos]),
                   np.concatenate([pf.slots, slots]), ends]
         cu = [0, *np.cumsum(pf.lens).tolist()]
@@ -150,13 +148,8 @@ class ModelRunner:
         if dec:
             tables = [s.seq.blocks.block_table for s in dec]
             arrays += [[s.start + 1 for s in dec], pad_rows(tables, max(map(len, tables)))]
-        if dst:
-            arrays += [dst, src]
         views = self.packer.pack(arrays)
         input_ids, positions, slot_mapping, ends_t = views[:4]
-        if dst:
-            input_ids[views[-2].long()] = self.last_ids[views[-1].long()]
-            views = views[:-2]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=offset)
         rest = views[4:]
         if pre:
@@ -173,55 +166,85 @@ class ModelRunner:
     def launch(self, batch: SchedulerOutput) -> StepHandle:
         """Enqueue one step on the device and return without waiting for it: the sampled ids (and
         logprobs) are on their way to pinned host memory; `collect()` waits for them. Sampled ids
-        also stay on the device (`last_ids`), where the next step reads its placeholder tokens."""
+        also stay on the device (`last_ids`), where the next step reads its placeholder tokens.
+
+        Rows (the sequences that sample) are ordered decodes first, then prefill chunks. Every path
+        writes each row's greedy choice into `last_ids` on the device (the CUDA graphs include the
+        argmax); only a step with a row that samples otherwise, or wants logprobs, runs the sampler."""
         with torch.inference_mode():
-            rows = [item.seq for item in batch.scheduled if item.samples]
-            if self.graphs is not None and batch.decodes and len(batch.decodes) <= self.graphs.max_batch:
+            rows = [item.seq for item in batch.decodes] + [item.seq for item in batch.prefills if item.samples]
+            n_dec = len(batch.decodes)
+            if self.graphs is not None and batch.decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
                 # is highest.
-                logits = self.graphs.run(batch.decodes, self.block_size)
+                parts = [self.graphs.run(batch.decodes, self.block_size)]
                 if batch.prefills:
-                    pre = self._prefill(batch.prefills)
-                    logits = torch.cat([pre, logits]) if pre is not None else logits
+                    parts.append(self._prefill(batch.prefills, n_dec))
             elif not batch.decodes:
-                logits = self._prefill(batch.prefills)
+                parts = [self._prefill(batch.prefills, 0)]
             else:
-                logits = self._eager(batch)
-            if logits is None:
-                return StepHandle(rows)
-            gens = [self._generator(s.request_id, s.params.seed) for s in rows]
-            want = [s.params.logprobs for s in rows]
-            ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
+                parts = [self._eager(batch, 0)]
             n = len(rows)
-            self.last_ids[:n].copy_(ids)
+            if not n:
+                return StepHandle(rows)
+            handle = StepHandle(rows)
+            if not all(s.plain for s in rows):
+                self._sample(handle, [p for p in parts if p is not None])
             self.flip = 1 - self.flip
-            host_ids = self._to_host(self.last_ids[:n], self.host_ids[self.flip][:n])
-            handle = StepHandle(rows, host_ids, want=want)
-            if logprobs is not None:
-                k = max(max(w or 0 for w in want), 1)
-                chosen = logprobs.gather(1, ids[:, None])
-                top_v, top_i = logprobs.topk(k, dim=-1)
-                packed = torch.cat([chosen, top_i.float(), top_v], dim=1)
-                handle.top = self._to_host(packed, torch.empty(packed.shape, pin_memory=self.on_cuda))
-                handle.k = k
+            handle.ids = self._to_host(self.last_ids[:n], self.host_ids[self.flip][:n])
             if self.on_cuda:
                 handle.event = torch.cuda.Event()
                 handle.event.record()
             return handle
 
-    def _prefill(self, prefills) -> torch.Tensor | None:
-        """Logits of the prefill chunks that sample: from a captured graph where one fits."""
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(prefills):
-            return self.prefill_graphs.run(prefills, self.block_size)
-        return self._eager(SchedulerOutput(prefills=prefills))
+    def _sample(self, handle: StepHandle, parts: list[torch.Tensor]) -> None:
+        """The general sampler (temperature, top-k/p, seeds, logprobs) over the step's logits
+        (raw LM-head rows, in row order); its ids replace the greedy ones in `last_ids`."""
+        rows = handle.rows
+        logits = (torch.cat(parts) if len(parts) > 1 else parts[0])[:, : self.model.vocab_size].float()
+        gens = [self._generator(s.request_id, s.params.seed) for s in rows]
+        want = [s.params.logprobs for s in rows]
+        ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
+        self.last_ids[: len(rows)].copy_(ids)
+        handle.want = want
+        if logprobs is not None:
+            k = max(max(w or 0 for w in want), 1)
+            chosen = logprobs.gather(1, ids[:, None])
+            top_v, top_i = logprobs.topk(k, dim=-1)
+            packed = torch.cat([chosen, top_i.float(), top_v], dim=1)
+            handle.top = self._to_host(packed, torch.empty(packed.shape, pin_memory=self.on_cuda))
+            handle.k = k
 
-    def _eager(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Run the batch without graphs; logits of the rows that sample (None if none does)."""
+    def _greedy(self, raw: torch.Tensor, row0: int) -> None:
+        """last_ids[row0 : row0 + len(raw)] = argmax of each raw logits row over the vocabulary."""
+        out = self.last_ids[row0 : row0 + raw.shape[0]]
+        if self.on_cuda:
+            argmax_rows(raw, self.model.vocab_size, out=out)
+        else:
+            out.copy_(raw[:, : self.model.vocab_size].argmax(dim=-1))
+
+    def _prefill(self, prefills, row0: int) -> torch.Tensor | None:
+        """Raw logits of the prefill chunks that sample (greedy ids into last_ids from row row0):
+        from a captured graph where one fits."""
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(prefills):
+            logits = self.prefill_graphs.run(prefills, self.block_size)
+            if logits is not None:
+                self.last_ids[row0 : row0 + logits.shape[0]].copy_(self.prefill_graphs.ids[: logits.shape[0]])
+            return logits
+        return self._eager(SchedulerOutput(prefills=prefills), row0)
+
+    def _eager(self, batch: SchedulerOutput, row0: int) -> torch.Tensor | None:
+        """Run the batch without graphs: raw logits of the rows that sample (None if none does),
+        their greedy ids into last_ids from row row0."""
         input_ids, positions, meta, ends = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[ends]) if len(ends) else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, sampled_ids=self.last_ids)
+        if not len(ends):
+            return None
+        logits = self.model.lm_head(hidden[ends])
+        self._greedy(logits, row0)
+        return logits
 
     def _to_host(self, src: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
         if not self.on_cuda:

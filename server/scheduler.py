@@ -92,28 +92,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        bs = self.bm.block_size
         i = 0
+        # The hot loop of the engine (every running sequence, every step): plain attribute reads.
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.capped:  # its last token is in flight; it finishes when that arrives
                 i += 1
                 continue
-            remaining = seq.num_tokens - seq.num_computed
+            start = seq.num_computed
+            remaining = len(seq.token_ids) - start
             n = remaining if remaining == 1 else self._prefill_chunk(remaining, budget, bool(out.prefills))
             if n == 0:
                 i += 1
                 continue
             # Make room for this chunk's KV, preempting the newest others if the cache is full.
-            extra = self.bm.blocks_missing(seq.blocks, seq.num_computed + n)
-            if extra > 0:
+            if start + n > len(seq.blocks.block_table) * bs:
+                extra = self.bm.blocks_missing(seq.blocks, start + n)
                 while self.bm.num_free_blocks < extra and self.running[-1] is not seq:
                     self._preempt(self.running[-1], out)
                 if self.bm.num_free_blocks < extra:
                     self._preempt(seq, out)
                     break
                 self.bm.append_slot(seq.blocks, seq.num_computed + n)
-            item = ScheduledSeq(seq, seq.num_computed, n)
-            (out.decodes if item.is_decode else out.prefills).append(item)
+            item = ScheduledSeq(seq, start, n)
+            (out.decodes if n == 1 and start > 0 else out.prefills).append(item)  # item.is_decode
             budget -= n
             i += 1
 

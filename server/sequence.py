@@ -50,9 +50,12 @@ class Sequence:
     capped: bool = False
 
     token_ids: list[int] = field(init=False)  # prompt + output, kept as one list: read every step
+    plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        # Greedy without logprobs: the token is the argmax the step's CUDA graph already computed.
+        self.plain = self.params.greedy and self.params.logprobs is None
 
     def add_placeholder(self, row: int) -> None:
         """A step that samples this sequence's next token was launched; its id is row `row` of that
@@ -68,11 +71,11 @@ class Sequence:
         if i == len(self.token_ids) - 1:
             self.pending_row = -1
 
-    def input_token(self, pos: int) -> tuple[int, int]:
-        """Token `pos` as a step's input: (id, -1), or (0, pending_row) for a placeholder, whose id
-        the runner reads on the device from row `pending_row` of the last step's sampled ids."""
+    def input_token(self, pos: int) -> int:
+        """Token `pos` as a step's input id: the id itself, or -1 - pending_row for a placeholder,
+        whose id the model reads on the device from row `pending_row` of the last step's sampled ids."""
         tok = self.token_ids[pos]
-        return (0, self.pending_row) if tok == PLACEHOLDER else (tok, -1)
+        return -1 - self.pending_row if tok == PLACEHOLDER else tok
 
     @property
     def num_pending(self) -> int:

@@ -152,9 +152,9 @@ def test_prefill_graphs_logprobs_match_enforce_eager(gpt2_ckpt):
             calls["graph"] += 1
             return graphs(*a, **k)
 
-        def eager_step(batch):
+        def eager_step(batch, *a):
             calls["eager"] += bool(batch.prefills)
-            return eager(batch)
+            return eager(batch, *a)
 
         eng.runner.prefill_graphs.run, eng.runner._eager = run, eager_step
 

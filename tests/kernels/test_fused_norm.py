@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_norm import add_layernorm, embed
+from kernels.fused_norm import add_layernorm, embed, embed_layernorm
 from kernels.reference import add_layernorm_ref, embed_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,3 +41,29 @@ def test_embed_matches_reference(dtype, id_dtype):
         # Exact, up to one bf16 rounding step (Triton's interpreter rounds bf16 differently from torch).
         rtol = 8e-3 if dtype == torch.bfloat16 else 0
         torch.testing.assert_close(embed(ids, pos, wte, wpe), embed_ref(ids, pos, wte, wpe), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_embed_placeholders_and_first_norm(dtype, id_dtype):
+    """Ids -1 - r read the previous step's sampled id r on the device; embed_layernorm also gives
+    the first block's pre-norm, as add_layernorm would."""
+    g = torch.Generator().manual_seed(5)
+    hidden = 48
+    wte = torch.randn(97, hidden, generator=g).to(dtype).to(DEVICE)
+    wpe = torch.randn(31, hidden, generator=g).to(dtype).to(DEVICE)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(hidden, generator=g).to(dtype).to(DEVICE)
+    sampled = torch.tensor([96, 3, 40, 7], dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([5, -1, -4, 0, -3, 96, -2], dtype=id_dtype, device=DEVICE)
+    pos = torch.tensor([0, 30, 2, 3, 4, 5, 6], dtype=id_dtype, device=DEVICE)
+    ref = embed_ref(ids, pos, wte, wpe, sampled)
+    assert torch.equal(ref[1].float(), (wte[96] + wpe[30]).float())  # the reference resolves placeholders
+    rtol = 8e-3 if dtype == torch.bfloat16 else 0
+    torch.testing.assert_close(embed(ids, pos, wte, wpe, sampled), ref, rtol=rtol, atol=0)
+    x, h = embed_layernorm(ids, pos, wte, wpe, w, b, 1e-5, sampled)
+    torch.testing.assert_close(x, ref, rtol=rtol, atol=0)
+    ref_h = torch.nn.functional.layer_norm(ref.float(), (hidden,), w.float(), b.float(), 1e-5).to(dtype)
+    torch.testing.assert_close(h, ref_h, rtol=TOL[dtype], atol=TOL[dtype])
+    x0, h0 = embed_layernorm(ids[:0], pos[:0], wte, wpe, w, b, 1e-5)
+    assert x0.shape == h0.shape == (0, hidden)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.paged_decode import choose_config, paged_decode
-from kernels.reference import paged_decode_ref
+from kernels.reference import kv_write_ref, paged_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -146,3 +146,38 @@ def test_split_count_from_shapes_only() -> None:
     assert small["num_splits"] > 1, "one sequence over a long context must be split"
     assert big["num_splits"] == 1, "enough (sequence, head) pairs to fill the GPU: no split"
     assert choose_config(1, 12, 1, 16, 132)["num_splits"] == 1, "a one-tile context has nothing to split"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """k_new/v_new/slot_mapping: this step's K/V (the last token of each sequence) are written by
+    the kernel and attended to from registers. Their slots hold NaN before the call, so reading
+    one from the cache would poison the output; a row with slot -1 writes nothing."""
+    num_heads, num_kv_heads = heads
+    lens = [1, 16, 17, 300, 5]
+    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, extra_table_cols=3)
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(len(lens), 3, num_kv_heads, 64, generator=g).to(dtype).to(DEVICE)
+    k_new, v_new = big[:, 1], big[:, 2]  # strided views, as from the fused qkv projection
+    last = ctx.long() - 1
+    slots = bt.long()[torch.arange(len(lens), device=DEVICE), last // 16] * 16 + last % 16
+    flat = (-1, num_kv_heads, 64)
+    kc.view(flat)[slots[:4]] = float("nan")  # not yet written: must not be read
+    vc.view(flat)[slots[:4]] = float("nan")
+    slots[4] = -1  # padding: attends to its new token (not the cache's), writes nothing
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    kv_write_ref(k_new, v_new, ref_kc, ref_vc, slots)
+    # The reference attends over a cache that holds every new token, the padding row's included.
+    att_kc, att_vc = ref_kc.clone(), ref_vc.clone()
+    kv_write_ref(k_new[4:], v_new[4:], att_kc, att_vc, torch.tensor([int(bt[4, 0]) * 16 + 4], device=DEVICE))
+    ref = paged_decode_ref(q, att_kc, att_vc, bt, ctx, 0.125)
+    for ns in (1, 4, 16):
+        kc_t, vc_t = kc.clone(), vc.clone()
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, kc_t, vc_t, bt, ctx, 0.125, num_splits=ns, out=out, k_new=k_new, v_new=v_new,
+                     slot_mapping=slots.to(torch.int32))
+        assert not torch.isnan(out).any(), f"seed={seed} num_splits={ns}: NaN output"
+        _close(out, ref, dtype, f"seed={seed} heads={heads} num_splits={ns}")
+        for cache, want in ((kc_t, ref_kc), (vc_t, ref_vc)):  # written where asked, nowhere else
+            assert torch.equal(cache.view(flat).nan_to_num(7.0), want.view(flat).nan_to_num(7.0)), f"seed={seed}"
