@@ -470,14 +470,18 @@ def paged_decode(
 
 def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
     """Compile the decode kernel for every split padding a batch can select (2, 4, .. MAX_SPLITS),
-    so that a server never compiles one mid-serving. Reads the cache; writes nothing to it."""
+    with and without the fused KV write, so that a server never compiles one mid-serving. Reads the
+    cache; writes nothing to it."""
     block_size = k_cache.shape[1]
     width = max(1, min(k_cache.shape[0], 4 * MAX_SPLITS * 32 // block_size))
     q = torch.zeros(1, num_heads, k_cache.shape[3], dtype=dtype, device=k_cache.device)
     tables = torch.arange(width, dtype=torch.int32, device=k_cache.device)[None]
     ctx = torch.full((1,), width * block_size, dtype=torch.int32, device=k_cache.device)
+    kv = torch.zeros(1, *k_cache.shape[2:], dtype=dtype, device=k_cache.device)
+    slot = torch.full((1,), -1, dtype=torch.int32, device=k_cache.device)  # nothing is written
     splits = 2
     while splits <= MAX_SPLITS:
         paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
+        paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv, slot_mapping=slot)
         splits *= 2
 
