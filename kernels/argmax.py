@@ -13,7 +13,8 @@ columns):
 Two launches: chunks of CHUNK columns reduce to (max, first column) partials in parallel, then one
 program per row merges its partials. torch.argmax gives a row of GPT-2's 50k logits to a single
 block, which takes ~14 µs on an H100 at batch 1; split, the pair takes a few µs. The partials live
-in a per-device scratch buffer (no allocation per call, so the pair can be captured in a CUDA graph).
+in per-device scratch buffers (kernels/scratch.py: no allocation per call, so the pair can be
+captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.scratch import scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 2048
@@ -55,21 +58,6 @@ def _merge_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexp
     tl.store(out_ptr + row, first.to(out_ptr.dtype.element_ty))
 
 
-_SCRATCH: dict = {}
-_RETIRED: list = []  # outgrown buffers stay alive: a captured graph may still point at one
-
-
-def _scratch(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = _SCRATCH.get(device)
-    if buf is None or buf[0].numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        size = max(n, 1 << 14)
-        buf = _SCRATCH[device] = (torch.empty(size, device=device, dtype=torch.float32),
-                                  torch.empty(size, device=device, dtype=torch.int32))
-    return buf
-
-
 def argmax_rows(logits: torch.Tensor, num_cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[r] = argmax(logits[r, :num_cols]) for every row. See the module docstring."""
     rows = logits.shape[0]
@@ -82,7 +70,9 @@ def argmax_rows(logits: torch.Tensor, num_cols: int, out: torch.Tensor | None = 
         return out
     chunk = 256 if _INTERPRET else CHUNK  # the interpreter runs programs one by one: any size is slow
     chunks = triton.cdiv(num_cols, chunk)
-    val, idx = _scratch(logits.device, rows * chunks)
+    dev = logits.device
+    val = scratch(("argmax-max", dev), rows * chunks, torch.float32, dev)
+    idx = scratch(("argmax-col", dev), rows * chunks, torch.int32, dev)
     _chunk_kernel[(rows, chunks)](logits, val, idx, num_cols, logits.stride(0), chunks, CHUNK=chunk,
                                   num_warps=1 if _INTERPRET else 4)
     _merge_kernel[(rows,)](val, idx, out, chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)

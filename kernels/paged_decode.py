@@ -50,6 +50,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count  # noqa: F401 (re-exported)
+from kernels.scratch import scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
@@ -276,29 +277,21 @@ class _Plan:
         self.mer = None
 
 
-# Split-arrival counters for the fused merge, one int32 per (sequence, kv head), zero between
-# launches (the last split resets its counter). One buffer per (device, stream), so launches on
-# different streams never share counters; launches on one stream are ordered.
-_COUNTERS: dict = {}
-
-
-_RETIRED: list = []  # outgrown buffers stay alive: a captured graph may still point at one
-
-
 def _counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 1 << 16), device=device, dtype=torch.int32)
-        _COUNTERS[key] = buf
-    return buf
+    """Split-arrival counters for the fused merge, one int32 per (sequence, kv head), zero between
+    launches (the last split resets its counter). One buffer per (device, stream), so launches on
+    different streams never share counters; launches on one stream are ordered."""
+    return scratch(("decode-counters", device, stream), n, torch.int32, device, min_size=1 << 16, zeroed=True)
 
 
 # Merge the split partials inside the decode kernel (last split to finish) instead of a second
 # launch; FLASHPAGE_DECODE_MERGE=launch selects the separate merge kernel.
 _FUSED_MERGE = os.environ.get("FLASHPAGE_DECODE_MERGE", "fused") != "launch"
+
+
+def _new_kv_args(new_kv, q, context_lens) -> tuple:
+    """(k_new, v_new, slot_mapping), or placeholders (never read) without the fused KV write."""
+    return new_kv if new_kv is not None else (q, q, context_lens)
 
 
 def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None):
@@ -324,7 +317,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
     if fused:
         stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
         cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
-    kn, vn, slots = new_kv if new_kv is not None else (q, q, context_lens)  # placeholders where unused
+    kn, vn, slots = _new_kv_args(new_kv, q, context_lens)
     tail = (
         num_splits, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -380,7 +373,7 @@ def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, new_
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     stream = plan.stream(q.device.index)
-    head = (q, k_cache, v_cache, block_tables, context_lens) + (new_kv if new_kv is not None else (q, q, context_lens))
+    head = (q, k_cache, v_cache, block_tables, context_lens, *_new_kv_args(new_kv, q, context_lens))
     if not plan.split:  # one launch writes out
         _fast(plan.dec, plan.grid, stream, head + (out, out, out, out, scale * _LOG2E) + plan.tail)
         return out

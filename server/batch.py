@@ -17,6 +17,13 @@ import torch
 from kvcache import slots_of
 
 
+def align16(n: int) -> int:
+    """An int32 count rounded up so that what follows starts on a 16-byte boundary: Triton
+    specialises kernels on pointer alignment, so shifting alignments would compile new variants
+    mid-serving."""
+    return -(-n // 4) * 4
+
+
 class Staging:
     """One int32 device buffer and two pinned host mirrors, filled in turn (why two: see above).
     `next_host()` hands out the mirror to fill for this step, `upload()` copies it over; on the
@@ -54,9 +61,7 @@ class Packer:
                 raise ValueError(f"batch needs {off + n} int32 slots, packer holds {host_np.size}")
             host_np[off : off + n] = a.reshape(-1)
             spans.append((off, a.shape))
-            # Start every array on a 16-byte boundary: Triton specialises kernels on pointer
-            # alignment, so shifting alignments would compile new variants mid-serving.
-            off += -(-n // 4) * 4
+            off += align16(n)  # every array starts on a 16-byte boundary
         self.staging.upload(off)
         dev = self.staging.dev
         return [dev[o : o + int(np.prod(shape))].view(shape) for o, shape in spans]

@@ -32,7 +32,7 @@ import torch
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import block_m, tile_map
 from models import AttentionMetadata, GPT2LMHeadModel
-from server.batch import Staging, fill_rows, pack_prefills
+from server.batch import Staging, align16, fill_rows, pack_prefills
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.device, self.last_ids = model, kv_caches, device, last_ids
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.sizes = batch_ladder(max_batch)
-        b = -(-max_batch // 4) * 4  # section length: keeps every view 16-byte aligned (Triton specialises on it)
+        b = align16(max_batch)  # section length: every view starts 16-byte aligned
         # Layout: input_ids | positions | slot_mapping | context_lens | block_tables (b x max_blocks)
         self.staging = Staging(b * (4 + max_blocks), device)
         self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
@@ -143,10 +143,6 @@ def prefill_ladder(max_tokens: int) -> list[int]:
     return sizes
 
 
-def _align(n: int) -> int:
-    return -(-n // 4) * 4  # int32 count -> 16-byte boundary
-
-
 class PrefillGraphs:
     def __init__(self, model: GPT2LMHeadModel, kv_caches, max_tokens: int, max_blocks: int,
                  device: torch.device) -> None:
@@ -159,7 +155,7 @@ class PrefillGraphs:
         t_max, n_max, s = self.sizes[-1], max(self.num_tiles.values()), PREFILL_GRAPH_SEQS
         # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens | ends (s each) |
         # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.
-        lens = [_align(t_max)] * 3 + [_align(s + 1), _align(s), _align(s), _align(n_max), _align(n_max)]
+        lens = [align16(t_max)] * 3 + [align16(s + 1), align16(s), align16(s), align16(n_max), align16(n_max)]
         self.offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
         self.max_blocks = max_blocks
         size = self.offsets[-1] + s * max_blocks

@@ -10,12 +10,12 @@ generated so far), so the engine degrades to queueing instead of failing.
 With chunked prefill, a prompt larger than the budget left is split across steps; without it, a
 prompt is prefilled whole (alone if it exceeds the budget by itself).
 
-A step that carries a prefill runs it eagerly beside the decodes' CUDA graph, at a host cost
-nearly independent of how many prompts it holds. So while many sequences decode, waiting requests
-are admitted together: once there is one per `RUNNING_PER_ADMIT` running, or after
-`max_admit_delay` steps (as TGI's `max_waiting_tokens` bounds its wait). Below 64 running a
-request is admitted at once; at 256 running, four share a prefill (measured on an H100 with 256
-streaming clients: 41k output tokens/s against 32k admitting every step).
+A step that carries a prefill pays a fixed extra cost (a second graph replay, or eager launches)
+however many prompts it holds. So while many sequences decode, waiting requests are admitted
+together: once there is one per `RUNNING_PER_ADMIT` running, or after `max_admit_delay` steps (as
+TGI's `max_waiting_tokens` bounds its wait). Below 64 running a request is admitted at once; at 256
+running, four share a prefill (measured on an H100 with 256 streaming clients, when prefill chunks
+still ran eagerly: 41k output tokens/s against 32k admitting every step).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Scheduler:
                 if self.bm.num_free_blocks < extra:
                     self._preempt(seq, out)
                     break
-                self.bm.append_slot(seq.blocks, seq.num_computed + n)
+                self.bm.append_slot(seq.blocks, start + n)
             item = ScheduledSeq(seq, start, n)
             (out.decodes if n == 1 and start > 0 else out.prefills).append(item)  # item.is_decode
             budget -= n
