@@ -28,7 +28,7 @@ from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
 from benchmarks.common import gpu_run_info, write_result  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
-from server.sampling import SamplingParams  # noqa: E402
+from server.sampling_params import SamplingParams  # noqa: E402
 
 
 def workload(n: int, in_range, out_range, vocab: int, seed: int):

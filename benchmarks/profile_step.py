@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
-from server.sampling import SamplingParams  # noqa: E402
+from server.sampling_params import SamplingParams  # noqa: E402
 
 
 def main(argv=None) -> None:

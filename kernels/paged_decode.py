@@ -35,25 +35,26 @@ actual context_len, and a split left with no tokens writes lse = -inf and a zero
 With num_splits == 1 the one launch writes ``out`` directly.
 The counters live in one int32 buffer per (device, stream); launches that share a buffer must not
 run concurrently (e.g. one captured graph replayed on two streams at once).
-Host side: after the first call for a given set of shapes/strides/dtypes, later calls relaunch the
-compiled kernels directly (see ``_PLANS``), since Triton's dispatch can cost more than the kernel.
+Host side (kernels/decode_launch.py): after the first call for a given set of shapes/strides/dtypes,
+later calls relaunch the compiled kernels directly (see ``_PLANS``), since Triton's dispatch can cost
+more than the kernel.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton import knobs
-from triton.runtime import driver
 
+from kernels import decode_launch
 from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count  # noqa: F401 (re-exported)
-from kernels.scratch import scratch
+# The launch machinery lives in kernels/decode_launch.py. No import cycle: that module imports
+# nothing from this one at import time (its _launch takes the jitted kernels below from here when
+# called). _launch and _PLANS stay importable from here (benchmarks/bench_decode.py uses them);
+# _PLANS_OK is read as decode_launch._PLANS_OK, since _disable_plans rebinds it there.
+from kernels.decode_launch import _INTERPRET, _PLANS, _Plan, _disable_plans, _launch, _relaunch
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -267,125 +268,6 @@ def _merge_kernel(
                out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, "")
 
 
-class _Plan:
-    """What a later call with the same key needs to relaunch the compiled kernels directly."""
-
-    __slots__ = ("stream", "dec", "grid", "tail", "split", "mer", "m_grid", "m_tail", "lse_off", "scratch", "pairs")
-
-    def __init__(self) -> None:
-        self.stream = driver.active.get_current_stream
-        self.mer = None
-
-
-def _counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
-    """Split-arrival counters for the fused merge, one int32 per (sequence, kv head), zero between
-    launches (the last split resets its counter). One buffer per (device, stream), so launches on
-    different streams never share counters; launches on one stream are ordered."""
-    return scratch(("decode-counters", device, stream), n, torch.int32, device, min_size=1 << 16, zeroed=True)
-
-
-# Merge the split partials inside the decode kernel (last split to finish) instead of a second
-# launch; FLASHPAGE_DECODE_MERGE=launch selects the separate merge kernel.
-_FUSED_MERGE = os.environ.get("FLASHPAGE_DECODE_MERGE", "fused") != "launch"
-
-
-def _new_kv_args(new_kv, q, context_lens) -> tuple:
-    """(k_new, v_new, slot_mapping), or placeholders (never read) without the fused KV write."""
-    return new_kv if new_kv is not None else (q, q, context_lens)
-
-
-def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None):
-    """Launch through Triton's normal dispatch (compiling on first use); fill ``plan`` if given."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    num_splits = int(cfg["num_splits"])
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    lanes = group == 1 and not cfg.get("DOT", False)
-    group_pad = 1 if lanes else max(16, triton.next_power_of_2(group))
-    split = num_splits > 1
-    fused = split and num_splits <= MAX_SPLITS and cfg.get("FUSED_MERGE", _FUSED_MERGE)
-    # A constexpr that follows the split count: servers compile every power of two up front
-    # (see warmup_split_variants) so that no new batch shape compiles a variant mid-serving.
-    splits_pad = max(2, triton.next_power_of_2(num_splits))
-    rows = num_seqs * num_heads * num_splits
-    po = plse = cnt = out  # placeholders where unused
-    if split:
-        # one scratch allocation: partial outputs [seqs, heads, splits, d] then lse [seqs, heads, splits]
-        po = torch.empty(rows * (head_dim + 1), device=q.device, dtype=torch.float32)
-        plse = po[rows * head_dim :]
-    if fused:
-        stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
-        cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
-    kn, vn, slots = _new_kv_args(new_kv, q, context_lens)
-    tail = (
-        num_splits, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), num_heads,
-    )
-    consts = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
-        FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
-    )
-    grid = (num_seqs, num_kv_heads, num_splits)
-    dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,
-                               scale * _LOG2E,
-                               *tail, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if plan is not None:  # runtime args after the scale, then the constexprs, in signature order
-        plan.dec, plan.grid, plan.tail, plan.split = dec, grid, tail + tuple(consts.values()), split
-        plan.lse_off, plan.scratch, plan.pairs = rows * head_dim, rows * (head_dim + 1), num_seqs * num_kv_heads
-    if split and not fused:
-        m_grid = (num_seqs * num_heads,)
-        m_tail = (num_splits, num_heads, out.stride(0), out.stride(1))
-        m_consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad)
-        mer = _merge_kernel[m_grid](po, plse, out, *m_tail, **m_consts, num_warps=1 if _INTERPRET else 2)
-        if plan is not None:
-            plan.mer, plan.m_grid, plan.m_tail = mer, (m_grid[0], 1, 1), m_tail + tuple(m_consts.values())
-    return out
-
-
-# Host time matters here: a decode step for a small batch is a few microseconds of GPU work, and
-# Triton's per-launch dispatch (binding and specializing ~30 arguments) costs more than that on a
-# slow host. So the first call for a key (shapes, strides, dtypes, device, split count) goes through
-# Triton, and later calls relaunch the compiled kernels directly. The key fixes every argument that
-# Triton specializes on, except pointer alignment: the fast path runs only when all pointers are
-# 16-byte aligned, and a plan is only made from such a call.
-_PLANS: dict = {}
-
-
-def _fast(kernel, grid: tuple, stream: int, args: tuple) -> None:
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
-
-
-_PLANS_OK = True
-
-
-def _disable_plans() -> None:
-    global _PLANS_OK
-    _PLANS_OK = False
-
-
-def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out) -> torch.Tensor:
-    if out is None:
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    stream = plan.stream(q.device.index)
-    head = (q, k_cache, v_cache, block_tables, context_lens, *_new_kv_args(new_kv, q, context_lens))
-    if not plan.split:  # one launch writes out
-        _fast(plan.dec, plan.grid, stream, head + (out, out, out, out, scale * _LOG2E) + plan.tail)
-        return out
-    po = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
-    plse = po[plan.lse_off :]
-    cnt = out if plan.mer is not None else _counters(q.device, stream, plan.pairs)
-    _fast(plan.dec, plan.grid, stream, head + (out, po, plse, cnt, scale * _LOG2E) + plan.tail)
-    if plan.mer is not None:  # separate merge launch
-        _fast(plan.mer, plan.m_grid, stream, (po, plse, out) + plan.m_tail)
-    return out
-
-
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -427,7 +309,7 @@ def paged_decode(
                    None if new_kv is None else (k_new.stride(), k_new.dtype, v_new.stride(), v_new.dtype,
                                                 slot_mapping.dtype),
                    None if _config is None else tuple(sorted(_config.items())))
-            plan = _PLANS.get(key) if _PLANS_OK else None
+            plan = _PLANS.get(key) if decode_launch._PLANS_OK else None
             if plan is not None:
                 try:
                     return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out)
@@ -454,7 +336,7 @@ def paged_decode(
         cfg.update(_config)
     if num_splits is not None:
         cfg["num_splits"] = max(1, min(int(num_splits), 1024))
-    plan = None if key is None or not _PLANS_OK else _Plan()
+    plan = None if key is None or not decode_launch._PLANS_OK else _Plan()
     _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg, plan)
     if plan is not None and hasattr(plan.dec, "packed_metadata") and len(_PLANS) < 4096:
         _PLANS[key] = plan

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import count
 
 import numpy as np
 
@@ -123,13 +124,22 @@ class BlockAllocator:
         block.hash, block.token_ids = None, ()
 
 
-@dataclass
+# Page-table versions: unique across all sequences, so a version names one page table's contents.
+_versions = count(1)
+
+
+@dataclass(slots=True)
 class SeqBlocks:
-    """Per-sequence page table plus how many of its leading blocks are hashed. A block_table list
-    only grows (append); freeing replaces it with a new one."""
+    """Per-sequence page table plus how many of its leading blocks are hashed.
+
+    `version` changes whenever `block_table` does (the BlockManager is its only writer) and is
+    never the same for two different page tables, of this sequence or any other: a runner that
+    keeps copies of page tables (the CUDA-graph inputs) compares versions to know which rows to
+    copy again."""
 
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # hashes of the leading full, computed blocks
+    version: int = field(default_factory=lambda: next(_versions))
 
 
 class BlockManager:
@@ -173,6 +183,7 @@ class BlockManager:
             parent, num_cached = h, num_cached + bs
         for _ in range(len(seq.block_table), self.blocks_for(len(token_ids))):
             seq.block_table.append(alloc.allocate())
+        seq.version = next(_versions)
         return num_cached
 
     def blocks_missing(self, seq: SeqBlocks, num_tokens: int) -> int:
@@ -186,6 +197,7 @@ class BlockManager:
     def append_slot(self, seq: SeqBlocks, num_tokens: int) -> None:
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self.allocator.allocate())
+        seq.version = next(_versions)
 
     def cache_computed(self, seq: SeqBlocks, token_ids: list[int], num_computed: int) -> None:
         """Register the full blocks among the first `num_computed` tokens, now that their KV exists."""
@@ -204,9 +216,9 @@ class BlockManager:
         # Tail first, so that eviction (oldest first) drops a prefix's leaves before its root.
         for bid in reversed(seq.block_table):
             self.allocator.free(bid)
-        # New lists rather than clear(): a page table list only ever grows, so a runner may cache
-        # what it copied of one by (identity, length) (server/cuda_graphs.py).
-        seq.block_table, seq.hashes = [], []
+        seq.block_table.clear()
+        seq.hashes.clear()
+        seq.version = next(_versions)
 
     def slot(self, seq: SeqBlocks, position: int) -> int:
         return slot_of(seq.block_table, position, self.block_size)

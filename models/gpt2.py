@@ -17,25 +17,27 @@ from transformers import GPT2Config
 from transformers.activations import ACT2FN
 
 from kernels.fused_norm import add_layernorm, embed_layernorm
-from models.attention import AttentionMetadata, make_attention
+from models.attention import AttentionBackend, AttentionMetadata, make_backend
+from models.base import resolve_placeholders
+from models.spec import ModelSpec
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int, backend: str) -> None:
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
-            scale /= layer_idx + 1
-        self.attn = make_attention(backend, scale)
+            self.scale /= layer_idx + 1
+        self.attn = backend
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.c_attn(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.c_proj(out.reshape(n, -1))
 
 
@@ -70,7 +72,7 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int, backend: str) -> None:
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = GPT2Attention(config, layer_idx, backend)
@@ -98,12 +100,14 @@ class GPT2LMHeadModel(nn.Module):
         if config.add_cross_attention:
             raise ValueError("GPT-2 checkpoints with cross-attention are not supported")
         self.config = config
+        self.spec = ModelSpec.from_hf_config(config)
+        self.attention = make_backend(attention, self.spec.head_dim)
         # The table has rows up to a multiple of 64 (zeros past the vocabulary): the tied LM head's
         # GEMM then has an aligned N, which on an H100 is 2.7x faster at batch 256 than N = 50257.
         self.vocab_size = config.vocab_size
         self.wte = nn.Embedding(-(-config.vocab_size // 64) * 64, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config, i, attention) for i in range(config.n_layer))
+        self.h = nn.ModuleList(GPT2Block(config, i, self.attention) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     def forward(
@@ -116,8 +120,7 @@ class GPT2LMHeadModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after ln_f).
 
-        An input id -1 - r stands for sampled_ids[r]: a token the previous step sampled, whose id
-        has not been to the host (asynchronous scheduling). On CUDA the embedding with the first
+        Placeholder ids (-1 - r: sampled_ids[r]) are resolved by the embedding (models/base.py). On CUDA the embedding with the first
         norm, and each residual-add + LayerNorm pair, run as one Triton kernel (kernels/fused_norm.py);
         elsewhere as plain torch ops."""
         fused = input_ids.is_cuda
@@ -126,10 +129,7 @@ class GPT2LMHeadModel(nn.Module):
             x, h = embed_layernorm(input_ids, positions, self.wte.weight, self.wpe.weight, ln.weight, ln.bias, ln.eps,
                                    sampled_ids)
         else:
-            ids = input_ids.long()
-            if sampled_ids is not None:
-                ids = torch.where(ids < 0, sampled_ids.long()[(-1 - ids).clamp(min=0)], ids)
-            x = self.wte(ids) + self.wpe(positions)
+            x = self.wte(resolve_placeholders(input_ids, sampled_ids)) + self.wpe(positions)
             h = ln(x)
         norms = [b.ln_1 for b in self.h[1:]] + [self.ln_f]
         for block, kv_cache, norm in zip(self.h, kv_caches, norms):
@@ -140,14 +140,10 @@ class GPT2LMHeadModel(nn.Module):
         """Tied LM head in the model dtype, [n, padded vocab]: columns past vocab_size are padding."""
         return hidden @ self.wte.weight.t()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the vocabulary, for sampling."""
-        return self.lm_head(hidden)[:, : self.vocab_size].float()
-
     # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         own = dict(self.named_parameters())
         seen = set()
         for name, t in tensors.items():

@@ -1,4 +1,4 @@
-"""Load GPT-2 checkpoints in Hugging Face format: a local directory or a hub id.
+"""Load checkpoints in Hugging Face format (any family in models/registry.py): a local directory or a hub id.
 
 A directory holds `config.json`, weights as `model.safetensors` (optionally sharded with an index)
 or `pytorch_model.bin`, and tokenizer files. A hub id is fetched into huggingface_hub's cache when
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GPT2Config, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from models.gpt2 import GPT2LMHeadModel
+from models.base import CausalLM
+from models.registry import model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -41,10 +42,9 @@ def resolve_model_path(model: str | None) -> Path:
         raise FileNotFoundError(f"could not load {model!r} as a local directory or from the Hugging Face hub: {e}") from e
 
 
-def load_config(path: Path) -> GPT2Config:
+def load_config(path: Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(path)
-    if config.model_type != "gpt2":
-        raise ValueError(f"{path} holds a {config.model_type!r} model; flashpage serves GPT-2 architectures only")
+    model_class(config.model_type)  # raises, naming the families served, for any other model
     return config
 
 
@@ -65,12 +65,12 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str) -> GPT2LMHeadModel:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str) -> CausalLM:
     config = load_config(path)
     with torch.device("meta"):
-        model = GPT2LMHeadModel(config, attention)
+        model = model_class(config.model_type)(config, attention)
     model = model.to_empty(device=device).to(dtype)
-    model.load_hf_state_dict(_read_tensors(path))
+    model.load_weights(_read_tensors(path))
     return model.eval().requires_grad_(False)
 
 

@@ -1,4 +1,8 @@
-"""Engine configuration: one dataclass, filled from the CLI (server/cli.py) or by code."""
+"""Engine configuration: one dataclass, and the one home of its defaults.
+
+The CLI (server/cli.py) takes every engine flag's default from here, the engine, scheduler and
+worker read their settings from it, and tests build it with only what they change.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +12,25 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str | None = None  # local directory or hub id; None = the embedded model
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # None = model (or "flashpage-embedded")
     dtype: str = "auto"  # auto = float16 on CUDA, float32 on CPU
     device: str | None = None  # None = cuda if available
     attention: str | None = None  # triton | eager | sdpa; None = triton on CUDA, sdpa on CPU
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks; None = from the memory budget
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # on CUDA, the share of GPU memory for weights, activations, KV
+    cpu_kv_cache_memory: int = 512 * 2**20  # the KV cache's size on the CPU unless set otherwise
+    max_num_seqs: int = 256  # most sequences in one step
+    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_model_len: int | None = None  # context limit; None = the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_admit_delay: int = 8  # steps waiting requests may be held back to share a prefill (server/scheduler.py)
-    enforce_eager: bool = False
+    # Steps waiting requests may be held back while many others decode, so that prompts arriving
+    # together share one prefill (server/engine/scheduler.py); 0 = admit at once.
+    max_admit_delay: int = 8
+    running_per_admit: int = 64  # hold waiting requests back while fewer than one waits per this many running
+    enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off

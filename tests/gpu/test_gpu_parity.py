@@ -8,7 +8,7 @@ import torch
 
 from server.config import EngineConfig
 from server.engine import LLMEngine
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -138,7 +138,7 @@ def test_prefill_graphs_logprobs_match_enforce_eager(gpt2_ckpt):
     # Prefill steps replayed from graphs: many chunks per step, lengths 1 to 300 (padded to the next
     # captured token count), cached prefixes read through page tables (prefix caching, chunking),
     # and a first step with more prompts than one graph holds (that one runs eagerly).
-    from server.cuda_graphs import PREFILL_GRAPH_SEQS
+    from server.worker.cuda_graphs import PREFILL_GRAPH_SEQS
 
     shared = _prompts(1, 70, 70, seed=5)[0]
     prompts = (_prompts(PREFILL_GRAPH_SEQS + 4, 1, 8, seed=12)  # the first step's chunks: too many for a graph

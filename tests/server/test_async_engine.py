@@ -3,10 +3,10 @@ merged into one (several tokens per SSE event) and loses nothing."""
 
 import asyncio
 
-from server.async_engine import AsyncEngine
+from server.bridge.async_engine import AsyncEngine
 from server.config import EngineConfig
 from server.engine import LLMEngine
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 
 def test_a_slow_consumer_gets_merged_outputs_and_every_token(tiny_ckpt):
@@ -43,7 +43,7 @@ def test_engine_process_outbox_merges_a_requests_outputs_until_sent():
     import multiprocessing as mp
 
     from server.engine import RequestOutput
-    from server.engine_process import _Outbox
+    from server.bridge.engine_process import _Outbox
 
     box = _Outbox()
     box.add([RequestOutput("a", "x", [1], False, new_logprobs=[(1, -0.5)], completion_tokens=1),

@@ -8,8 +8,8 @@ import pytest
 
 from server.config import EngineConfig
 from server.engine import LLMEngine
-from server.sampling import SamplingParams
-from server.sequence import PLACEHOLDER
+from server.sampling_params import SamplingParams
+from server.engine.sequence import PLACEHOLDER
 
 
 def _engine(path, async_scheduling, **kw) -> LLMEngine:

@@ -9,7 +9,7 @@ from transformers import GPT2LMHeadModel as HFModel
 
 from server.config import EngineConfig
 from server.engine import LLMEngine, RequestError
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -204,7 +204,7 @@ def test_every_ending_reaches_the_finish_hook(tiny_ckpt):
 def test_fill_rows_writes_ragged_page_tables_and_leaves_the_rest():
     import numpy as np
 
-    from server.batch import fill_rows, pad_rows
+    from server.worker.inputs import fill_rows, pad_rows
 
     out = np.full((4, 6), 7, dtype=np.int32)
     fill_rows(out, [[1, 2, 3], [4], [5, 6, 8, 9, 10]])
@@ -214,11 +214,9 @@ def test_fill_rows_writes_ragged_page_tables_and_leaves_the_rest():
 
 
 @pytest.mark.parametrize("delay", [0, 3])
-def test_waiting_requests_gather_for_one_prefill_while_many_decode(tiny_ckpt, monkeypatch, delay):
-    import server.scheduler as sched
-
-    monkeypatch.setattr(sched, "RUNNING_PER_ADMIT", 3)  # 4 running: one waiting is held back, two are not
-    eng = _engine(tiny_ckpt, max_admit_delay=delay, async_scheduling=False)
+def test_waiting_requests_gather_for_one_prefill_while_many_decode(tiny_ckpt, delay):
+    # running_per_admit 3, 4 running: one waiting is held back, two are not
+    eng = _engine(tiny_ckpt, max_admit_delay=delay, running_per_admit=3, async_scheduling=False)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(4):
         eng.add_request(f"first{i}", [1, 2, 3 + i], params)
@@ -240,11 +238,9 @@ def test_waiting_requests_gather_for_one_prefill_while_many_decode(tiny_ckpt, mo
     assert eng.scheduler.steps_waited == 0
 
 
-def test_a_lone_waiting_request_is_held_back_at_most_max_admit_delay_steps(tiny_ckpt, monkeypatch):
-    import server.scheduler as sched
-
-    monkeypatch.setattr(sched, "RUNNING_PER_ADMIT", 2)  # 4 running: one waiting is held back
-    eng = _engine(tiny_ckpt, max_admit_delay=3, async_scheduling=False)
+def test_a_lone_waiting_request_is_held_back_at_most_max_admit_delay_steps(tiny_ckpt):
+    # running_per_admit 2, 4 running: one waiting is held back
+    eng = _engine(tiny_ckpt, max_admit_delay=3, running_per_admit=2, async_scheduling=False)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(4):
         eng.add_request(f"first{i}", [1, 2, 3 + i], params)

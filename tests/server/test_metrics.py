@@ -14,8 +14,8 @@ from benchmarks.common import ServerProcess
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.logs import JsonFormatter, RequestIdFilter, TextFormatter, request_id_var
-from server.metrics import EngineStats
-from server.sampling import SamplingParams
+from server.api.metrics import EngineStats
+from server.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

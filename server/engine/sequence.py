@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache import SeqBlocks
-from server.sampling import SamplingParams
-
+from models import placeholder_id
+from server.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # token id not yet known on the host (see Sequence.pending_row)
 
@@ -34,7 +34,7 @@ class Sequence:
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # Incremental detokenization state (server/detokenize.py).
+    # Incremental detokenization state (server/engine/detokenize.py).
     text: str = ""
     emitted: int = 0  # characters of `text` already sent to the client
     utf8: Any = None  # incremental UTF-8 decoder (byte-level tokenizers)
@@ -72,10 +72,11 @@ class Sequence:
             self.pending_row = -1
 
     def input_token(self, pos: int) -> int:
-        """Token `pos` as a step's input id: the id itself, or -1 - pending_row for a placeholder,
-        whose id the model reads on the device from row `pending_row` of the last step's sampled ids."""
+        """Token `pos` as a step's input id: the id itself, or for a placeholder the id that names
+        row `pending_row` of the last step's sampled ids, where the model reads it on the device
+        (models/base.py)."""
         tok = self.token_ids[pos]
-        return -1 - self.pending_row if tok == PLACEHOLDER else tok
+        return placeholder_id(self.pending_row) if tok == PLACEHOLDER else tok
 
     @property
     def num_pending(self) -> int:

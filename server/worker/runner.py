@@ -1,11 +1,13 @@
-"""Turns a scheduled batch into flat tensors, runs the model, samples.
+"""The model runner: a scheduled step in, sampled ids out (the device side of the engine).
 
 Batch layout (what the attention backends expect): prefill chunks first, packed and delimited by
-`cu_seqlens`, then one token per decoding sequence. `slot_mapping[t]` is the flat cache slot that
-token t's K/V go to; `block_tables` rows are the sequences' page tables. A step with decodes only
-replays a CUDA graph captured for the next larger batch size, and prefill chunks one captured for
-their padded token count where one fits (server/cuda_graphs.py); a mixed step replays both.
-Anything else runs eagerly.
+`cu_seqlens`, then one token per decoding sequence (server/worker/inputs.py packs it). A step with
+decodes only replays a CUDA graph captured for the next larger batch size, and prefill chunks one
+captured for their padded token count where one fits (server/worker/cuda_graphs.py); a mixed step
+replays both. Anything else runs eagerly.
+
+The runner speaks only the model contract (models/base.py): `forward`, `lm_head`, `spec`, and the
+model's attention backend for metadata and warm-up.
 """
 
 from __future__ import annotations
@@ -16,19 +18,17 @@ import numpy as np
 import torch
 
 from kernels.argmax import argmax_rows
-from kvcache import CacheSpec, allocate_kv_cache, slot_of
-from models import AttentionMetadata, GPT2LMHeadModel
-from server.batch import Packer, pack_prefills, pad_rows
-from server.sampling import sample
-from server.scheduler import SchedulerOutput
-from server.sequence import Sequence
+from kvcache import CacheSpec, allocate_kv_cache
+from models import CausalLM, StepRows
+from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
+from server.worker.sampler import sample
 
 
-@dataclass
+@dataclass(slots=True)
 class StepHandle:
     """A launched step: which sequences sample, and where their results will land on the host."""
 
-    rows: list[Sequence]
+    rows: list[SeqState]
     ids: torch.Tensor | None = None  # [len(rows)] int32, host (pinned on CUDA)
     top: torch.Tensor | None = None  # [len(rows), 1 + 2k] fp32: chosen logprob, top-k ids, top-k logprobs
     k: int = 0
@@ -36,16 +36,25 @@ class StepHandle:
     event: torch.cuda.Event | None = None  # recorded after the copies; collect() waits on it
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What a step sampled, row by row (rows as in StepHandle.rows)."""
+
+    token_ids: list[int]
+    # per row, (chosen id, logprob) then the top alternatives, where requests asked for logprobs
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+
 class ModelRunner:
-    def __init__(self, model: GPT2LMHeadModel, spec: CacheSpec, device: torch.device, max_num_seqs: int,
+    def __init__(self, model: CausalLM, cache_spec: CacheSpec, device: torch.device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
-        self.spec = spec
-        self.block_size = spec.block_size
+        self.spec = cache_spec
+        self.block_size = cache_spec.block_size
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
-        self.max_blocks = -(-max_model_len // spec.block_size)
+        self.max_blocks = -(-max_model_len // cache_spec.block_size)
         s = max_num_seqs
         self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 4 * 8, device)  # + alignment
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -60,6 +69,10 @@ class ModelRunner:
         self.flip = 0
 
     # -- start-up -----------------------------------------------------------------------------
+    def _run(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
+        meta = self.model.attention.metadata(rows)
+        return self.model.forward(input_ids, positions, caches, meta, sampled_ids=sampled_ids)
+
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
         """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
@@ -69,15 +82,13 @@ class ModelRunner:
         n, seqs = self.max_tokens, self.max_num_seqs
         per = -(-n // seqs)
         lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        ids, pos, slots, cu_t, prefix, bt = self.packer.pack(
-            [np.zeros(n), np.concatenate([np.arange(k) for k in lens]) % self.model.config.n_positions,
-             np.full(n, -1), cu, np.zeros(len(lens)), np.zeros((len(lens), 1))])
-        meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=n, cu_seqlens=cu_t, max_seqlen=max(lens),
-                                 prefix_lens=prefix, prefill_block_tables=bt, cu_seqlens_host=cu.tolist(),
-                                 prefix_lens_host=[0] * len(lens))
-        hidden = self.model(ids, pos, caches, meta)
-        sample(self.model.compute_logits(hidden[:seqs]), [], [])
+        v = self.packer.pack(
+            ids=np.zeros(n), pos=np.concatenate([np.arange(k) for k in lens]) % self.model.spec.max_position_embeddings,
+            slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]), prefix=np.zeros(len(lens)),
+            bt=np.zeros((len(lens), 1)))
+        rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, [0] * len(lens))
+        hidden = self._run(caches, v["ids"], v["pos"], rows)
+        sample(self.model.lm_head(hidden[:seqs])[:, : self.model.vocab_size].float(), [], [])
         torch.cuda.synchronize(self.device)
         del caches, hidden
         return torch.cuda.max_memory_allocated(self.device)
@@ -89,81 +100,42 @@ class ModelRunner:
     def warmup(self) -> None:
         """Run each kind of eager step once (prefill with and without a cached prefix, decode over
         page tables of several widths) so that Triton compiles its kernel variants at start-up,
-        not in the middle of serving. Nothing is written to the cache (slots are -1)."""
+        not in the middle of serving; then the backend's own warm-up. Nothing is written to the
+        cache (slots are -1)."""
         bs, blocks = self.block_size, self.kv_caches[0][0].shape[0] - 1
         for plen, new in ((0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)):
             nb = -(-(plen + new) // bs)
             if nb > min(blocks, self.max_blocks):
                 continue
-            ids, pos, slots, cu, prefix, bt = self.packer.pack(
-                [np.zeros(new), np.arange(plen, plen + new), np.full(new, -1), [0, new], [plen], np.arange(nb)[None]])
-            meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=new, cu_seqlens=cu, max_seqlen=new,
-                                     prefix_lens=prefix, prefill_block_tables=bt, has_prefix=plen > 0,
-                                     cu_seqlens_host=[0, new], prefix_lens_host=[plen])
-            self.model(ids, pos, self.kv_caches, meta)
+            v = self.packer.pack(ids=np.zeros(new), pos=np.arange(plen, plen + new), slots=np.full(new, -1),
+                                 cu=[0, new], prefix=[plen], bt=np.arange(nb)[None])
+            self._run(self.kv_caches, v["ids"], v["pos"], StepRows(v["slots"], new, v["cu"], v["prefix"], v["bt"],
+                                                                   [new], [plen]))
         for nb in sorted({1, 2, 4, 8, self.max_blocks}):
             if nb > blocks:
                 continue
             for n in (1, self.max_num_seqs):
-                ids, pos, slots, ctx, bt = self.packer.pack(
-                    [np.zeros(n), np.full(n, nb * bs - 1), np.full(n, -1), np.full(n, nb * bs), np.tile(np.arange(nb), (n, 1))])
-                meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=0, context_lens=ctx, decode_block_tables=bt)
-                self.model(ids, pos, self.kv_caches, meta)
-        attn = self.model.h[0].attn.attn
-        if hasattr(attn, "warmup"):
-            attn.warmup(*self.kv_caches[0], self.model.config.n_head)
+                v = self.packer.pack(ids=np.zeros(n), pos=np.full(n, nb * bs - 1), slots=np.full(n, -1),
+                                     ctx=np.full(n, nb * bs), bt=np.tile(np.arange(nb), (n, 1)))
+                rows = StepRows(v["slots"], 0, context_lens=v["ctx"], decode_block_tables=v["bt"])
+                self._run(self.kv_caches, v["ids"], v["pos"], rows)
+        self.model.attention.warmup(self.kv_caches, self.model.spec.num_heads)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def capture_graphs(self) -> None:
-        from server.cuda_graphs import DecodeGraphs, PrefillGraphs
+        from server.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device,
                                    self.last_ids)
         self.graphs.capture()
-        if getattr(self.model.h[0].attn.attn, "prefill_graphs", False):
+        if self.model.attention.prefill_graphs:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.max_tokens, self.max_blocks,
                                                 self.device)
             self.prefill_graphs.capture()
 
     # -- one step -----------------------------------------------------------------------------
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        pre, dec = batch.prefills, batch.decodes
-        bs = self.block_size
-        pf = pack_prefills(pre, bs)
-        ids, pos, slots = [], [], []
-        offset = len(pf.ids)
-        for item in dec:  # plain ints: numpy calls cost more than they save for one token
-            seq, lo = item.seq, item.start
-            ids.append(seq.input_token(lo))  # a placeholder (< 0) is read from the sampled ids on the device
-            pos.append(lo)
-            slots.append(slot_of(seq.blocks.block_table, lo, bs))
-        # Rows that sample, decodes first: the order of the step's sampled ids (see launch()).
-        ends = [offset + i for i, item in enumerate(dec) if item.samples] + pf.ends
-        arrays = [np.concatenate([pf.ids, ids]), np.concatenate([pf.positions, pos]),
-                  np.concatenate([pf.slots, slots]), ends]
-        cu = [0, *np.cumsum(pf.lens).tolist()]
-        if pre:
-            arrays += [cu, pf.prefix, pad_rows(pf.tables, max(map(len, pf.tables)))]
-        if dec:
-            tables = [s.seq.blocks.block_table for s in dec]
-            arrays += [[s.start + 1 for s in dec], pad_rows(tables, max(map(len, tables)))]
-        views = self.packer.pack(arrays)
-        input_ids, positions, slot_mapping, ends_t = views[:4]
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=offset)
-        rest = views[4:]
-        if pre:
-            meta.cu_seqlens, meta.prefix_lens, meta.prefill_block_tables = rest[:3]
-            meta.cu_seqlens_host = cu
-            meta.prefix_lens_host = pf.prefix
-            meta.max_seqlen = max(pf.lens)
-            meta.has_prefix = any(pf.prefix)
-            rest = rest[3:]
-        if dec:
-            meta.context_lens, meta.decode_block_tables = rest
-        return input_ids, positions, meta, ends_t
-
-    def launch(self, batch: SchedulerOutput) -> StepHandle:
+    def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepHandle:
         """Enqueue one step on the device and return without waiting for it: the sampled ids (and
         logprobs) are on their way to pinned host memory; `collect()` waits for them. Sampled ids
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens.
@@ -172,20 +144,20 @@ class ModelRunner:
         writes each row's greedy choice into `last_ids` on the device (the CUDA graphs include the
         argmax); only a step with a row that samples otherwise, or wants logprobs, runs the sampler."""
         with torch.inference_mode():
-            rows = [item.seq for item in batch.decodes] + [item.seq for item in batch.prefills if item.samples]
-            n_dec = len(batch.decodes)
-            if self.graphs is not None and batch.decodes and n_dec <= self.graphs.max_batch:
+            rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
+            n_dec = len(decodes)
+            if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
                 # is highest.
-                parts = [self.graphs.run(batch.decodes, self.block_size)]
-                if batch.prefills:
-                    parts.append(self._prefill(batch.prefills, n_dec))
-            elif not batch.decodes:
-                parts = [self._prefill(batch.prefills, 0)]
+                parts = [self.graphs.run(decodes, self.block_size)]
+                if prefills:
+                    parts.append(self._prefill(prefills, n_dec))
+            elif not decodes:
+                parts = [self._prefill(prefills, 0)]
             else:
-                parts = [self._eager(batch, 0)]
+                parts = [self._eager(prefills, decodes, 0)]
             n = len(rows)
             if not n:
                 return StepHandle(rows)
@@ -225,7 +197,7 @@ class ModelRunner:
         else:
             out.copy_(raw[:, : self.model.vocab_size].argmax(dim=-1))
 
-    def _prefill(self, prefills, row0: int) -> torch.Tensor | None:
+    def _prefill(self, prefills: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
         """Raw logits of the prefill chunks that sample (greedy ids into last_ids from row row0):
         from a captured graph where one fits."""
         if self.prefill_graphs is not None and self.prefill_graphs.fits(prefills):
@@ -233,16 +205,16 @@ class ModelRunner:
             if logits is not None:
                 self.last_ids[row0 : row0 + logits.shape[0]].copy_(self.prefill_graphs.ids[: logits.shape[0]])
             return logits
-        return self._eager(SchedulerOutput(prefills=prefills), row0)
+        return self._eager(prefills, [], row0)
 
-    def _eager(self, batch: SchedulerOutput, row0: int) -> torch.Tensor | None:
-        """Run the batch without graphs: raw logits of the rows that sample (None if none does),
+    def _eager(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
+        """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
-        input_ids, positions, meta, ends = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, sampled_ids=self.last_ids)
-        if not len(ends):
+        step = prepare_step(self.packer, prefills, decodes, self.block_size)
+        hidden = self._run(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
+        if not len(step.ends):
             return None
-        logits = self.model.lm_head(hidden[ends])
+        logits = self.model.lm_head(hidden[step.ends])
         self._greedy(logits, row0)
         return logits
 
@@ -252,25 +224,21 @@ class ModelRunner:
         pinned.copy_(src, non_blocking=True)
         return pinned
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+    def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a launched step; return the sampled token of each row (in batch order) and, where
         requests asked for logprobs, the chosen token's and the top alternatives'."""
         if handle.event is not None:
             handle.event.synchronize()  # releases the GIL while the device finishes
         if handle.ids is None:
-            return [], None
+            return StepResult([])
         ids = handle.ids.tolist()
         if handle.top is None:
-            return ids, None
+            return StepResult(ids)
         k, top = handle.k, []
         for j, (r, w) in enumerate(zip(handle.top.tolist(), handle.want)):
             w = w or 0
             top.append([(ids[j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + w], r[1 + k : 1 + k + w])])
-        return ids, top
-
-    def execute(self, batch: SchedulerOutput) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
-        """launch() + collect(): one step, synchronously."""
-        return self.collect(self.launch(batch))
+        return StepResult(ids, top)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -37,15 +37,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine import RequestError
-from server.limits import ServerLimits, has_surrogates
+from server.api.guards import ServerLimits, has_surrogates
 from server.logs import request_id_var
-from server.openai_protocol import (Choice, CompletionRequest, OpenAIError, check_unsupported, from_engine_error,
+from server.api.openai_protocol import (Choice, CompletionRequest, OpenAIError, check_unsupported, from_engine_error,
                                     parse_prompts, usage_dict, validation_error)
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.openai")
 router = APIRouter(prefix="/v1")
 MAX_CHOICES = 1024  # prompts x n in one request
+DEFAULTS = SamplingParams()
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -78,7 +79,7 @@ async def _completions(body: CompletionRequest, request: Request):
     if len(prompts) * body.n > MAX_CHOICES:
         raise OpenAIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} sequences per request",
                           param="n")
-    max_tokens = body.max_tokens or 16
+    max_tokens = body.max_tokens or DEFAULTS.max_tokens
     stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
     if any(has_surrogates(s) for s in stop):
         raise OpenAIError(400, "'stop' holds a lone UTF-16 surrogate, which is not text", param="stop")
@@ -91,8 +92,8 @@ async def _completions(body: CompletionRequest, request: Request):
                               param="prompt", code="context_length_exceeded")
         for j in range(body.n):
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+                max_tokens=max_tokens, temperature=DEFAULTS.temperature if body.temperature is None else body.temperature,
+                top_p=DEFAULTS.top_p if body.top_p is None else body.top_p, top_k=body.top_k,
                 seed=None if body.seed is None else body.seed + j, stop=stop,
                 stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=body.logprobs)
             try:
@@ -110,7 +111,7 @@ async def _completions(body: CompletionRequest, request: Request):
     tag = uuid.uuid4().hex[:8]  # engine ids stay unique even when a client reuses its X-Request-ID
 
     async def pump(c: Choice) -> None:
-        stream = aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params)
+        stream = aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True)
         try:
             async for out in stream:
                 queue.put_nowait((c, out))

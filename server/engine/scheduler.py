@@ -12,7 +12,7 @@ prompt is prefilled whole (alone if it exceeds the budget by itself).
 
 A step that carries a prefill pays a fixed extra cost (a second graph replay, or eager launches)
 however many prompts it holds. So while many sequences decode, waiting requests are admitted
-together: once there is one per `RUNNING_PER_ADMIT` running, or after `max_admit_delay` steps (as
+together: once there is one per `running_per_admit` running, or after `max_admit_delay` steps (as
 TGI's `max_waiting_tokens` bounds its wait). Below 64 running a request is admitted at once; at 256
 running, four share a prefill (measured on an H100 with 256 streaming clients, when prefill chunks
 still ran eagerly: 41k output tokens/s against 32k admitting every step).
@@ -24,12 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager
-from server.sequence import Sequence, Status
+from server.config import EngineConfig
+from server.engine.sequence import Sequence, Status
 
-RUNNING_PER_ADMIT = 64  # hold waiting requests back while fewer than one waits per this many running
 
-
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token position processed this step (== seq.num_computed)
@@ -45,7 +44,7 @@ class ScheduledSeq:
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
@@ -65,22 +64,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
-        max_admit_delay: int = 0,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, config: EngineConfig) -> None:
         self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunked = enable_chunked_prefill
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
-        self.max_admit_delay = max_admit_delay
+        self.max_admit_delay = config.max_admit_delay
+        self.running_per_admit = config.running_per_admit
         self.steps_waited = 0  # steps in which waiting requests were held back
 
     def add(self, seq: Sequence) -> None:
@@ -120,7 +113,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if (self.waiting and out.decodes and len(self.waiting) * RUNNING_PER_ADMIT < len(self.running)
+        if (self.waiting and out.decodes and len(self.waiting) * self.running_per_admit < len(self.running)
                 and self.steps_waited < self.max_admit_delay):
             self.steps_waited += 1
             return out  # let more prompts gather for one shared prefill

@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler (runs on the logits' device).
+"""The batched sampler (runs on the logits' device).
 
 Rows with a seed draw their randomness from their own generator, so a seeded request gives the
 same tokens whatever else shares its batch. Everything else is sampled in one batched pass.
@@ -6,26 +6,9 @@ same tokens whatever else shares its batch. Everything else is sampled in one ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-n alternatives per token (the sampled one always comes back)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from server.sampling_params import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import signal
 
 import uvicorn
 
-from server.async_engine import AsyncEngine
+from server.bridge.async_engine import AsyncEngine
 
 log = logging.getLogger("flashpage.lifecycle")
 
@@ -60,7 +60,7 @@ class Server(uvicorn.Server):
         while self.engine.num_active and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.engine.num_active:
-            log.warning("grace period over: aborting %d request(s)", self.engine.abort_all("abort"))
+            log.warning("grace period over: aborting %d request(s)", self.engine.abort_all())
         self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:

@@ -10,16 +10,14 @@ with the number of clients. Here the engine loop shares nothing with the HTTP si
   then stands in for the LLMEngine on the HTTP side (tokenizer, model_name, max_model_len,
   validate, snapshot) and is the core AsyncEngine drives: adds and aborts are batched per event-loop
   turn into one message down the command pipe; the event loop reads step messages off the output
-  pipe (`add_reader`, no thread) and rebuilds RequestOutputs with cumulative text and ids.
+  pipe (`add_reader`, no thread) and gives each RequestOutput its cumulative text and ids.
 - `engine_main` (engine process): builds the LLMEngine, then loops: take commands (blocking only
   when idle), step, send the step's outputs. When the output pipe is full (the API process is
   behind) it keeps stepping and merges each request's outputs until the pipe drains, so the engine
   never waits on HTTP and a slow reader gets fewer, larger messages.
 
-Messages up: ("ready", info) once; ("step", outputs, errors, stats events, snapshot) per step;
-("fatal", text) before the engine process exits on an error it cannot recover from. An output on
-the wire is a list: see `_wire`. The engine process ignores SIGINT/SIGTERM (the API process owns
-shutdown: it drains, then sends ("stop",)) and exits when the command pipe closes.
+The messages are typed (server/bridge/messages.py). The engine process ignores SIGINT/SIGTERM (the
+API process owns shutdown: it drains, then sends StopEngine) and exits when the command pipe closes.
 """
 
 from __future__ import annotations
@@ -34,9 +32,12 @@ import time
 import traceback
 
 from models import load_tokenizer, resolve_model_path
+from server.bridge.messages import (AbortRequest, AddRequest, Command, EngineFailed, EngineReady, RequestRefused,
+                                    StepOutputs, StopEngine, apply_commands, decode_down, decode_up, encode)
 from server.config import EngineConfig
-from server.engine import RequestBounds, RequestError, RequestOutput, merge_outputs, validate_request
-from server.sampling import SamplingParams
+from server.engine import EngineSnapshot, RequestBounds, RequestError, RequestOutput, merge_outputs, validate_request
+from server.engine.stop import ERROR
+from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
 
@@ -71,28 +72,28 @@ class EngineClient:
         _grow_pipe(self._cmd)
         info = self._wait_ready(startup_timeout)
         self.config = config
-        self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
-        self.bounds: RequestBounds = info["bounds"]
-        self._snapshot: dict = info["snapshot"]
+        self.model_name, self.max_model_len = info.model_name, info.max_model_len
+        self.bounds: RequestBounds = info.bounds
+        self._snapshot: EngineSnapshot = info.snapshot
         self.tokenizer = load_tokenizer(resolve_model_path(config.model))
         self.stats = None  # server/metrics.EngineStats: replays the engine process's hook calls
         self._text: dict[str, tuple[str, list[int]]] = {}  # text and ids so far, per request in flight
-        self._commands: list[tuple] = []
+        self._commands: list[Command] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver = self._die = None
         self._closed = False
 
-    def _wait_ready(self, timeout: float | None) -> dict:
+    def _wait_ready(self, timeout: float | None) -> EngineReady:
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             if self._out.poll(0.2):
                 try:
-                    kind, payload = self._out.recv()
+                    msg = decode_up(self._out.recv_bytes())
                 except EOFError:
                     break
-                if kind == "ready":
-                    return payload
-                raise EngineProcessError(f"the engine failed to start:\n{payload}")
+                if isinstance(msg, EngineReady):
+                    return msg
+                raise EngineProcessError(f"the engine failed to start:\n{msg.traceback}")
             if not self.process.is_alive():
                 break
         self.process.kill()
@@ -104,23 +105,23 @@ class EngineClient:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.bounds)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         return self._snapshot  # as of the engine's last step message
 
-    # -- the core protocol (server/async_engine.py) --------------------------------------------
+    # -- the core protocol (server/bridge/async_engine.py) -------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, deliver, die) -> None:
         self._loop, self._deliver, self._die = loop, deliver, die
         loop.add_reader(self._out.fileno(), self._on_readable)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._text[request_id] = ("", [])
-        self._send(("add", request_id, prompt_token_ids, params))
+        self._send(AddRequest(request_id, prompt_token_ids, params))
 
     def abort(self, request_id: str) -> None:
         self._text.pop(request_id, None)
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: Command) -> None:
         if not self._commands:  # one message per event-loop turn, however many requests arrive in it
             self._loop.call_soon(self._flush)
         self._commands.append(cmd)
@@ -129,7 +130,7 @@ class EngineClient:
         commands, self._commands = self._commands, []
         if commands and not self._closed:
             try:
-                self._cmd.send(commands)
+                self._cmd.send_bytes(encode(commands))
             except OSError as e:
                 self._lost(e)
 
@@ -138,7 +139,7 @@ class EngineClient:
             self._loop.remove_reader(self._out.fileno())
         self._closed = True
         try:
-            self._cmd.send([("stop",)])
+            self._cmd.send_bytes(encode([StopEngine()]))
         except OSError:
             pass
         await asyncio.to_thread(self.process.join, 30)
@@ -151,37 +152,34 @@ class EngineClient:
             for _ in range(16):  # then let the HTTP tasks run; the reader fires again while data waits
                 if self._closed or not self._out.poll():
                     break
-                kind, *payload = self._out.recv()
-                if kind == "step":
-                    self._on_step(*payload)
+                msg = decode_up(self._out.recv_bytes())
+                if isinstance(msg, StepOutputs):
+                    self._on_step(msg)
                 else:
-                    self._lost(EngineProcessError(f"the engine process failed:\n{payload[0]}"))
+                    self._lost(EngineProcessError(f"the engine process failed:\n{msg.traceback}"))
         except (EOFError, OSError) as e:
             self._lost(e)
 
-    def _on_step(self, wire: list[list], errors: list[tuple[str, str]], events: list[tuple], snapshot: dict) -> None:
-        self._snapshot = snapshot
-        if self.stats is not None and events:
-            self.stats.replay(events)
+    def _on_step(self, msg: StepOutputs) -> None:
+        self._snapshot = msg.snapshot
+        if self.stats is not None and msg.events:
+            self.stats.replay(msg.events)
         outputs = []
         texts = self._text
-        for (rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens, new_logprobs, cached,
-             error, final_text, final_ids) in wire:
-            so_far = texts.pop(rid, None) if finished else texts.get(rid)
+        for out in msg.outputs:
+            rid = out.request_id
+            so_far = texts.pop(rid, None) if out.finished else texts.get(rid)
             if so_far is None:
                 continue  # aborted here meanwhile: nobody waits for it
-            if finished:
-                text, ids = final_text, final_ids
-            else:
-                text, ids = so_far[0] + new_text, so_far[1]
-                ids.extend(new_ids)
-                texts[rid] = (text, ids)
-            outputs.append(RequestOutput(rid, new_text, new_ids, finished, reason, prompt_tokens, completion_tokens,
-                                         new_logprobs, text, ids, cached, error))
-        for rid, _ in errors:
-            texts.pop(rid, None)
-        if outputs or errors:
-            self._deliver(outputs, [(rid, RequestError(msg)) for rid, msg in errors])
+            if not out.finished:  # the wire carries only the new text and ids
+                out.text, out.token_ids = so_far[0] + out.new_text, so_far[1]
+                out.token_ids.extend(out.new_token_ids)
+                texts[rid] = (out.text, out.token_ids)
+            outputs.append(out)
+        for r in msg.refused:
+            texts.pop(r.request_id, None)
+        if outputs or msg.refused:
+            self._deliver(outputs, [(r.request_id, RequestError(r.message)) for r in msg.refused])
 
     def _lost(self, e: BaseException) -> None:
         if self._closed:
@@ -196,29 +194,22 @@ class EngineClient:
 
 
 # ------------------------------------------------------------------------------ engine process side
-def _wire(o: RequestOutput) -> list:
-    """An output as sent: the cumulative text and ids only once, when the request finishes."""
-    return [o.request_id, o.new_text, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
-            o.completion_tokens, o.new_logprobs, o.cached_prompt_tokens, o.error,
-            o.text if o.finished else None, list(o.token_ids) if o.finished else None]
-
-
 class _Outbox:
     """Outputs not sent yet. While the API process is behind, a request's outputs merge into one."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, RequestOutput] = {}
         self.failed: list[RequestOutput] = []  # kept apart, after the tokens before them (as the HTTP side does)
-        self.errors: list[tuple[str, str]] = []
-        self.events: list[tuple] = []
+        self.refused: list[RequestRefused] = []
+        self.events: list = []
         self.dirty = False
 
-    def add(self, outputs: list[RequestOutput], errors, events: list[tuple]) -> None:
+    def add(self, outputs: list[RequestOutput], refused: list[RequestRefused], events: list) -> None:
         self.dirty = True
         self.events += events
-        self.errors += [(rid, str(e)) for rid, e in errors]
+        self.refused += refused
         for o in outputs:
-            if o.finish_reason == "error":
+            if o.finish_reason == ERROR:
                 self.failed.append(o)
                 continue
             prev = self.outputs.get(o.request_id)
@@ -231,8 +222,11 @@ class _Outbox:
             return
         if not block and not select.select([], [conn], [], 0)[1]:
             return  # the pipe is full: keep stepping, send merged later
-        wire = [_wire(o) for o in self.outputs.values()] + [_wire(o) for o in self.failed]
-        conn.send(("step", wire, self.errors, self.events, snapshot()))
+        outputs = list(self.outputs.values()) + self.failed
+        for o in outputs:
+            if not o.finished:  # the API side accumulates text and ids; only a final output carries them
+                o.text, o.token_ids = "", []
+        conn.send_bytes(encode(StepOutputs(outputs, self.refused, self.events, snapshot())))
         self.__init__()
 
 
@@ -244,45 +238,43 @@ def engine_main(config: EngineConfig, commands, out, log_level: str, log_format:
     setup_logging(log_level, log_format)
     import torch
 
-    from server.async_engine import apply_commands
     from server.engine import LLMEngine
-    from server.metrics import StatsRecorder
+    from server.engine.stats import StatsRecorder
 
     _grow_pipe(out)
     try:
         torch.manual_seed(config.seed)
         engine = LLMEngine(config)
     except BaseException:
-        out.send(("fatal", traceback.format_exc()))
+        out.send_bytes(encode(EngineFailed(traceback.format_exc())))
         return
     engine.stats = recorder = StatsRecorder()
     gc.collect()
     gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/cli.py)
-    out.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                        "bounds": engine.limits(), "snapshot": engine.snapshot()}))
+    out.send_bytes(encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot())))
     outbox = _Outbox()
     try:
         while True:
             idle = not engine.has_unfinished()
             if idle:
                 outbox.flush(out, engine.snapshot, block=True)
-            batches = [commands.recv()] if idle else []  # idle: sleep until there is something to do
+            batches = [commands.recv_bytes()] if idle else []  # idle: sleep until there is something to do
             while commands.poll():
-                batches.append(commands.recv())
-            cmds = [c for batch in batches for c in batch]
-            if any(c[0] == "stop" for c in cmds):
+                batches.append(commands.recv_bytes())
+            cmds = [c for batch in batches for c in decode_down(batch)]
+            if any(isinstance(c, StopEngine) for c in cmds):
                 return
-            errors = apply_commands(engine, cmds)
+            refused = apply_commands(engine, cmds)
             outputs = engine.step() if engine.has_unfinished() else []
-            if cmds or outputs or errors or recorder.events:
-                outbox.add(outputs, errors, recorder.take())
+            if cmds or outputs or refused or recorder.events:
+                outbox.add(outputs, refused, recorder.take())
             outbox.flush(out, engine.snapshot, block=False)
     except EOFError:  # the API process is gone
         return
     except BaseException:
         log.exception("engine loop died")
         try:
-            out.send(("fatal", traceback.format_exc()))
+            out.send_bytes(encode(EngineFailed(traceback.format_exc())))
         except OSError:
             pass
         raise SystemExit(1)

@@ -1,9 +1,9 @@
 """Drives the synchronous engine from asyncio.
 
 The engine steps back to back while there is work, never waiting for the HTTP side, in one of two
-homes (a "core"): its own process (server/engine_process.py, what `python -m server` runs: the
-event loop and the engine then never compete for the GIL), or a thread of this process
-(`ThreadCore`: tests, notebooks, --no-engine-process). Either way adds and aborts reach it in the
+homes (a "core"): its own process (server/bridge/engine_process.py, what `python -m server` runs:
+the event loop and the engine then never compete for the GIL), or a thread of this process
+(server/bridge/thread_core.py: tests, notebooks, --no-engine-process). Either way adds and aborts reach it in the
 order they were made, and each step's outputs come back to the event loop in one call.
 
 Each request's outputs land in a collector. When a consumer is behind (the event loop busy with
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
+from server.bridge.engine_process import EngineClient
+from server.bridge.thread_core import ThreadCore
 from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
-from server.engine_process import EngineClient
-from server.sampling import SamplingParams
+from server.engine.stop import ABORT, ERROR, TIMEOUT
+from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
 
@@ -68,7 +68,7 @@ class _Collector:
     def put(self, item) -> None:
         items = self.items
         if (items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput)
-                and item.finish_reason != "error"):  # a failure stays separate: the tokens before it are kept
+                and item.finish_reason != ERROR):  # a failure stays separate: the tokens before it are kept
             items[-1] = merge_outputs(items[-1], item)
         else:
             items.append(item)
@@ -79,82 +79,6 @@ class _Collector:
             self.ready.clear()
             await self.ready.wait()
         return self.items.popleft()
-
-
-def apply_commands(engine: LLMEngine, commands: list[tuple]) -> list[tuple[str, RequestError]]:
-    """("add", rid, ids, params) and ("abort", rid), in order; returns the adds the engine refused."""
-    errors = []
-    for cmd in commands:
-        if cmd[0] == "add":
-            try:
-                engine.add_request(*cmd[1:])
-            except RequestError as e:
-                errors.append((cmd[1], e))
-        else:
-            engine.abort_request(cmd[1])
-    return errors
-
-
-# The engine thread waits on the device with the GIL released; when the step it waits for ends it
-# must get the GIL back before the device runs dry. Python's default 5 ms switch interval is longer
-# than a decode step, so a busy event loop could hold the GIL that long.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-class ThreadCore:
-    """Steps an LLMEngine on a thread of this process. Simple, and what the tests drive; under
-    heavy streaming the event loop and the engine share one GIL, which slows the engine (use the
-    engine process for serving). The engine is touched only from its thread."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()  # guards _commands, filled by the loop, drained by the thread
-        self._commands: list[tuple] = []
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop, deliver, die) -> None:
-        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=self._run, args=(loop, deliver, die), name="flashpage-engine",
-                                        daemon=True)
-        self._thread.start()
-
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._send(("add", request_id, prompt_token_ids, params))
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def _send(self, cmd: tuple) -> None:
-        with self._lock:
-            self._commands.append(cmd)
-        self._wake.set()
-
-    async def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-
-    def _run(self, loop, deliver, die) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                with self._lock:
-                    commands, self._commands = self._commands, []
-                if not commands and not engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                errors = apply_commands(engine, commands)
-                outputs = engine.step() if engine.has_unfinished() else []
-                if outputs or errors:
-                    loop.call_soon_threadsafe(deliver, outputs, errors)
-        except BaseException as e:  # the engine cannot continue: fail everyone, report unhealthy
-            log.exception("engine loop died")
-            loop.call_soon_threadsafe(die, e)
 
 
 class AsyncEngine:
@@ -184,34 +108,37 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not in the running batch (new, queued or preempted)."""
-        return max(0, len(self._streams) - self.engine.snapshot()["running"])
+        return max(0, len(self._streams) - self.engine.snapshot().running)
 
     def in_use(self, request_id: str) -> bool:
         return request_id in self._streams  # an abort reaches the engine before any later add
 
     # -- requests -----------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       validated: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come (merged when the consumer is behind); abort the request if
         the consumer stops early.
 
         Raises RequestError (400), ServiceUnavailableError (503: draining, or the waiting queue is
         full), EngineDeadError (503), RequestFailedError (500: the step that ran it failed). A
         request past its deadline is aborted and ends with finish_reason "timeout"; one cut off by
-        shutdown ends with "abort"; both keep the text generated so far."""
+        shutdown ends with "abort"; both keep the text generated so far. `validated`: the caller
+        already ran engine.validate on exactly these arguments."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
         if self.draining:
             raise ServiceUnavailableError("the server is shutting down", retry_after=5)
         if self.in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params)  # read-only checks: safe off the engine thread
+        if not validated:  # the one check per request (read-only, safe off the engine thread); the
+            self.engine.validate(prompt_token_ids, params)  # OpenAI route checks every choice up front
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
                                           f"{self.max_waiting}); retry later")
         stream = self._streams[request_id] = _Collector()
         timer = None
         if self.request_timeout is not None:
-            timer = self._loop.call_later(self.request_timeout, self._cut_off, request_id, "timeout")
+            timer = self._loop.call_later(self.request_timeout, self._cut_off, request_id, TIMEOUT)
         self.core.add(request_id, prompt_token_ids, params)
         finished, last = False, None
         try:
@@ -226,7 +153,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if item.finish_reason == "error":
+                if item.finish_reason == ERROR:
                     finished = True
                     raise RequestFailedError(item.error or "the engine step running this request failed")
                 finished, last = item.finished, item
@@ -247,7 +174,7 @@ class AsyncEngine:
             self.abort(request_id)
             stream.put(_Cutoff(reason))
 
-    def abort_all(self, reason: str = "abort") -> int:
+    def abort_all(self, reason: str = ABORT) -> int:
         """End every request in flight now (shutdown): each gets finish_reason `reason` and the
         text it has so far; the engine frees their blocks at its next step."""
         rids = list(self._streams)

@@ -38,7 +38,8 @@ OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-def _size(text: str) -> int:
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1m', '2GiB' or plain bytes."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
@@ -66,7 +67,7 @@ class ServerLimits:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerLimits()
     g = p.add_argument_group("limits and reliability")
-    g.add_argument("--max-body-bytes", type=_size, default=d.max_body_bytes,
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=d.max_body_bytes,
                    help="largest request body (e.g. 1MiB); larger ones get 413 before they are read")
     g.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
                    help="longest text prompt in characters (checked before tokenizing)")

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string handling.
+"""Incremental detokenization.
 
 Detokenizing is on the engine's critical path (every running request, every step), so for
 byte-level BPE tokenizers (GPT-2's family) each token id maps through a precomputed table to its
@@ -13,7 +13,7 @@ import codecs
 
 from transformers import PreTrainedTokenizerBase
 
-from server.sequence import Sequence
+from server.engine.sequence import Sequence
 
 _WINDOW = 6  # tokens of left context for the fallback; enough for any multi-token character
 
@@ -95,15 +95,3 @@ class Detokenizer:
         seq.read_offset = len(ids)
         seq.prefix_offset = max(0, seq.read_offset - _WINDOW)
         return full[len(prefix) :]
-
-
-def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:
-    """Index where the earliest stop string starts, searching only where the newest piece could
-    have completed one; None if there is none."""
-    best = None
-    for s in stops:
-        start = max(0, len(text) - new_len - len(s) + 1)
-        i = text.find(s, start)
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best

@@ -25,15 +25,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServiceUnavailableError
+from server.bridge.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServiceUnavailableError
 from server.engine import RequestError
-from server.limits import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
+from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            ClientDisconnected, GuardMiddleware, LimitError, ServerLimits, check_prompt_chars,
                            check_prompt_tokens, has_surrogates, until_disconnected)
-from server.logs import RequestIdMiddleware
-from server.metrics import install_metrics
-from server.openai_api import install_openai
-from server.sampling import SamplingParams
+from server.api.request_id import RequestIdMiddleware
+from server.api.metrics import install_metrics
+from server.api.openai import install_openai
+from server.sampling_params import SamplingParams
+
+DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -49,10 +51,10 @@ class GenerateRequest(BaseModel):
                                                  "--max-prompt-chars characters.")
     prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt, ids in the vocabulary; at "
                                                                  "most --max-prompt-tokens of them.")
-    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
+    max_tokens: int = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
                                                                         "max_tokens must fit the context).")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0, description="0 = greedy.")
+    top_p: float = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = no top-k filter.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-request seed: same seed, same tokens.")
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = Field(
@@ -170,10 +172,10 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     async def debug_kv():
         """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
         s = engine.engine.snapshot()
-        return {"kv_blocks_total": s["kv_blocks_total"], "kv_blocks_free": s["kv_blocks_free"],
-                "requests_active": engine.num_active, "requests_running": s["running"],
-                "requests_waiting": s["waiting"], "engine_sequences": s["sequences"],
-                "preemptions": s["preemptions"], "generated_tokens": s["generation_tokens"]}
+        return {"kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+                "requests_active": engine.num_active, "requests_running": s.running,
+                "requests_waiting": s.waiting, "engine_sequences": s.sequences,
+                "preemptions": s.preemptions, "generated_tokens": s.generation_tokens}
 
     @app.post("/generate", response_model=GenerateResponse, responses=_GENERATE_RESPONSES)
     async def generate(body: GenerateRequest, request: Request):

@@ -26,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
+from server.engine.stats import StatsEvent
+
 log = logging.getLogger("flashpage.stats")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -44,8 +46,8 @@ class _EngineCollector:
 
     def collect(self):
         s, m = self.engine.snapshot(), [self.model]
-        total = s["kv_blocks_total"]
-        used = total - s["kv_blocks_free"]
+        total = s.kv_blocks_total
+        used = total - s.kv_blocks_free
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc, labels=["model"])
@@ -57,27 +59,27 @@ class _EngineCollector:
             c.add_metric(m, value)
             return c
 
-        yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", s["running"])
-        yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", s["waiting"])
-        yield counter("flashpage_preemptions", "Running requests preempted for lack of KV blocks.", s["preemptions"])
+        yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", s.running)
+        yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", s.waiting)
+        yield counter("flashpage_preemptions", "Running requests preempted for lack of KV blocks.", s.preemptions)
         yield gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", used / total if total else 0.0)
         yield gauge("flashpage_kv_cache_blocks_used", "KV blocks referenced by sequences.", used)
         yield gauge("flashpage_kv_cache_blocks_total", "KV blocks allocated at start-up.", total)
         yield counter("flashpage_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
-                      s["prefix_queries"])
-        yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", s["prefix_hits"])
+                      s.prefix_queries)
+        yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", s.prefix_hits)
         yield gauge("flashpage_prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", _hit_rate(s))
         yield counter("flashpage_prompt_tokens", "Prompt tokens of requests that produced a first token.",
-                      s["prompt_tokens"])
-        yield counter("flashpage_generation_tokens", "Tokens generated.", s["generation_tokens"])
+                      s.prompt_tokens)
+        yield counter("flashpage_generation_tokens", "Tokens generated.", s.generation_tokens)
 
 
 def _hit_rate(s: dict) -> float:
-    return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
+    return s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
 
 
 class EngineStats:
-    """Owns the registry. `engine` is an LLMEngine or an EngineClient (server/engine_process.py):
+    """Owns the registry. `engine` is an LLMEngine or an EngineClient (server/bridge/engine_process.py):
     anything with `model_name`, `config` and `snapshot()`. Its hooks are called from the engine
     thread, or replayed from the engine process's recorded events."""
 
@@ -105,7 +107,7 @@ class EngineStats:
         except Exception:  # pragma: no cover - platforms without /proc
             pass
         if log_interval is None:
-            log_interval = getattr(engine.config, "log_stats_interval", 5.0)
+            log_interval = engine.config.log_stats_interval
         self.log_interval = log_interval
         self._last_step = float("-inf")
         self._mark(0.0)
@@ -137,26 +139,26 @@ class EngineStats:
         if now - self._t >= self.log_interval:
             self.log_summary(now)
 
-    def replay(self, events: list[tuple]) -> None:
-        """Hook calls recorded in the engine process (StatsRecorder), in order."""
-        for name, *args in events:
-            getattr(self, name)(*args)
+    def replay(self, events: list[StatsEvent]) -> None:
+        """Hook calls recorded in the engine process (server/engine/stats.py), in order."""
+        for event in events:
+            event.apply(self)
 
     # -- the summary line ---------------------------------------------------------------------
     def _mark(self, now: float) -> None:
         s = self.engine.snapshot()
-        self._t, self._prompt, self._gen = now, s["prompt_tokens"], s["generation_tokens"]
+        self._t, self._prompt, self._gen = now, s.prompt_tokens, s.generation_tokens
         self._steps = self._prefill_steps = self._seqs = 0
 
     def summary(self, now: float) -> dict:
         s = self.engine.snapshot()
         dt = max(now - self._t, 1e-9)
-        total = s["kv_blocks_total"]
-        return {"prompt_tokens_per_s": round((s["prompt_tokens"] - self._prompt) / dt, 1),
-                "generation_tokens_per_s": round((s["generation_tokens"] - self._gen) / dt, 1),
-                "running": s["running"], "waiting": s["waiting"],
-                "kv_cache_usage": round((total - s["kv_blocks_free"]) / total, 4) if total else 0.0,
-                "prefix_cache_hit_rate": round(_hit_rate(s), 4), "preemptions": s["preemptions"],
+        total = s.kv_blocks_total
+        return {"prompt_tokens_per_s": round((s.prompt_tokens - self._prompt) / dt, 1),
+                "generation_tokens_per_s": round((s.generation_tokens - self._gen) / dt, 1),
+                "running": s.running, "waiting": s.waiting,
+                "kv_cache_usage": round((total - s.kv_blocks_free) / total, 4) if total else 0.0,
+                "prefix_cache_hit_rate": round(_hit_rate(s), 4), "preemptions": s.preemptions,
                 "steps_per_s": round(self._steps / dt, 1), "mean_batch": round(self._seqs / max(self._steps, 1), 1),
                 "prefill_step_share": round(self._prefill_steps / max(self._steps, 1), 3)}
 
@@ -164,31 +166,10 @@ class EngineStats:
         s = self.summary(now)
         log.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
                  "prefix cache hit rate %.1f%%, preemptions %d, %.0f steps/s (%.0f%% with prefill, mean batch "
-                 "%.1f)", s["prompt_tokens_per_s"], s["generation_tokens_per_s"], s["running"], s["waiting"],
-                 100 * s["kv_cache_usage"], 100 * s["prefix_cache_hit_rate"], s["preemptions"], s["steps_per_s"],
-                 100 * s["prefill_step_share"], s["mean_batch"], extra={"stats": s})
+                 "%.1f)", s.prompt_tokens_per_s, s.generation_tokens_per_s, s.running, s.waiting,
+                 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate, s.preemptions, s.steps_per_s,
+                 100 * s.prefill_step_share, s.mean_batch, extra={"stats": s})
         self._mark(now)
-
-
-class StatsRecorder:
-    """Stands in for EngineStats inside the engine process: records the hook calls, which travel
-    to the API process with the step's outputs and are replayed there (EngineStats.replay)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def first_token(self, ttft: float) -> None:
-        self.events.append(("first_token", ttft))
-
-    def finished(self, e2e: float, tpot: float | None, reason: str) -> None:
-        self.events.append(("finished", e2e, tpot, reason))
-
-    def step(self, num_seqs: int, num_tokens: int, now: float) -> None:
-        self.events.append(("step", num_seqs, num_tokens, now))
-
-    def take(self) -> list[tuple]:
-        events, self.events = self.events, []
-        return events
 
 
 def install_metrics(app: FastAPI, engine) -> EngineStats:

@@ -7,7 +7,7 @@ input buffers, and each step only fills those buffers and replays the graph of t
 size. Padding rows write their K/V nowhere (slot -1) and attend to one token of block 0.
 
 The static inputs are views of one device buffer with two pinned host mirrors used in turn (see
-server/batch.py for why two), so a step's inputs travel in a single host-to-device copy. A token
+server/worker/inputs.py for why two), so a step's inputs travel in a single host-to-device copy. A token
 whose id is still on the device (asynchronous scheduling) is taken inside the graph from the last
 step's sampled ids: input id -1 - r names row r there. The graphs end with the greedy choice of
 every row (kernels/argmax.py): the decode graph writes it straight into the sampled ids, so a
@@ -17,8 +17,9 @@ Prefill steps are captured too (`PrefillGraphs`), for a ladder of token counts u
 most PREFILL_GRAPH_SEQS chunks: run eagerly, a prefill step's ~150 launches cost a few
 milliseconds of host time, so under load (a prompt admitted every few steps) they would take a
 large share of the engine's time. Padding tokens write no K/V and belong to no sequence; the
-attention's grid is a tile map (kernels/flash_prefill.py) with idle tiles. Larger steps run
-eagerly: their GPU time dwarfs the launches.
+attention backend may keep a per-step work map in the graph's inputs (the Triton backend's tile
+map, with idle tiles: models/attention/triton_backend.py); backends whose prefill reads host values
+(eager, sdpa) are not captured. Larger steps run eagerly: their GPU time dwarfs the launches.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import numpy as np
 import torch
 
 from kernels.argmax import argmax_rows
-from kernels.flash_prefill import block_m, tile_map
-from models import AttentionMetadata, GPT2LMHeadModel
-from server.batch import Staging, align16, fill_rows, pack_prefills
+from models import CausalLM, KVCaches, StepRows
+from server.worker.inputs import ScheduledChunk, Staging, align16, fill_rows, pack_prefills
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -66,7 +66,7 @@ def capture_ladder(sizes: list[int], forward, device: torch.device, inputs=None)
 
 
 class DecodeGraphs:
-    def __init__(self, model: GPT2LMHeadModel, kv_caches, max_batch: int, max_blocks: int, device: torch.device,
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_batch: int, max_blocks: int, device: torch.device,
                  last_ids: torch.Tensor) -> None:
         self.model, self.kv_caches, self.device, self.last_ids = model, kv_caches, device, last_ids
         self.max_batch, self.max_blocks = max_batch, max_blocks
@@ -77,14 +77,13 @@ class DecodeGraphs:
         self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
                                    buf[4 * b :].reshape(b, max_blocks))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Per host buffer: the page-table list each row holds a copy of, and how long it was then.
-        self._copied = [[None] * b for _ in self.staging.hosts]
-        self._copied_len = [[0] * b for _ in self.staging.hosts]
+        # Per host buffer: the version of the page table each row holds a copy of (kvcache.SeqBlocks:
+        # a version names one page table's contents, whichever sequence it belongs to).
+        self._copied = [[0] * b for _ in self.staging.hosts]
 
     def _forward(self, n: int) -> torch.Tensor:
         ids, pos, slots, ctx, bt = self._views(self.staging.dev)
-        meta = AttentionMetadata(slot_mapping=slots[:n], num_prefill_tokens=0, context_lens=ctx[:n],
-                                 decode_block_tables=bt[:n])
+        meta = self.model.attention.metadata(StepRows(slots[:n], 0, context_lens=ctx[:n], decode_block_tables=bt[:n]))
         logits = self.model.lm_head(self.model(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
         argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n])
         return logits
@@ -99,33 +98,33 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def run(self, decodes, block_size: int) -> torch.Tensor:
+    def run(self, decodes: list[ScheduledChunk], block_size: int) -> torch.Tensor:
         """Fill the static inputs for these decode items and replay: raw logits [len(decodes), padded
         vocab] come back, and the greedy ids are in last_ids[:len(decodes)]."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
         ids, pos, slots, ctx, bt = self._views(self.staging.next_host())
-        # Page-table rows are copied only where this host buffer holds another table, or a shorter
-        # one, than the row's sequence now has: in steady decoding a row changes once per block_size
-        # steps, and copying every row every step (~10k ids at batch 256) took most of this method.
-        copied, copied_len = self._copied[self.staging.turn], self._copied_len[self.staging.turn]
+        # Page-table rows are copied only where this host buffer holds another version than the
+        # row's sequence now has: in steady decoding a row changes once per block_size steps, and
+        # copying every row every step (~10k ids at batch 256) took most of this method.
+        copied = self._copied[self.staging.turn]
         toks, starts = [], []
         for i, item in enumerate(decodes):  # one pass of plain ints (hundreds of sequences a step)
             seq = item.seq
-            table = seq.blocks.block_table
+            blocks = seq.blocks
             toks.append(seq.input_token(item.start))
             starts.append(item.start)
-            if copied[i] is not table or copied_len[i] != len(table):
+            if copied[i] != blocks.version:
+                table = blocks.block_table
                 bt[i, : len(table)] = table
-                copied[i] = table
-                copied_len[i] = len(table)
+                copied[i] = blocks.version
         ids[:n], pos[:n] = toks, starts
         p = pos[:n]
         slots[:n] = bt[np.arange(n), p // block_size] * block_size + p % block_size  # kvcache.slot_of
         ctx[:n] = p + 1
         slots[n:size], ctx[n:size], ids[n:size], pos[n:size] = -1, 1, 0, 0
         bt[n:size, 0] = 0
-        copied[n:size] = [None] * (size - n)
+        copied[n:size] = [0] * (size - n)
         self.staging.upload()
         graph, logits = self.graphs[size]
         graph.replay()
@@ -144,14 +143,13 @@ def prefill_ladder(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, model: GPT2LMHeadModel, kv_caches, max_tokens: int, max_blocks: int,
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_tokens: int, max_blocks: int,
                  device: torch.device) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.attention = model.attention
         self.sizes = prefill_ladder(max_tokens)
-        head_dim = model.config.n_embd // model.config.n_head
-        self.block_m = {t: block_m(head_dim, t, device) for t in self.sizes}
-        # Tiles a batch of <= S chunks and t tokens can need: sum(ceil(len / bm)) <= t / bm + S.
-        self.num_tiles = {t: -(-t // self.block_m[t]) + PREFILL_GRAPH_SEQS for t in self.sizes}
+        # The backend's per-step work map (tile_seq | tile_start sections), if it keeps one.
+        self.num_tiles = {t: self.attention.graph_tiles(t, PREFILL_GRAPH_SEQS, device) for t in self.sizes}
         t_max, n_max, s = self.sizes[-1], max(self.num_tiles.values()), PREFILL_GRAPH_SEQS
         # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens | ends (s each) |
         # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.
@@ -173,9 +171,8 @@ class PrefillGraphs:
     def _forward(self, t: int) -> torch.Tensor:
         ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.staging.dev)
         n = self.num_tiles[t]
-        meta = AttentionMetadata(slot_mapping=slots[:t], num_prefill_tokens=t, cu_seqlens=cu, max_seqlen=t,
-                                 prefix_lens=prefix, prefill_block_tables=bt, has_prefix=True,
-                                 prefill_tiles=(tseq[:n], tstart[:n]))
+        rows = StepRows(slots[:t], t, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=bt)
+        meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None)
         logits = self.model.lm_head(self.model(ids[:t], pos[:t], self.kv_caches, meta)[ends])
         argmax_rows(logits, self.model.vocab_size, out=self.ids)
         return logits
@@ -191,7 +188,8 @@ class PrefillGraphs:
         v_prefix[:k], v_prefix[k:] = prefix, 0
         v_ends[: len(ends)], v_ends[len(ends) :] = ends, 0
         nt = self.num_tiles[t]
-        tseq[:nt], tstart[:nt] = tile_map(lens, prefix, self.block_m[t], nt)
+        if nt:
+            self.attention.fill_graph_tiles(t, lens, prefix, tseq[:nt], tstart[:nt])
         fill_rows(bt, tables)
 
     @torch.inference_mode()
@@ -199,7 +197,7 @@ class PrefillGraphs:
         t0 = time.monotonic()
 
         def inputs(t: int) -> None:  # one chunk of t tokens, nothing cached, no K/V written
-            pos = np.arange(t) % self.model.config.n_positions  # t may pass the model's positions
+            pos = np.arange(t) % self.model.spec.max_position_embeddings  # t may pass the model's positions
             self._fill(self.staging.next_host(), t, np.zeros(t), pos, np.full(t, -1), [t], [0], [[0]], [t - 1])
             self.staging.upload(non_blocking=False)
 
@@ -207,10 +205,10 @@ class PrefillGraphs:
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def fits(self, prefills) -> bool:
+    def fits(self, prefills: list[ScheduledChunk]) -> bool:
         return len(prefills) <= PREFILL_GRAPH_SEQS and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
 
-    def run(self, prefills, block_size: int) -> torch.Tensor | None:
+    def run(self, prefills: list[ScheduledChunk], block_size: int) -> torch.Tensor | None:
         """Fill the static inputs for these chunks, replay; raw logits of the chunks that sample
         [num_sampling, padded vocab], in order (None if none does), their greedy ids in self.ids."""
         pf = pack_prefills(prefills, block_size)

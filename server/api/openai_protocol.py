@@ -9,11 +9,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.async_engine import EngineDeadError
+from server.bridge.async_engine import EngineDeadError
 from server.engine import RequestError
-from server.limits import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
+from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            LimitError, ServerLimits, check_prompt_chars, check_prompt_tokens, has_surrogates)
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
+
+DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as /generate: "5" is not 5, no NaN
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -29,9 +31,9 @@ class CompletionRequest(BaseModel):
 
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_BOUND)
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND)
+    temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0)
+    top_p: float | None = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

@@ -1,0 +1,26 @@
+"""Attention over the paged KV cache: one contract (models/attention/base.py), three backends.
+
+- `triton`: our kernels (models/attention/triton_backend.py).
+- `eager`, `sdpa`: plain PyTorch over gathered pages (models/attention/torch_backend.py).
+"""
+
+from __future__ import annotations
+
+from models.attention.base import AttentionBackend, AttentionMetadata, StepRows
+
+BACKENDS = ("triton", "eager", "sdpa")
+
+
+def make_backend(kind: str, head_dim: int) -> AttentionBackend:
+    if kind == "triton":
+        from models.attention.triton_backend import TritonAttention  # imports triton: only when asked for
+
+        return TritonAttention(head_dim)
+    if kind in ("eager", "sdpa"):
+        from models.attention.torch_backend import TorchAttention
+
+        return TorchAttention(kind)
+    raise ValueError(f"unknown attention backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "make_backend"]

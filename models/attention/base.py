@@ -1,0 +1,92 @@
+"""The attention-backend contract: what a step's rows look like, and what every backend does with them.
+
+A step's batch is flat: its first `num_prefill_tokens` tokens belong to prefill chunks (packed back
+to back, delimited by `cu_seqlens`, each chunk continuing a sequence whose first `prefix_lens[i]`
+tokens are already in the cache), the rest are decode tokens, one per sequence. The worker packs
+the step into `StepRows` (device int32 views plus the host lists they came from); the model's
+backend turns those into its own `AttentionMetadata` once per step (`metadata`), and every layer
+calls `forward` with it. A backend also owns its start-up work (`warmup`) and what a captured
+prefill graph needs of it (`graph_tiles`, `fill_graph_tiles`, `graph_metadata`): the worker
+captures graphs without knowing what a backend keeps in them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class StepRows:
+    """A step's flat batch as the worker packed it."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int32 flat cache slot of each token's K/V; -1 = padding (not written)
+    num_prefill_tokens: int
+    # prefill chunks
+    cu_seqlens: torch.Tensor | None = None  # [num_chunks + 1] int32
+    prefix_lens: torch.Tensor | None = None  # [num_chunks] int32: tokens of each chunk's sequence already cached
+    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks] int32
+    chunk_lens: list[int] = field(default_factory=list)  # host: new tokens of each chunk
+    chunk_prefix: list[int] = field(default_factory=list)  # host: prefix_lens
+    # decodes
+    context_lens: torch.Tensor | None = None  # [num_decodes] int32, this step's token included
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """StepRows plus what a backend derives from them once per step (not per layer)."""
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    cu_seqlens: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    max_seqlen: int = 0  # longest chunk (triton: picks the prefill kernel's tile size)
+    has_prefix: bool = False  # any chunk continues cached tokens (triton)
+    cu_seqlens_host: list[int] | None = None  # eager / sdpa loop over chunks on the host
+    prefix_lens_host: list[int] | None = None
+    # (tile_seq, tile_start) int32: flash_prefill's tile map, in captured prefill graphs, whose grid
+    # cannot follow the batch (triton).
+    prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def base_metadata(rows: StepRows) -> AttentionMetadata:
+    return AttentionMetadata(rows.slot_mapping, rows.num_prefill_tokens, rows.cu_seqlens, rows.prefix_lens,
+                             rows.prefill_block_tables, rows.context_lens, rows.decode_block_tables)
+
+
+class AttentionBackend(Protocol):
+    """One per model, shared by its layers."""
+
+    name: str
+    prefill_graphs: bool  # can a prefill step be captured in a CUDA graph (no host values read per step)?
+
+    def metadata(self, rows: StepRows) -> AttentionMetadata:
+        """This step's metadata, built once and handed to every layer."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [num_tokens, heads, d], k/v [num_tokens, kv_heads, d]: write k/v at `slot_mapping`,
+        attend, return [num_tokens, heads, d]."""
+
+    def warmup(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int) -> None:
+        """Compile what batch shapes could otherwise compile mid-serving."""
+
+    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
+        """Slots of per-step work map a captured prefill step of `num_tokens` tokens in at most
+        `max_chunks` chunks needs (0: none)."""
+
+    def fill_graph_tiles(self, num_tokens: int, lens: list[int], prefix: list[int], tile_seq: np.ndarray,
+                         tile_start: np.ndarray) -> None:
+        """Write that work map (host int32 arrays of graph_tiles() slots) for these chunks."""
+
+    def graph_metadata(self, rows: StepRows, num_tokens: int,
+                       tiles: tuple[torch.Tensor, torch.Tensor] | None) -> AttentionMetadata:
+        """Metadata over a captured prefill graph's static rows: nothing in it may be read from
+        the host at replay, so it covers any batch of up to `num_tokens` tokens."""

@@ -1,0 +1,1 @@
+"""The HTTP front end: FastAPI apps, schemas, guards, metrics, the server's life."""

@@ -1,0 +1,221 @@
+"""The synchronous engine: requests in, one `step()` at a time, outputs out.
+
+A step schedules a batch (server/engine/scheduler.py), launches it on the worker
+(server/worker/runner.py), and turns the previous step's sampled tokens into outputs: detokenized
+incrementally, checked against the stop rule (server/engine/stop.py), finished requests' blocks
+freed. The bridge (server/bridge/) calls `step()` from the engine process or a thread; nothing here
+is async or knows about HTTP, and nothing here knows which model family runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvcache import BlockManager
+from models import load_tokenizer, resolve_model_path
+from server.config import EngineConfig
+from server.engine.detokenize import Detokenizer
+from server.engine.faults import FaultInjector
+from server.engine.outputs import EngineSnapshot, RequestOutput
+from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
+from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.engine.sequence import Sequence, Status
+from server.engine.stats import StatsHooks
+from server.engine.stop import ABORT, ERROR, STOP, find_stop, held_back, token_stop
+from server.sampling_params import SamplingParams
+from server.worker import StepHandle, start_worker
+
+log = logging.getLogger("flashpage.engine")
+
+
+class LLMEngine:
+    MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
+        self.tokenizer = load_tokenizer(path)
+        worker = start_worker(config, path)
+        self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
+        self.runner = worker.runner
+        self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.seqs: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.consecutive_step_failures = 0
+        self.faults = FaultInjector.from_env()  # test-only (server/engine/faults.py); None in production
+        self.stats: StatsHooks | None = None  # the metrics (server/api/metrics.py) or the engine process's recorder
+        self.inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet turned into outputs
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_token_ids, params, self.limits())
+
+    def limits(self) -> RequestBounds:
+        """What validation needs to know, also sent to an API process that runs this engine in
+        another process (server/engine_process.py)."""
+        return RequestBounds(self.spec.vocab_size, self.max_model_len, self.block_manager.block_size,
+                             self.block_manager.num_blocks)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
+        sched, bm = self.scheduler, self.block_manager
+        prefix = bm.allocator.stats
+        return EngineSnapshot(len(sched.running), len(sched.waiting), len(self.seqs), sched.num_preemptions,
+                              bm.num_blocks, bm.num_free_blocks, prefix.queries, prefix.hits,
+                              self.num_prompt_tokens, self.num_generated_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    validated: bool = False) -> None:
+        """Queue a request. `validated`: the caller already ran validate_request with this engine's
+        bounds (the bridge does, before queueing), so it is not checked twice."""
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        if not validated:
+            self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self._retire(seq, ABORT)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """Every way a request ends (server/engine/stop.py) goes through here: blocks freed,
+        per-request state dropped, metrics told."""
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        self.runner.release(seq.request_id)
+        if self.stats is not None:
+            now = time.monotonic()
+            n = len(seq.output_token_ids)
+            tpot = (now - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time is not None else None
+            self.stats.finished(now - seq.arrival_time, tpot, str(reason))
+
+    def close(self) -> None:
+        """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
+        self.runner.close()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then turn the sampled tokens of the step launched before it
+        into outputs (asynchronous scheduling: the host works on step k-1's results while the
+        device runs step k). With `async_scheduling` off, a step's own results come back at once."""
+        batch = self.scheduler.schedule()
+        launched = None
+        if not batch.is_empty:
+            try:
+                if self.faults is not None:
+                    self.faults.before_step(batch)
+                launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
+            except Exception as e:
+                return self._finish(self.inflight) + self._fail_step(batch, e)
+            self.scheduler.after_step(batch)
+            max_len = self.max_model_len
+            for row, seq in enumerate(launched[1].rows):
+                seq.add_placeholder(row)
+                n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
+                seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
+        if self.config.async_scheduling:
+            outputs, self.inflight = self._finish(self.inflight), launched
+            return outputs
+        return self._finish(launched)
+
+    def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and advance its sequences with them."""
+        self.inflight = None
+        if launched is None:
+            return []
+        batch, handle = launched
+        try:
+            result = self.runner.collect(handle)
+        except Exception as e:
+            return self._fail_step(batch, e)
+        self.consecutive_step_failures = 0
+        outputs = []
+        now = time.monotonic()
+        advance = self._advance
+        top = result.logprobs
+        for j, (seq, tok) in enumerate(zip(handle.rows, result.token_ids)):
+            if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
+                continue
+            seq.resolve(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.num_prompt_tokens += len(seq.prompt_token_ids)
+                if self.stats is not None:
+                    self.stats.first_token(now - seq.arrival_time)
+            logprob = None
+            if top is not None and seq.params.logprobs is not None:
+                logprob = top[j]
+                seq.logprobs.append(logprob)
+            outputs.append(advance(seq, tok, logprob))
+        self.num_generated_tokens += len(outputs)
+        if self.stats is not None:  # decodes are one token each; only the (few) prefill chunks are summed
+            self.stats.step(len(batch.decodes) + len(batch.prefills),
+                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills), now)
+        return outputs
+
+    def _fail_step(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The model run failed: finish what it scheduled with reason "error" (freeing their
+        blocks; nothing of this step reaches the prefix cache) and carry on, unless steps keep failing."""
+        self.consecutive_step_failures += 1
+        n = self.consecutive_step_failures
+        log.error("engine step failed (%d in a row): %r; failing %d request(s)", n, exc, len(batch.scheduled),
+                  exc_info=exc)
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for item in batch.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            self._retire(seq, ERROR)
+            outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, len(seq.prompt_token_ids),
+                                         len(seq.output_token_ids), text=seq.text,
+                                         token_ids=list(seq.output_token_ids), error=message))
+        if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
+        return outputs
+
+    def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
+        """The stop rule (server/engine/stop.py) applied to a sequence's newest token."""
+        p = seq.params
+        reason = token_stop(tok, len(seq.output_token_ids), len(seq.token_ids), p, self.eos_token_id,
+                            self.max_model_len)
+        decoded = self.detokenizer.step(seq, final=reason is not None)
+        if p.stop and decoded:
+            cut = find_stop(seq.text, len(decoded), p.stop)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                reason = STOP
+        end = max(seq.emitted, len(seq.text) - held_back(p, reason is not None))
+        new_text, seq.emitted = seq.text[seq.emitted : end], end
+        if reason is not None:
+            self._retire(seq, reason)
+        return RequestOutput(
+            seq.request_id, new_text, [tok], reason is not None, reason, len(seq.prompt_token_ids),
+            len(seq.output_token_ids), [logprob] if logprob is not None else [], seq.text,
+            seq.output_token_ids, seq.num_cached_prompt)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Offline helper: run prompts to completion, return the final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

@@ -1,0 +1,51 @@
+"""What the engine hands back for a request after a step, and how outputs that wait merge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """Crosses the engine process's pipe (server/bridge/messages.py): a msgspec struct, encoded as
+    a compact array, as cheap there as a positional list and still a named type everywhere."""
+
+    request_id: str
+    new_text: str  # text that became final this step (held-back stop-string prefixes excluded)
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # server/engine/stop.py
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    new_logprobs: list = []  # per new token: [(id, logprob), (alt id, logprob), ...]
+    text: str = ""  # everything so far
+    token_ids: list[int] = []  # every output token so far
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: str | None = None  # with finish_reason "error": what failed
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """a then b (same request) as one output: the deltas concatenated, everything cumulative from b.
+    Where a consumer falls behind, its waiting outputs merge this way (the HTTP side's collectors,
+    the engine process's outbox)."""
+    b.new_text = a.new_text + b.new_text
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_logprobs = a.new_logprobs + b.new_logprobs
+    return b
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """Counters and gauges of the engine (for /metrics, /debug/kv and admission); cheap to take."""
+
+    running: int
+    waiting: int
+    sequences: int
+    preemptions: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_queries: int
+    prefix_hits: int
+    prompt_tokens: int
+    generation_tokens: int

@@ -1,0 +1,49 @@
+"""Request validation: what the engine can serve, checked once per request before it is queued.
+
+`validate_request` is read-only and needs only `RequestBounds`, so the API side runs it (also when
+the engine lives in another process, which sends its bounds once at start-up) and the engine runs
+the same function again only for requests added directly (offline use, tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache import blocks_for
+from server.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; the message says why (HTTP 400)."""
+
+
+class EngineFatalError(RuntimeError):
+    """Steps keep failing: the engine cannot continue (the server reports unhealthy and exits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBounds:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, b: RequestBounds) -> None:
+    """Raise RequestError if the engine cannot serve this request as asked."""
+    n, vocab = len(prompt_token_ids), b.vocab_size
+    if n == 0:
+        raise RequestError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+    if n + params.max_tokens > b.max_model_len:
+        raise RequestError(
+            f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
+            f"exceeds the model's context of {b.max_model_len} tokens")
+    need = blocks_for(n + params.max_tokens, b.block_size)
+    if need > b.num_blocks:
+        raise RequestError(f"request needs {need} KV blocks but the whole cache has {b.num_blocks}")

@@ -1,0 +1,46 @@
+"""The stop rule: every reason a request ends, and the one function that decides it per token.
+
+A sequence stops on its end-of-sequence token (unless `ignore_eos`) or one of its `stop_token_ids`
+(STOP), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
+(STOP; the text is cut where the string starts). It is cut off by its deadline (TIMEOUT, decided by
+the bridge's timer: server/bridge/async_engine.py), by a client that left or a shutdown (ABORT),
+or by a failed step (ERROR). While a stop string could still complete, the tail that might start
+one is held back from the client, so streamed text never holds what the final text cuts.
+"""
+
+from __future__ import annotations
+
+from server.sampling_params import SamplingParams
+
+STOP = "stop"
+LENGTH = "length"
+TIMEOUT = "timeout"
+ABORT = "abort"
+ERROR = "error"
+
+
+def token_stop(tok: int, num_output: int, num_tokens: int, params: SamplingParams, eos_token_id: int | None,
+               max_model_len: int) -> str | None:
+    """STOP or LENGTH once this newest token ends the sequence, else None."""
+    if (not params.ignore_eos and tok == eos_token_id) or tok in params.stop_token_ids:
+        return STOP
+    if num_output >= params.max_tokens or num_tokens >= max_model_len:
+        return LENGTH
+    return None
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:
+    """Index where the earliest stop string starts, searching only where the newest piece (its last
+    `new_len` characters) could have completed one; None if there is none."""
+    best = None
+    for s in stops:
+        start = max(0, len(text) - new_len - len(s) + 1)
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def held_back(params: SamplingParams, finished: bool) -> int:
+    """Characters at the end of the text that may not be sent yet: they could start a stop string."""
+    return 0 if finished or not params.stop else max(map(len, params.stop)) - 1

@@ -1,0 +1,27 @@
+"""What a request asks of sampling and stopping: one record, read by every layer.
+
+The front end builds it from a request body (its schema defaults come from here), the engine's stop
+rule reads `max_tokens`, `stop`, `stop_token_ids` and `ignore_eos`, and the worker's sampler reads
+the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n alternatives per token (the sampled one always comes back)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,191 @@
+"""Input packing: a scheduled step becomes the flat int32 arrays the model and its attention read.
+
+What the worker reads of the engine's records is the protocol below (`ScheduledChunk`, `SeqState`):
+the engine's `ScheduledSeq` and `Sequence` satisfy it, and the worker never imports the engine.
+
+Every int32 array a step needs goes through one pinned buffer and one host-to-device copy, and comes
+out as views of one device buffer (no per-step device allocation). There are two pinned host
+buffers, used in turn: with asynchronous scheduling step k is packed while step k-1 may not have
+started on the device, so its upload may still be reading the other buffer; the engine has waited
+for step k-2 to finish before packing step k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvcache import SeqBlocks, slot_of, slots_of
+from models import StepRows
+from server.sampling_params import SamplingParams
+
+
+class SeqState(Protocol):
+    """A sequence as the worker reads it (server/engine/sequence.py)."""
+
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output; a token not yet on the host is a placeholder
+    blocks: SeqBlocks
+    plain: bool  # greedy without logprobs: the argmax the step already computed is its token
+    num_pending: int  # newest tokens whose ids are still on the device
+
+    def input_token(self, pos: int) -> int:
+        """Token `pos` as a step's input id (a placeholder id for a token still on the device)."""
+
+
+class ScheduledChunk(Protocol):
+    """Tokens [start, start + num_tokens) of one sequence, processed in one step."""
+
+    seq: SeqState
+    start: int
+    num_tokens: int
+    samples: bool  # reaches the end of the sequence's tokens: its last logits are sampled
+
+
+def align16(n: int) -> int:
+    """An int32 count rounded up so that what follows starts on a 16-byte boundary: Triton
+    specialises kernels on pointer alignment, so shifting alignments would compile new variants
+    mid-serving."""
+    return -(-n // 4) * 4
+
+
+class Staging:
+    """One int32 device buffer and two pinned host mirrors, filled in turn (why two: see above).
+    `next_host()` hands out the mirror to fill for this step, `upload()` copies it over; on the
+    CPU the one buffer is both."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2 if self.on_cuda else 1)]
+        self.host_nps = [h.numpy() for h in self.hosts]
+        self.turn = 0
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device) if self.on_cuda else self.hosts[0]
+
+    def next_host(self) -> np.ndarray:
+        self.turn = (self.turn + 1) % len(self.hosts)
+        return self.host_nps[self.turn]
+
+    def upload(self, n: int | None = None, non_blocking: bool = True) -> None:
+        """Copy the first n (default all) values of the current mirror to the device buffer."""
+        if self.on_cuda:
+            self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
+
+
+class Packer:
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.staging = Staging(capacity, device)
+
+    def pack(self, **arrays) -> dict[str, torch.Tensor]:
+        """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; a
+        device view of each, by name."""
+        host_np = self.staging.next_host()
+        spans, off = {}, 0
+        for name, a in arrays.items():
+            a = np.asarray(a, dtype=np.int32)
+            n = a.size
+            if off + n > host_np.size:
+                raise ValueError(f"batch needs {off + n} int32 slots, packer holds {host_np.size}")
+            host_np[off : off + n] = a.reshape(-1)
+            spans[name] = (off, a.shape)
+            off += align16(n)  # every array starts on a 16-byte boundary
+        self.staging.upload(off)
+        dev = self.staging.dev
+        return {name: dev[o : o + int(np.prod(shape))].view(shape) for name, (o, shape) in spans.items()}
+
+
+def pad_rows(rows: list[list[int]], width: int) -> np.ndarray:
+    """Page tables as a [len(rows), width] int32 array padded with block 0 (never read: kernels stop
+    at each sequence's length)."""
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    fill_rows(out, rows)
+    return out
+
+
+def fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
+    """out[i, :len(rows[i])] = rows[i] for every row, in two numpy calls instead of one per row
+    (hundreds of page tables a step); what lies past each row's length is left as it was."""
+    if not rows:
+        return
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(chain.from_iterable(rows), dtype=out.dtype, count=int(lens.sum()))
+    mask = np.arange(int(lens.max())) < lens[:, None]
+    out[: len(rows), : mask.shape[1]][mask] = flat  # True cells in row-major order = rows concatenated
+
+
+@dataclass(slots=True)
+class PrefillArrays:
+    """A step's prefill chunks, flat (what both the eager step and the prefill graphs upload)."""
+
+    ids: np.ndarray  # [num_tokens] token ids, chunks back to back
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] flat cache slot of each token's K/V
+    lens: list[int]  # new tokens per chunk
+    prefix: list[int]  # tokens of each sequence already in the cache (the chunk's start)
+    tables: list[list[int]]  # page tables
+    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end)
+
+
+def pack_prefills(prefills: list[ScheduledChunk], block_size: int) -> PrefillArrays:
+    ids, pos, slots, lens, prefix, tables, ends = [], [], [], [], [], [], []
+    offset = 0
+    for item in prefills:
+        seq, lo, n = item.seq, item.start, item.num_tokens
+        if lo + n > len(seq.token_ids) - seq.num_pending:  # the scheduler never does this
+            raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
+        table = seq.blocks.block_table
+        p = np.arange(lo, lo + n)
+        ids.append(seq.token_ids[lo : lo + n])
+        pos.append(p)
+        slots.append(slots_of(table, p, block_size))
+        lens.append(n)
+        prefix.append(lo)
+        tables.append(table)
+        offset += n
+        if item.samples:
+            ends.append(offset - 1)
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return PrefillArrays(cat(ids), cat(pos), cat(slots), lens, prefix, tables, ends)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step, packed and on the device."""
+
+    input_ids: torch.Tensor  # [num_tokens] int32 (placeholder ids included)
+    positions: torch.Tensor  # [num_tokens] int32
+    rows: StepRows  # what the attention backend builds its metadata from
+    ends: torch.Tensor  # rows whose hidden states are sampled: decodes first, then prefill chunks
+
+
+def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
+                 block_size: int) -> StepInputs:
+    """Flatten a step: prefill chunks first, then one token per decode."""
+    pf = pack_prefills(prefills, block_size)
+    ids, pos, slots = [], [], []
+    offset = len(pf.ids)
+    for item in decodes:  # plain ints: numpy calls cost more than they save for one token
+        seq, lo = item.seq, item.start
+        ids.append(seq.input_token(lo))
+        pos.append(lo)
+        slots.append(slot_of(seq.blocks.block_table, lo, block_size))
+    # Rows that sample, decodes first: the order of the step's sampled ids (server/worker/runner.py).
+    ends = [offset + i for i, item in enumerate(decodes) if item.samples] + pf.ends
+    arrays = dict(input_ids=np.concatenate([pf.ids, ids]), positions=np.concatenate([pf.positions, pos]),
+                  slot_mapping=np.concatenate([pf.slots, slots]), ends=ends)
+    if prefills:
+        arrays.update(cu_seqlens=[0, *np.cumsum(pf.lens).tolist()], prefix_lens=pf.prefix,
+                      prefill_block_tables=pad_rows(pf.tables, max(map(len, pf.tables))))
+    if decodes:
+        tables = [s.seq.blocks.block_table for s in decodes]
+        arrays.update(context_lens=[s.start + 1 for s in decodes],
+                      decode_block_tables=pad_rows(tables, max(map(len, tables))))
+    v = packer.pack(**arrays)
+    rows = StepRows(v["slot_mapping"], offset, v.get("cu_seqlens"), v.get("prefix_lens"),
+                    v.get("prefill_block_tables"), pf.lens, pf.prefix, v.get("context_lens"),
+                    v.get("decode_block_tables"))
+    return StepInputs(v["input_ids"], v["positions"], rows, v["ends"])

@@ -1,0 +1,87 @@
+"""Bringing the device side up: load the model, size and allocate the KV cache, compile, capture.
+
+`start_worker(config)` returns a `Worker`: the runner the engine steps, and the numbers the engine
+and request validation need (the model's spec, the context limit, the cache's block count), read
+only from the model contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcache import CacheSpec
+from models import DTYPES, ModelSpec, load_model
+from server.config import EngineConfig
+from server.worker.runner import ModelRunner
+
+log = logging.getLogger("flashpage.worker")
+
+
+@dataclass(slots=True)
+class Worker:
+    runner: ModelRunner
+    spec: ModelSpec
+    cache_spec: CacheSpec
+    num_blocks: int
+    max_model_len: int
+    device: torch.device
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def start_worker(config: EngineConfig, path: Path) -> Worker:
+    device = resolve_device(config)
+    on_cuda = device.type == "cuda"
+    dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float16 if on_cuda else torch.float32)
+    attention = config.attention or ("triton" if on_cuda else "sdpa")
+    if attention == "triton" and dtype == torch.float32:
+        raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
+                         "or use --attention sdpa for float32")
+    log.info("loading weights from %s (%s, attention=%s, device=%s)", path, dtype, attention, device)
+    model = load_model(path, dtype, device, attention)
+    spec = model.spec
+    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
+             num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
+             num_blocks * cache_spec.block_size // max_model_len, max_model_len)
+    runner.allocate_cache(num_blocks)
+    if on_cuda:
+        t0 = time.monotonic()
+        runner.warmup()
+        log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
+        if not config.enforce_eager:
+            log.info("capturing CUDA graphs")
+            runner.capture_graphs()
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device)
+
+
+def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRunner, device: torch.device) -> int:
+    """KV blocks to allocate: --num-blocks, else --kv-cache-memory, else (CUDA) what is left under
+    --gpu-memory-utilization after the weights and the largest step's activations, else (CPU)
+    --cpu-kv-cache-memory."""
+    if config.num_blocks:
+        return config.num_blocks
+    if config.kv_cache_memory:
+        return cache_spec.blocks_for_budget(config.kv_cache_memory)
+    if device.type == "cuda":
+        # Size from what is left under the utilisation cap after weights and the activations of
+        # the largest possible step (measured by running it), as vLLM does.
+        peak = runner.profile_peak_memory()
+        torch.cuda.empty_cache()  # the cache is one allocation: free segments must be given back first
+        free, total = torch.cuda.mem_get_info(device)
+        in_use_elsewhere = total - free - torch.cuda.memory_reserved(device)
+        budget = config.gpu_memory_utilization * total - peak - in_use_elsewhere
+        log.info("memory: %.2f GiB total, peak step %.2f GiB, other processes %.2f GiB -> KV budget %.2f GiB",
+                 total / 2**30, peak / 2**30, in_use_elsewhere / 2**30, budget / 2**30)
+        return cache_spec.blocks_for_budget(int(budget))
+    return cache_spec.blocks_for_budget(config.cpu_kv_cache_memory)
