@@ -47,12 +47,12 @@ def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int, dict]:
     runner = engine.runner
     launch, collect = runner.launch, runner.collect
 
-    def timed_launch(batch):
+    def timed_launch(prefills, decodes):
         t = time.perf_counter()
-        out = launch(batch)
+        out = launch(prefills, decodes)
         split["launch_s"] += time.perf_counter() - t
         split["steps"] += 1
-        split["prefill_steps"] += bool(batch.prefills)
+        split["prefill_steps"] += bool(prefills)
         return out
 
     def timed_collect(handle):
@@ -112,9 +112,9 @@ def copy_bandwidth() -> float:
 def decode_steps(engine: LLMEngine, batches, context: int, copy_tbps: float, vocab: int):
     from triton.testing import do_bench
 
-    cfg = engine.hf_config
-    elem = next(engine.model.parameters()).element_size()
-    weight_bytes = sum(p.numel() for p in engine.model.parameters()) * elem
+    spec, model = engine.spec, engine.runner.model
+    elem = next(model.parameters()).element_size()
+    weight_bytes = sum(p.numel() for p in model.parameters()) * elem
     rows = []
     rng = random.Random(1)
     for b in batches:
@@ -126,7 +126,8 @@ def decode_steps(engine: LLMEngine, batches, context: int, copy_tbps: float, voc
             engine.step()  # prefill everyone; afterwards each step is a pure decode of b sequences
         batch = engine.scheduler.schedule()
         assert not batch.prefills and len(batch.decodes) == b
-        ms = do_bench(lambda: engine.runner.execute(batch), return_mode="median")
+        ms = do_bench(lambda: engine.runner.collect(engine.runner.launch(batch.prefills, batch.decodes)),
+                      return_mode="median")
         graphs = engine.runner.graphs
         size = next(s for s in graphs.sizes if s >= b) if graphs is not None else None
         # The device alone: replaying the step's CUDA graph, no host work, no sampling.
@@ -138,7 +139,7 @@ def decode_steps(engine: LLMEngine, batches, context: int, copy_tbps: float, voc
         for _ in range(steps):
             engine.step()
         step_ms = (time.perf_counter() - t0) / steps * 1e3
-        kv_bytes = b * (context + 1) * cfg.n_layer * 2 * cfg.n_embd * elem
+        kv_bytes = b * (context + 1) * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
         floor_ms = (weight_bytes + kv_bytes) / (copy_tbps * 1e12) * 1e3
         rows.append(dict(impl="flashpage_step", batch=b, context=context, step_ms=round(ms, 4),
                          engine_step_ms=round(step_ms, 4), graph_ms=round(graph_ms, 4) if graph_ms else None,

@@ -3,7 +3,7 @@
     python benchmarks/naive_server.py --model PATH [--port 8001] [--max-batch 32] [--batch-wait-ms 0]
 
 This is how many people first put a model behind HTTP, and what the load test compares flashpage
-against. It speaks the same API as flashpage (server/api.py): `POST /generate` with `prompt` or
+against. It speaks the same API as flashpage (server/api/app.py): `POST /generate` with `prompt` or
 `prompt_token_ids`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`,
 `stop_token_ids`, `ignore_eos`, `stream`; the same JSON answer `{id, text, token_ids,
 finish_reason, usage}`, the same SSE events (`{id, text, token_ids, finished: false}` per step,
@@ -264,7 +264,7 @@ class NaiveServer:
 
     # -- per-request output (event loop) -------------------------------------------------------
     def _detokenize(self, req: Pending, final: bool) -> str:
-        """Same incremental scheme as flashpage (server/detokenize.py): hold back partial characters."""
+        """Same incremental scheme as flashpage (server/engine/detokenize.py): hold back partial characters."""
         ids = req.token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=True)

@@ -42,11 +42,11 @@ def main(argv=None) -> None:
             engine.step()
         batch = engine.scheduler.schedule()
         for _ in range(3):
-            engine.runner.execute(batch)
+            engine.runner.collect(engine.runner.launch(batch.prefills, batch.decodes))
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                engine.runner.execute(batch)
+                engine.runner.collect(engine.runner.launch(batch.prefills, batch.decodes))
             torch.cuda.synchronize()
         per_kernel: dict[str, list[float]] = {}
         for e in prof.events():

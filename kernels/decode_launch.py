@@ -4,11 +4,8 @@ compiling on first use, and records a plan; later calls relaunch the compiled ke
 that cached plan. Why: at small batch a decode step is a few microseconds of GPU work, and Triton's
 per-launch dispatch (binding and specializing ~30 arguments) can cost more host time than that.
 
-Import order (no cycle at import time): kernels.paged_decode imports this module at its top; this
-module imports nothing from kernels.paged_decode at module level. ``_launch`` fetches the jitted
-kernels (``_decode_kernel``, ``_merge_kernel``) from kernels.paged_decode when it is called, by which
-time that module is fully initialised; ``_relaunch`` needs no import (the plan holds the compiled
-kernels).
+Imports point one way: kernels/paged_decode.py (contract, entry points) -> this module -> the
+Triton programs in kernels/decode_kernels.py.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import triton
 from triton.runtime import driver
 
 from kernels.decode_config import MAX_SPLITS
+from kernels.decode_kernels import _decode_kernel, _merge_kernel
 from kernels.scratch import scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -55,8 +53,6 @@ def _new_kv_args(new_kv, q, context_lens) -> tuple:
 
 def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None):
     """Launch through Triton's normal dispatch (compiling on first use); fill ``plan`` if given."""
-    from kernels.paged_decode import _decode_kernel, _merge_kernel  # at call time: see the module docstring
-
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -16,8 +16,8 @@ embed contract (semantics = ``kernels.reference.embed_ref``):
   input_ids, positions  [num_tokens] int32 / int64. An id < 0 is a placeholder for a token sampled
             by the previous step and still on the device only: id -1 - r stands for sampled_ids[r].
   sampled_ids  [>= 1] int32 / int64, or None when no id is a placeholder.
-  wte [vocab, hidden], wpe [max_positions, hidden], same dtype, rows contiguous.
-  returns   x = wte[ids] + wpe[positions], [num_tokens, hidden], rounded to the weights' dtype;
+  token_table [vocab, hidden], pos_table [max_positions, hidden], same dtype, rows contiguous.
+  returns   x = token_table[ids] + pos_table[positions], [num_tokens, hidden], rounded to the weights' dtype;
             embed_layernorm also h = LayerNorm(x) * weight + bias (the first block's pre-norm),
             as add_layernorm computes it.
   Ids are not range-checked (the engine validates prompts; sampled ids are in range by construction).
@@ -67,7 +67,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 @triton.jit
-def _embed_kernel(ids_ptr, pos_ptr, sampled_ptr, wte_ptr, wpe_ptr, out_ptr, w_ptr, b_ptr, h_ptr, hidden, eps,
+def _embed_kernel(ids_ptr, pos_ptr, sampled_ptr, token_table_ptr, pos_table_ptr, out_ptr, w_ptr, b_ptr, h_ptr, hidden, eps,
                   BLOCK: tl.constexpr, SAMPLED: tl.constexpr, NORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -77,34 +77,34 @@ def _embed_kernel(ids_ptr, pos_ptr, sampled_ptr, wte_ptr, wpe_ptr, out_ptr, w_pt
         held = tl.load(sampled_ptr + tl.maximum(-1 - tok, 0)).to(tl.int64)
         tok = tl.where(tok < 0, held, tok)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    e = tl.load(wte_ptr + tok * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(wpe_ptr + pos * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    e = tl.load(token_table_ptr + tok * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(pos_table_ptr + pos * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     x = (e + p).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * hidden + cols, x, mask=mask)
     if NORM:
         _norm_store(x.to(tl.float32), mask, cols, row, hidden, eps, w_ptr, b_ptr, h_ptr)
 
 
-def _embed(input_ids, positions, wte, wpe, sampled_ids, norm) -> tuple[torch.Tensor, torch.Tensor]:
-    n, hidden = input_ids.shape[0], wte.shape[1]
-    assert wte.is_contiguous() and wpe.is_contiguous()
-    out = torch.empty(n, hidden, dtype=wte.dtype, device=wte.device)
+def _embed(input_ids, positions, token_table, pos_table, sampled_ids, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hidden = input_ids.shape[0], token_table.shape[1]
+    assert token_table.is_contiguous() and pos_table.is_contiguous()
+    out = torch.empty(n, hidden, dtype=token_table.dtype, device=token_table.device)
     h = torch.empty_like(out) if norm is not None else out
     w, b, eps = norm if norm is not None else (out, out, 0.0)
     if n:
-        _embed_kernel[(n,)](input_ids, positions, sampled_ids if sampled_ids is not None else input_ids, wte, wpe,
+        _embed_kernel[(n,)](input_ids, positions, sampled_ids if sampled_ids is not None else input_ids, token_table, pos_table,
                             out, w, b, h, hidden, eps, BLOCK=triton.next_power_of_2(hidden),
                             SAMPLED=sampled_ids is not None, NORM=norm is not None)
     return out, h
 
 
-def embed(input_ids: torch.Tensor, positions: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+def embed(input_ids: torch.Tensor, positions: torch.Tensor, token_table: torch.Tensor, pos_table: torch.Tensor,
           sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
-    return _embed(input_ids, positions, wte, wpe, sampled_ids, None)[0]
+    return _embed(input_ids, positions, token_table, pos_table, sampled_ids, None)[0]
 
 
-def embed_layernorm(input_ids: torch.Tensor, positions: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+def embed_layernorm(input_ids: torch.Tensor, positions: torch.Tensor, token_table: torch.Tensor, pos_table: torch.Tensor,
                     weight: torch.Tensor, bias: torch.Tensor, eps: float,
                     sampled_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, LayerNorm(x)) in one kernel: the embedding and the first block's pre-norm."""
-    return _embed(input_ids, positions, wte, wpe, sampled_ids, (weight, bias, eps))
+    return _embed(input_ids, positions, token_table, pos_table, sampled_ids, (weight, bias, eps))

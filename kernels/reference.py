@@ -119,8 +119,8 @@ def resolve_ids(input_ids, sampled_ids=None):
     return torch.where(ids < 0, sampled_ids.long()[(-1 - ids).clamp(min=0)], ids)
 
 
-def embed_ref(input_ids, positions, wte, wpe, sampled_ids=None):
-    return wte[resolve_ids(input_ids, sampled_ids)] + wpe[positions.long()]
+def embed_ref(input_ids, positions, token_table, pos_table, sampled_ids=None):
+    return token_table[resolve_ids(input_ids, sampled_ids)] + pos_table[positions.long()]
 
 
 def argmax_ref(logits, num_cols):

@@ -5,7 +5,7 @@ requests the model cannot serve as asked get a 400 that says the numbers. With `
 response is server-sent events: one event per engine step that produced tokens, then a final event
 carrying `finish_reason` and usage, then `data: [DONE]`.
 
-Reliability (issue 8; bounds and guards in server/limits.py): every field is bounded (schema bounds
+Reliability (issue 8; bounds and guards in server/api/guards.py): every field is bounded (schema bounds
 here, configurable prompt bounds checked before the engine sees the prompt: 400), bodies over
 --max-body-bytes are a 413 before parsing, non-UTF-8 bodies a 400; a full waiting queue or a
 draining server is a 503 with Retry-After; a failed engine step is a 500 carrying the request id
@@ -217,7 +217,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
                              "finish_reason": last.finish_reason,
                              "usage": _usage(last.prompt_tokens, last.completion_tokens)}, headers=headers)
 
-    app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/limits.py)
+    app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
     install_openai(app, limits)  # /v1/completions, /v1/models, OpenAI-shaped errors on /v1
     install_metrics(app, engine.engine)  # GET /metrics
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response

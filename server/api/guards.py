@@ -27,7 +27,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-# Fixed bounds, part of the OpenAPI schema (server/api.py).
+# Fixed bounds, part of the OpenAPI schema (server/api/app.py).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256

@@ -163,12 +163,12 @@ class EngineStats:
                 "prefill_step_share": round(self._prefill_steps / max(self._steps, 1), 3)}
 
     def log_summary(self, now: float) -> None:
-        s = self.summary(now)
+        d = self.summary(now)
         log.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
                  "prefix cache hit rate %.1f%%, preemptions %d, %.0f steps/s (%.0f%% with prefill, mean batch "
-                 "%.1f)", s.prompt_tokens_per_s, s.generation_tokens_per_s, s.running, s.waiting,
-                 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate, s.preemptions, s.steps_per_s,
-                 100 * s.prefill_step_share, s.mean_batch, extra={"stats": s})
+                 "%.1f)", d["prompt_tokens_per_s"], d["generation_tokens_per_s"], d["running"], d["waiting"],
+                 100 * d["kv_cache_usage"], 100 * d["prefix_cache_hit_rate"], d["preemptions"], d["steps_per_s"],
+                 100 * d["prefill_step_share"], d["mean_batch"], extra={"stats": d})
         self._mark(now)
 
 

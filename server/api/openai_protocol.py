@@ -1,5 +1,5 @@
 """The OpenAI completions protocol: request schema, error objects, and the pieces that turn engine
-outputs into choices (text with stop-string hold-back, echo, logprobs). Routes: server/openai_api.py."""
+outputs into choices (text with stop-string hold-back, echo, logprobs). Routes: server/api/openai.py."""
 
 from __future__ import annotations
 

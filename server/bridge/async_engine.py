@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
 from server.bridge.engine_process import EngineClient
 from server.bridge.thread_core import ThreadCore
 from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
-from server.engine.stop import ABORT, ERROR, TIMEOUT
+from server.engine.stop import ABORT, ERROR
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
@@ -50,7 +51,7 @@ class RequestFailedError(RuntimeError):
 
 
 class _Cutoff:
-    """Queued to a request to end it early (deadline, shutdown) with this finish reason."""
+    """Queued to a request to end it at once (shutdown) with this finish reason."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -87,7 +88,7 @@ class AsyncEngine:
         self.engine = engine  # what the HTTP side asks: tokenizer, model_name, max_model_len, validate, snapshot
         self.core = engine if isinstance(engine, EngineClient) else ThreadCore(engine)
         self.max_waiting = max_waiting  # admitted-but-not-running requests beyond which new ones get 503
-        self.request_timeout = request_timeout  # seconds from arrival; past it: finish_reason "timeout"
+        self.request_timeout = request_timeout  # seconds from arrival; the engine ends it then ("timeout")
         self.draining = False  # shutting down: admit nothing new
         self._streams: dict[str, _Collector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -121,7 +122,7 @@ class AsyncEngine:
 
         Raises RequestError (400), ServiceUnavailableError (503: draining, or the waiting queue is
         full), EngineDeadError (503), RequestFailedError (500: the step that ran it failed). A
-        request past its deadline is aborted and ends with finish_reason "timeout"; one cut off by
+        request past its deadline is ended by the engine with finish_reason "timeout"; one cut off by
         shutdown ends with "abort"; both keep the text generated so far. `validated`: the caller
         already ran engine.validate on exactly these arguments."""
         if self.dead is not None:
@@ -136,10 +137,8 @@ class AsyncEngine:
             raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
                                           f"{self.max_waiting}); retry later")
         stream = self._streams[request_id] = _Collector()
-        timer = None
-        if self.request_timeout is not None:
-            timer = self._loop.call_later(self.request_timeout, self._cut_off, request_id, TIMEOUT)
-        self.core.add(request_id, prompt_token_ids, params)
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        self.core.add(request_id, prompt_token_ids, params, deadline)
         finished, last = False, None
         try:
             while not finished:
@@ -159,8 +158,6 @@ class AsyncEngine:
                 finished, last = item.finished, item
                 yield item
         finally:
-            if timer is not None:
-                timer.cancel()
             if not finished:
                 self.abort(request_id)
 

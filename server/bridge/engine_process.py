@@ -113,9 +113,10 @@ class EngineClient:
         self._loop, self._deliver, self._die = loop, deliver, die
         loop.add_reader(self._out.fileno(), self._on_readable)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            deadline: float | None = None) -> None:
         self._text[request_id] = ("", [])
-        self._send(AddRequest(request_id, prompt_token_ids, params))
+        self._send(AddRequest(request_id, prompt_token_ids, params, deadline))
 
     def abort(self, request_id: str) -> None:
         self._text.pop(request_id, None)

@@ -22,6 +22,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    deadline: float | None = None  # time.monotonic() (one clock for every process of the machine)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -76,7 +77,8 @@ def apply_commands(engine: LLMEngine, commands: list[Command]) -> list[RequestRe
     for cmd in commands:
         if isinstance(cmd, AddRequest):
             try:
-                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, validated=True)
+                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, validated=True,
+                                   deadline=cmd.deadline)
             except RequestError as e:
                 refused.append(RequestRefused(cmd.request_id, str(e)))
         elif isinstance(cmd, AbortRequest):

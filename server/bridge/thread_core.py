@@ -43,8 +43,9 @@ class ThreadCore:
                                         daemon=True)
         self._thread.start()
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._send(AddRequest(request_id, prompt_token_ids, params))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            deadline: float | None = None) -> None:
+        self._send(AddRequest(request_id, prompt_token_ids, params, deadline))
 
     def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))

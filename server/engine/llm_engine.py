@@ -9,6 +9,7 @@ is async or knows about HTTP, and nothing here knows which model family runs.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -22,7 +23,7 @@ from server.engine.requests import EngineFatalError, RequestBounds, RequestError
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.stats import StatsHooks
-from server.engine.stop import ABORT, ERROR, STOP, find_stop, held_back, token_stop
+from server.engine.stop import ABORT, ERROR, STOP, TIMEOUT, find_stop, held_back, token_stop
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
@@ -51,6 +52,7 @@ class LLMEngine:
         self.faults = FaultInjector.from_env()  # test-only (server/engine/faults.py); None in production
         self.stats: StatsHooks | None = None  # the metrics (server/api/metrics.py) or the engine process's recorder
         self.inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet turned into outputs
+        self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id); stale entries skipped
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -58,7 +60,7 @@ class LLMEngine:
 
     def limits(self) -> RequestBounds:
         """What validation needs to know, also sent to an API process that runs this engine in
-        another process (server/engine_process.py)."""
+        another process (server/bridge/engine_process.py)."""
         return RequestBounds(self.spec.vocab_size, self.max_model_len, self.block_manager.block_size,
                              self.block_manager.num_blocks)
 
@@ -71,16 +73,19 @@ class LLMEngine:
                               self.num_prompt_tokens, self.num_generated_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    validated: bool = False) -> None:
+                    validated: bool = False, deadline: float | None = None) -> None:
         """Queue a request. `validated`: the caller already ran validate_request with this engine's
-        bounds (the bridge does, before queueing), so it is not checked twice."""
+        bounds (the bridge does, before queueing), so it is not checked twice. `deadline`: a
+        time.monotonic() past which the request ends with finish_reason "timeout"."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         if not validated:
             self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        if deadline is not None:
+            heapq.heappush(self.deadlines, (deadline, request_id))
 
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -106,11 +111,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
 
+    def _expire(self) -> list[RequestOutput]:
+        """End every request whose deadline has passed (queued or running), with the text so far."""
+        outputs, now, heap = [], time.monotonic(), self.deadlines
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            seq = self.seqs.get(rid)
+            if seq is None or seq.deadline is None or seq.deadline > now:
+                continue  # ended already (its entry is stale), or an id reused with a later deadline
+            new_text, seq.emitted = seq.text[seq.emitted :], len(seq.text)
+            self._retire(seq, TIMEOUT)
+            outputs.append(RequestOutput(rid, new_text, [], True, TIMEOUT, len(seq.prompt_token_ids),
+                                         len(seq.output_token_ids), [], seq.text, seq.output_token_ids,
+                                         seq.num_cached_prompt))
+        return outputs
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then turn the sampled tokens of the step launched before it
         into outputs (asynchronous scheduling: the host works on step k-1's results while the
-        device runs step k). With `async_scheduling` off, a step's own results come back at once."""
+        device runs step k). With `async_scheduling` off, a step's own results come back at once.
+        Requests past their deadline end first, so that no step is spent on them."""
+        expired = self._expire() if self.deadlines else []
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
@@ -119,7 +141,7 @@ class LLMEngine:
                     self.faults.before_step(batch)
                 launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
             except Exception as e:
-                return self._finish(self.inflight) + self._fail_step(batch, e)
+                return expired + self._finish(self.inflight) + self._fail_step(batch, e)
             self.scheduler.after_step(batch)
             max_len = self.max_model_len
             for row, seq in enumerate(launched[1].rows):
@@ -128,8 +150,9 @@ class LLMEngine:
                 seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         if self.config.async_scheduling:
             outputs, self.inflight = self._finish(self.inflight), launched
-            return outputs
-        return self._finish(launched)
+            return expired + outputs if expired else outputs
+        outputs = self._finish(launched)
+        return expired + outputs if expired else outputs
 
     def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and advance its sequences with them."""

@@ -26,6 +26,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() past which it ends with finish_reason "timeout"
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # KV of token_ids[:num_computed] is in the cache; the next step processes from there.

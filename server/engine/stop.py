@@ -2,9 +2,9 @@
 
 A sequence stops on its end-of-sequence token (unless `ignore_eos`) or one of its `stop_token_ids`
 (STOP), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
-(STOP; the text is cut where the string starts). It is cut off by its deadline (TIMEOUT, decided by
-the bridge's timer: server/bridge/async_engine.py), by a client that left or a shutdown (ABORT),
-or by a failed step (ERROR). While a stop string could still complete, the tail that might start
+(STOP; the text is cut where the string starts). It is cut off when its deadline passes (TIMEOUT:
+`--request-timeout`, checked by the engine at every step, queued or running), when its client left
+or the server shuts down (ABORT), or when the step running it failed (ERROR). While a stop string could still complete, the tail that might start
 one is held back from the client, so streamed text never holds what the final text cuts.
 """
 

@@ -123,6 +123,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
+        import gc
+
+        self.graphs = self.prefill_graphs = None
+        self.kv_caches = []
+        gc.collect()
+        if self.on_cuda:
+            torch.cuda.empty_cache()
+
     def capture_graphs(self) -> None:
         from server.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 

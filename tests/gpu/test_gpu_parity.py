@@ -152,9 +152,9 @@ def test_prefill_graphs_logprobs_match_enforce_eager(gpt2_ckpt):
             calls["graph"] += 1
             return graphs(*a, **k)
 
-        def eager_step(batch, *a):
-            calls["eager"] += bool(batch.prefills)
-            return eager(batch, *a)
+        def eager_step(prefills, decodes, *a):
+            calls["eager"] += bool(prefills)
+            return eager(prefills, decodes, *a)
 
         eng.runner.prefill_graphs.run, eng.runner._eager = run, eager_step
 
@@ -176,21 +176,20 @@ def test_fused_cuda_path_logits_match_transformers(gpt2_ckpt, n):
     # must match transformers' as closely as the CPU path's do (a long prompt and a decode-sized one).
     from transformers import GPT2LMHeadModel
 
-    from models import AttentionMetadata, load_model
+    from models import StepRows, load_model
 
     hf = GPT2LMHeadModel.from_pretrained(gpt2_ckpt, dtype=torch.float32).cuda().eval()
     ours = load_model(gpt2_ckpt, torch.float32, torch.device("cuda"), "sdpa")
     prompt = _prompts(1, n, n, seed=5)[0]
     ids = torch.tensor(prompt, device="cuda")
-    meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, device="cuda"), num_prefill_tokens=n,
-                             cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device="cuda"), max_seqlen=n,
-                             prefix_lens=torch.zeros(1, dtype=torch.int32, device="cuda"),
-                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
-                             cu_seqlens_host=[0, n], prefix_lens_host=[0])
+    i32 = dict(dtype=torch.int32, device="cuda")
+    rows = StepRows(torch.full((n,), -1, **i32), n, torch.tensor([0, n], **i32), torch.zeros(1, **i32),
+                    torch.zeros(1, 1, **i32), [n], [0])
+    meta = ours.attention.metadata(rows)
     from kvcache import CacheSpec, allocate_kv_cache
 
     caches = allocate_kv_cache(CacheSpec(4, 12, 64, 16, torch.float32), 1, torch.device("cuda"))
     with torch.no_grad():
-        got = ours.compute_logits(ours(ids, torch.arange(n, device="cuda"), caches, meta))
+        got = ours.lm_head(ours(ids, torch.arange(n, device="cuda"), caches, meta))[:, : ours.vocab_size].float()
         ref = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)

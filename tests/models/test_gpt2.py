@@ -6,21 +6,19 @@ from tests.helpers import make_checkpoint
 from transformers import GPT2LMHeadModel as HFModel
 
 from kvcache import CacheSpec, allocate_kv_cache
-from models import AttentionMetadata, load_model, load_tokenizer
+from models import StepRows, load_model, load_tokenizer
 
 
-def _prefill_logits(model, ids: list[int], attention_spec) -> torch.Tensor:
-    """Run one sequence through our model as a single prefill chunk; logits for every position."""
-    cfg = model.config
-    spec = CacheSpec(cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, 16, attention_spec)
-    caches = allocate_kv_cache(spec, -(-len(ids) // 16), "cpu")
+def _prefill_logits(model, ids: list[int], dtype) -> torch.Tensor:
+    """Run one sequence through our model as a single prefill chunk, through the model contract;
+    fp32 logits for every position."""
+    s = model.spec
+    caches = allocate_kv_cache(CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, dtype), -(-len(ids) // 16), "cpu")
     n = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_prefill_tokens=n,
-                             cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n,
-                             prefix_lens=torch.zeros(1, dtype=torch.int32), cu_seqlens_host=[0, n], prefix_lens_host=[0],
-                             prefill_block_tables=torch.arange(-(-n // 16), dtype=torch.int32)[None])
-    hidden = model(torch.tensor(ids), torch.arange(n), caches, meta)
-    return model.compute_logits(hidden)
+    rows = StepRows(torch.arange(n, dtype=torch.int32), n, torch.tensor([0, n], dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
+    hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
+    return model.lm_head(hidden)[:, : model.vocab_size].float()
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "small_ckpt"])
@@ -71,7 +69,7 @@ def test_loader_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     from models import load_config
 
-    with pytest.raises(ValueError, match="GPT-2 architectures only"):
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not supported; flashpage serves: gpt2"):
         load_config(tmp_path)
 
 

@@ -39,26 +39,37 @@ def test_a_slow_consumer_gets_merged_outputs_and_every_token(tiny_ckpt):
 
 def test_engine_process_outbox_merges_a_requests_outputs_until_sent():
     # While the API process is behind, the engine process keeps stepping and merges each request's
-    # outputs; a failure stays apart, after the tokens before it; the snapshot is taken on send.
+    # outputs; a failure stays apart, after the tokens before it; the snapshot is taken on send; the
+    # typed message survives the pipe (server/bridge/messages.py).
     import multiprocessing as mp
 
-    from server.engine import RequestOutput
     from server.bridge.engine_process import _Outbox
+    from server.bridge.messages import RequestRefused, StepOutputs, decode_up
+    from server.engine import EngineSnapshot, RequestOutput
+    from server.engine.stats import StepDone
 
+    snap = EngineSnapshot(0, 0, 0, 0, 24, 24, 0, 0, 0, 0)
     box = _Outbox()
-    box.add([RequestOutput("a", "x", [1], False, new_logprobs=[(1, -0.5)], completion_tokens=1),
-             RequestOutput("b", "p", [7], False, completion_tokens=1)], [], [("step", 2, 2, 0.0)])
+    box.add([RequestOutput("a", "x", [1], False, new_logprobs=[(1, -0.5)], completion_tokens=1, text="x",
+                           token_ids=[1]),
+             RequestOutput("b", "p", [7], False, completion_tokens=1, text="p", token_ids=[7])], [],
+            [StepDone(2, 2, 0.0)])
     box.add([RequestOutput("a", "y", [2], True, "length", new_logprobs=[(2, -0.1)], completion_tokens=2,
                            text="xy", token_ids=[1, 2]),
-             RequestOutput("b", "", [], True, "error", text="p", token_ids=[7], error="boom")],
-            [("c", ValueError("bad"))], [("step", 2, 2, 0.1)])
+             RequestOutput("b", "", [], True, "error", text="p", token_ids=[7], error="boom"),
+             RequestOutput("d", "z", [5], False, completion_tokens=1, text="wz", token_ids=[4, 5])],
+            [RequestRefused("c", "bad")], [StepDone(2, 2, 0.1)])
     reader, writer = mp.Pipe(duplex=False)
-    box.flush(writer, lambda: {"running": 0}, block=False)
-    kind, wire, errors, events, snapshot = reader.recv()
-    assert kind == "step" and snapshot == {"running": 0} and errors == [("c", "bad")] and len(events) == 2
-    (a, b1, b2) = wire
-    assert a == ["a", "xy", [1, 2], True, "length", 0, 2, [(1, -0.5), (2, -0.1)], 0, None, "xy", [1, 2]]
-    assert b1[:4] == ["b", "p", [7], False] and b2[3:5] == [True, "error"] and b2[9] == "boom"
+    box.flush(writer, lambda: snap, block=False)
+    msg = decode_up(reader.recv_bytes())
+    assert isinstance(msg, StepOutputs) and msg.snapshot == snap
+    assert msg.refused == [RequestRefused("c", "bad")] and msg.events == [StepDone(2, 2, 0.0), StepDone(2, 2, 0.1)]
+    a, b1, d, b2 = msg.outputs  # merged outputs in arrival order, then the failures
+    assert a == RequestOutput("a", "xy", [1, 2], True, "length", 0, 2, [[1, -0.5], [2, -0.1]], "xy", [1, 2])
+    assert (b1.request_id, b1.new_text, b1.new_token_ids, b1.finished) == ("b", "p", [7], False)
+    assert (b2.finished, b2.finish_reason, b2.error) == (True, "error", "boom")
+    # unfinished: only the new text and ids travel (the API side accumulates them)
+    assert (d.new_text, d.new_token_ids, d.text, d.token_ids) == ("z", [5], "", [])
     assert not box.dirty and not box.outputs
     box.flush(writer, lambda: 1 / 0, block=True)  # nothing waits: nothing sent, no snapshot taken
     assert not reader.poll(0.05)

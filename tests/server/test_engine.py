@@ -251,3 +251,10 @@ def test_a_lone_waiting_request_is_held_back_at_most_max_admit_delay_steps(tiny_
         eng.step()
         steps += 1
     assert steps == 4  # three steps held back, admitted in the fourth
+
+
+def test_close_gives_back_the_cache(tiny_ckpt):
+    eng = _engine(tiny_ckpt)
+    assert len(eng.runner.kv_caches) == eng.spec.num_layers
+    eng.close()
+    assert eng.runner.kv_caches == [] and eng.runner.graphs is None and eng.runner.prefill_graphs is None

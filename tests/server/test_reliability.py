@@ -4,7 +4,7 @@ KV block free again (GET /debug/kv).
 
 Three servers start together:
 - `guarded`: API key, small body / prompt limits, a waiting queue of 2, and the test-only fault hook
-  (server/faults.py): a prompt holding token 511 fails its step after 2 generated tokens; every
+  (server/engine/faults.py): a prompt holding token 511 fails its step after 2 generated tokens; every
   step sleeps 12 ms, so long requests are reliably long.
 - `small_kv`: 12 KV blocks (requests must queue and preempt); token 510 fails its step at once:
   three such steps in a row kill the engine and the process exits 1 (its last test).

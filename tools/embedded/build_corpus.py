@@ -14,7 +14,7 @@ order, docstrings in source order, and duplicates (after whitespace
 normalisation) are dropped, keeping the first occurrence. Documents are written
 to a UTF-8 text file separated by a line holding only ``<|endoftext|>``.
 
-    python models/embedded/build_corpus.py --out .corpus/corpus.txt
+    python tools/embedded/build_corpus.py --out .corpus/corpus.txt
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ with the lowest final validation loss.
 The corpus is small (~0.65M training tokens), so the useful knobs are how many
 epochs to train and how much dropout to use; each run is fully described by its
 train.py arguments (recorded in its train_log.json), so the chosen model can be
-reproduced alone with `python models/embedded/train.py <its args>`.
+reproduced alone with `python tools/embedded/train.py <its args>`.
 
-    PYTHONUNBUFFERED=1 python models/embedded/sweep.py --out-dir models/embedded
+    PYTHONUNBUFFERED=1 python tools/embedded/sweep.py --out-dir models/embedded
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Writes ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json`` so that ``AutoTokenizer.from_pretrained(dir)`` loads
 it as a fast tokenizer.
 
-    python models/embedded/train_tokenizer.py --corpus .corpus/corpus.txt --out models/embedded
+    python tools/embedded/train_tokenizer.py --corpus .corpus/corpus.txt --out models/embedded
 """
 
 from __future__ import annotations

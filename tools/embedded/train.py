@@ -13,7 +13,7 @@ Seeded and step-based (the learning-rate schedule depends only on the
 arguments), bf16 autocast on CUDA, AdamW with linear warm-up and cosine decay,
 evaluation on a held-out validation split.
 
-    PYTHONUNBUFFERED=1 python models/embedded/train.py --out-dir models/embedded
+    PYTHONUNBUFFERED=1 python tools/embedded/train.py --out-dir models/embedded
 """
 
 from __future__ import annotations

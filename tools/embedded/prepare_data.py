@@ -7,7 +7,7 @@ which every document is followed by ``<|endoftext|>``:
 
     .corpus/train.bin, .corpus/val.bin, .corpus/data.meta.json
 
-    python models/embedded/prepare_data.py --corpus .corpus/corpus.txt --tokenizer models/embedded
+    python tools/embedded/prepare_data.py --corpus .corpus/corpus.txt --tokenizer models/embedded
 """
 
 from __future__ import annotations
