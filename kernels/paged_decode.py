@@ -43,7 +43,6 @@ more than the kernel.
 from __future__ import annotations
 
 import torch
-import triton
 from triton import knobs
 
 from kernels import decode_launch

@@ -55,7 +55,7 @@ class GenerateRequest(BaseModel):
                                                                         "max_tokens must fit the context).")
     temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = no top-k filter.")
+    top_k: int = Field(DEFAULTS.top_k, ge=0, le=MAX_TOP_K, description="0 = no top-k filter.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-request seed: same seed, same tokens.")
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = Field(
         None, description="Stop strings; not included in the output.")

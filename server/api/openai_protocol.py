@@ -48,7 +48,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     # flashpage extensions
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    top_k: int = Field(DEFAULTS.top_k, ge=0, le=MAX_TOP_K)
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 

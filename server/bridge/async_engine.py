@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from server.bridge.engine_process import EngineClient
+from server.bridge.messages import RequestRefused
 from server.bridge.thread_core import ThreadCore
 from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
 from server.engine.stop import ABORT, ERROR
@@ -180,12 +181,12 @@ class AsyncEngine:
         return len(rids)
 
     # -- called on the event loop by the core ------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], errors) -> None:
+    def _deliver(self, outputs: list[RequestOutput], refused: list[RequestRefused]) -> None:
         streams = self._streams
-        for rid, err in errors:
-            stream = streams.pop(rid, None)
+        for r in refused:
+            stream = streams.pop(r.request_id, None)
             if stream is not None:
-                stream.put(err)
+                stream.put(RequestError(r.message))
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:

@@ -35,7 +35,7 @@ from models import load_tokenizer, resolve_model_path
 from server.bridge.messages import (AbortRequest, AddRequest, Command, EngineFailed, EngineReady, RequestRefused,
                                     StepOutputs, StopEngine, apply_commands, decode_down, decode_up, encode)
 from server.config import EngineConfig
-from server.engine import EngineSnapshot, RequestBounds, RequestError, RequestOutput, merge_outputs, validate_request
+from server.engine import EngineSnapshot, RequestBounds, RequestOutput, merge_outputs, validate_request
 from server.engine.stop import ERROR
 from server.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ class EngineClient:
         for r in msg.refused:
             texts.pop(r.request_id, None)
         if outputs or msg.refused:
-            self._deliver(outputs, [(r.request_id, RequestError(r.message)) for r in msg.refused])
+            self._deliver(outputs, msg.refused)
 
     def _lost(self, e: BaseException) -> None:
         if self._closed:

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from server.bridge.messages import AbortRequest, AddRequest, Command, apply_commands
-from server.engine import LLMEngine, RequestError
+from server.engine import LLMEngine
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
@@ -74,8 +74,7 @@ class ThreadCore:
                 refused = apply_commands(engine, commands)
                 outputs = engine.step() if engine.has_unfinished() else []
                 if outputs or refused:
-                    errors = [(r.request_id, RequestError(r.message)) for r in refused]
-                    loop.call_soon_threadsafe(deliver, outputs, errors)
+                    loop.call_soon_threadsafe(deliver, outputs, refused)
         except BaseException as e:  # the engine cannot continue: fail everyone, report unhealthy
             log.exception("engine loop died")
             loop.call_soon_threadsafe(die, e)

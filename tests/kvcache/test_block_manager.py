@@ -155,3 +155,27 @@ def test_cache_tensors_and_sizing():
         v.fill_(2 * i + 1)
     for i, (k, v) in enumerate(caches):  # no two views alias
         assert (k == 2 * i).all() and (v == 2 * i + 1).all()
+
+
+def test_page_table_version_names_its_contents():
+    # The decode graph copies a row's page table only when the version it holds differs (server/
+    # worker/cuda_graphs.py): every change must give a new version, never one another table had.
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = SeqBlocks(), SeqBlocks()
+    seen = {a.version, b.version}
+    assert len(seen) == 2
+    bm.allocate(a, list(range(5)))
+    assert a.version not in seen
+    seen.add(a.version)
+    bm.append_slot(a, 9)  # a third block
+    assert a.version not in seen and len(a.block_table) == 3
+    seen.add(a.version)
+    bm.allocate(b, list(range(3)))
+    assert b.version not in seen
+    seen.add(b.version)
+    table = a.block_table
+    bm.free(a)
+    assert a.version not in seen and a.block_table == [] and table is a.block_table
+    seen.add(a.version)
+    bm.allocate(a, list(range(3)))  # the same length as b's table, maybe the same block ids: still new
+    assert a.version not in seen

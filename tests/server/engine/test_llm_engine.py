@@ -258,3 +258,49 @@ def test_close_gives_back_the_cache(tiny_ckpt):
     assert len(eng.runner.kv_caches) == eng.spec.num_layers
     eng.close()
     assert eng.runner.kv_caches == [] and eng.runner.graphs is None and eng.runner.prefill_graphs is None
+
+
+def test_deadline_ends_running_and_queued_requests_with_timeout(tiny_ckpt):
+    import time
+
+    # 16 blocks of 16: "run" holds 13 (200 tokens), so "queued" (4 blocks) waits, and "free" behind it.
+    eng = _engine(tiny_ckpt, num_blocks=16, async_scheduling=False)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    deadline = time.monotonic() + 0.5
+    eng.add_request("run", _prompts(512, [200])[0], params, deadline=deadline)
+    eng.add_request("queued", _prompts(512, [60])[0], params, deadline=deadline)
+    eng.add_request("free", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finals, streamed = {}, {}
+
+    def step():
+        for out in eng.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+
+    while len(streamed.get("run", [])) < 3:
+        step()
+    assert not finals and [s.request_id for s in eng.scheduler.waiting] == ["queued", "free"]
+    time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+    while eng.has_unfinished():
+        step()
+    assert finals["run"].finish_reason == "timeout" and finals["queued"].finish_reason == "timeout"
+    assert finals["free"].finish_reason == "length"
+    assert 3 <= len(finals["run"].token_ids) < 50 and finals["run"].token_ids == streamed["run"]
+    assert finals["queued"].token_ids == [] and finals["queued"].completion_tokens == 0
+    assert eng.block_manager.check_all_free() and not eng.seqs
+
+
+def test_a_request_that_ends_first_leaves_no_deadline_behind(tiny_ckpt):
+    import time
+
+    eng = _engine(tiny_ckpt)
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                    deadline=time.monotonic() + 0.2)
+    outs = [o for _ in range(10) if eng.has_unfinished() for o in eng.step()]
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    time.sleep(0.25)
+    eng.add_request("a", [4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    outs = [o for _ in range(10) if eng.has_unfinished() for o in eng.step()]
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]  # the stale entry is skipped
+    assert eng.deadlines == []

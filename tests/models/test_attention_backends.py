@@ -1,0 +1,255 @@
+"""The attention-backend contract (models/attention/base.py), for every backend, through make_backend.
+
+Each case builds one step as the worker packs it (StepRows, int32): sequences scattered over
+shuffled, non-contiguous blocks of a cache laid out like kvcache/cache.py (layers x {K, V} in one
+allocation, the scratch block last), every slot nobody owns holding NaN, and the cached tokens of
+each sequence pre-written. The expected output is a dense causal attention over each sequence's
+K/V kept unpaged, so a wrong page table in the test itself cannot agree with a wrong backend; the
+expected cache is the initial one plus kernels.reference.kv_write_ref of this step's K/V.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.reference import kv_write_ref
+from models.attention import BACKENDS, StepRows, make_backend
+
+BLOCK = 16
+NUM_BLOCKS = 20  # real blocks; the scratch block comes after them
+MAX_BLOCKS = 4  # page-table width: wider than any sequence here, the spare entries point at NaN blocks
+# Kernel-test tolerances under the interpreter (tests/kernels/test_paged_decode.py); fp32 is the
+# torch backends' own precision.
+TOL = {torch.float16: 3e-3, torch.float32: 1e-5}
+# (backend, dtype) pairs that run on CPU: triton needs fp16/bf16, the torch backends take both.
+CASES = [("triton", torch.float16), ("eager", torch.float32), ("eager", torch.float16),
+         ("sdpa", torch.float32), ("sdpa", torch.float16)]
+# Prefill chunks as (cached prefix, new tokens) and decodes as context lengths (this step's token included).
+CHUNKS = [(0, 19), (21, 6)]
+DECODES = [1, 17, 40]
+
+
+@dataclass
+class Step:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    storage: torch.Tensor  # [layers, 2, NUM_BLOCKS + 1, BLOCK, kv_heads, d]: the cache before the step
+    want_storage: torch.Tensor  # ... after it
+    rows: StepRows
+    ref: torch.Tensor  # fp32 expected output of the real rows
+    real: int  # rows [0, real) are real, the rest padding
+    scale: float
+
+    def run(self, kind: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's metadata and forward through layer 1's views of a fresh copy of the cache;
+        (out, cache after the step)."""
+        backend = make_backend(kind, head_dim)
+        storage = self.storage.clone()
+        out = backend.forward(self.q, self.k, self.v, storage[1, 0], storage[1, 1], backend.metadata(self.rows),
+                              self.scale)
+        return out, storage
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _dense(q, k, v, scale):
+    """q [n, h, d] at the last n positions of k, v [m, kvh, d]; causal; fp32."""
+    n, h, _ = q.shape
+    m, kvh, _ = k.shape
+    k = k.float().repeat_interleave(h // kvh, dim=1)
+    v = v.float().repeat_interleave(h // kvh, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    allowed = torch.arange(m)[None, :] <= torch.arange(m - n, m)[:, None]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hnm,mhd->nhd", p, v)
+
+
+def _build(heads, kv_heads, head_dim, dtype, chunks=CHUNKS, decodes=DECODES, pad=0, seed=0) -> Step:
+    """One step: `chunks` prefill chunks, then `decodes`, then `pad` padding decode rows (slot -1,
+    context 1, page table of block 0, as server/worker/cuda_graphs.py DecodeGraphs pads)."""
+    g = _gen(heads, kv_heads, head_dim, dtype, tuple(chunks), tuple(decodes), pad, seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    # (cached, new) for every sequence; a decode has context - 1 cached tokens and one new one.
+    seqs = list(chunks) + [(c - 1, 1) for c in decodes]
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, used = [], 0
+    for cached, new in seqs:
+        nb = -(-(cached + new) // BLOCK)
+        tables.append(perm[used : used + nb])
+        used += nb
+    spare = perm[used:]
+    assert spare, "the page tables' padding entries need a block nobody owns"
+    storage = torch.full((2, 2, NUM_BLOCKS + 1, BLOCK, kv_heads, head_dim), float("nan"), dtype=dtype)
+    kc, vc = storage[1, 0], storage[1, 1]
+    full_k, full_v, q, k, v, slots = [], [], [], [], [], []
+    for (cached, new), table in zip(seqs, tables):
+        ks, vs = randn(cached + new, kv_heads, head_dim), randn(cached + new, kv_heads, head_dim)
+        full_k.append(ks)
+        full_v.append(vs)
+        pos = torch.arange(cached + new)
+        seq_slots = torch.tensor(table)[pos // BLOCK] * BLOCK + pos % BLOCK
+        kc.view(-1, kv_heads, head_dim)[seq_slots[:cached]] = ks[:cached]
+        vc.view(-1, kv_heads, head_dim)[seq_slots[:cached]] = vs[:cached]
+        q.append(randn(new, heads, head_dim))
+        k.append(ks[cached:])
+        v.append(vs[cached:])
+        slots.append(seq_slots[cached:])
+    if pad:
+        q.append(randn(pad, heads, head_dim))
+        k.append(randn(pad, kv_heads, head_dim))
+        v.append(randn(pad, kv_heads, head_dim))
+        slots.append(torch.full((pad,), -1))
+    q, k, v, slots = torch.cat(q), torch.cat(k), torch.cat(v), torch.cat(slots).to(torch.int32)
+    scale = head_dim**-0.5
+    ref = torch.cat([_dense(qs, ks, vs, scale) for qs, ks, vs in
+                     zip(q.split([n for _, n in seqs] + [pad]), full_k, full_v)])
+
+    def table_rows(ts):
+        return torch.tensor([t + [spare[0]] * (MAX_BLOCKS - len(t)) for t in ts], dtype=torch.int32)
+
+    nc, p = len(chunks), sum(n for _, n in chunks)
+    rows = StepRows(slots, p)
+    if chunks:
+        rows.cu_seqlens = torch.tensor([0, *np.cumsum([n for _, n in chunks])], dtype=torch.int32)
+        rows.prefix_lens = torch.tensor([c for c, _ in chunks], dtype=torch.int32)
+        rows.prefill_block_tables = table_rows(tables[:nc])
+        rows.chunk_lens = [n for _, n in chunks]
+        rows.chunk_prefix = [c for c, _ in chunks]
+    if decodes or pad:
+        rows.context_lens = torch.tensor(list(decodes) + [1] * pad, dtype=torch.int32)
+        rows.decode_block_tables = table_rows(tables[nc:] + [[0]] * pad)
+    want = storage.clone()
+    kv_write_ref(k, v, want[1, 0], want[1, 1], slots)
+    return Step(q, k, v, storage, want, rows, ref, len(q) - pad, scale)
+
+
+def _check_out(out: torch.Tensor, step: Step, dtype: torch.dtype, what: str) -> None:
+    assert out.shape == step.q.shape and out.dtype == dtype, what
+    _check_rows(out[: step.real], step.ref, dtype, what)
+
+
+def _check_rows(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert not out.isnan().any(), f"{what}: NaN in the output (an unowned cache slot was read)"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{what} vs dense attention\n{m}")
+
+
+def _check_cache(storage: torch.Tensor, want: torch.Tensor, what: str, real_blocks_only: bool = False) -> None:
+    # The whole allocation, both layers: a write may land only in layer 1's slots of slot_mapping.
+    if real_blocks_only:
+        storage, want = storage[:, :, :NUM_BLOCKS], want[:, :, :NUM_BLOCKS]
+    torch.testing.assert_close(storage, want, atol=0, rtol=0, equal_nan=True,
+                               msg=lambda m: f"{what}: the cache after the step\n{m}")
+
+
+SHAPES = [pytest.param(4, 2, 64, id="gqa-d64"), pytest.param(4, 4, 64, id="mha-d64"),
+          pytest.param(4, 2, 128, id="gqa-d128")]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_mixed_step(kind, dtype, heads, kv_heads, head_dim):
+    step = _build(heads, kv_heads, head_dim, dtype)
+    out, storage = step.run(kind, head_dim)
+    _check_out(out, step, dtype, kind)
+    _check_cache(storage, step.want_storage, kind)
+
+
+@pytest.mark.parametrize("pad", [0, 2], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_decodes_only_step(kind, dtype, pad):
+    step = _build(4, 2, 64, dtype, chunks=[], pad=pad)
+    out, storage = step.run(kind, 64)
+    _check_out(out, step, dtype, kind)
+    # eager/sdpa send padding writes to the scratch block: only the real blocks are specified.
+    _check_cache(storage, step.want_storage, kind, real_blocks_only=bool(pad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("chunks,decodes", [(CHUNKS, DECODES), ([], DECODES)], ids=["mixed", "decodes"])
+def test_backends_agree(dtype, chunks, decodes):
+    step = _build(4, 2, 64, dtype, chunks=chunks, decodes=decodes, seed=1)
+    kinds = [k for k, d in CASES if d == dtype]
+    outs = {kind: step.run(kind, 64) for kind in kinds}
+    for a, b in itertools.combinations(kinds, 2):
+        (oa, sa), (ob, sb) = outs[a], outs[b]
+        tol = 2 * TOL[dtype]
+        torch.testing.assert_close(oa[: step.real].float(), ob[: step.real].float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"{a} vs {b}\n{m}")
+        torch.testing.assert_close(sa, sb, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{a} vs {b} cache\n{m}")
+
+
+def test_triton_graph_metadata_matches_metadata():
+    """A captured prefill step's form (server/worker/cuda_graphs.py PrefillGraphs): T rows of which
+    the real ones come first, the padding rows (slot -1) in no chunk, cu_seqlens and the per-chunk
+    rows padded to max_chunks (the tail of cu_seqlens repeating the last offset), a tile map filled
+    on the host. Real rows must match the ordinary metadata over the unpadded step, and padding
+    rows must write nothing."""
+    T, max_chunks, d = 64, 16, 64
+    backend = make_backend("triton", d)
+    n = backend.graph_tiles(T, max_chunks, torch.device("cpu"))
+    assert n > 0
+    step = _build(4, 2, d, torch.float16, decodes=[], pad=0)
+    lens, prefix = step.rows.chunk_lens, step.rows.chunk_prefix
+    real = sum(lens)
+    tile_seq, tile_start = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+    backend.fill_graph_tiles(T, lens, prefix, tile_seq, tile_start)
+
+    g = _gen("graph-padding")
+    pad = T - real
+    q = torch.cat([step.q, torch.randn(pad, *step.q.shape[1:], generator=g).half()])
+    k = torch.cat([step.k, torch.randn(pad, *step.k.shape[1:], generator=g).half()])
+    v = torch.cat([step.v, torch.randn(pad, *step.v.shape[1:], generator=g).half()])
+    k_chunks = len(lens)
+    cu = torch.full((max_chunks + 1,), real, dtype=torch.int32)
+    cu[: k_chunks + 1] = step.rows.cu_seqlens
+    prefix_lens = torch.zeros(max_chunks, dtype=torch.int32)
+    prefix_lens[:k_chunks] = step.rows.prefix_lens
+    tables = torch.zeros(max_chunks, MAX_BLOCKS, dtype=torch.int32)
+    tables[:k_chunks] = step.rows.prefill_block_tables
+    slots = torch.cat([step.rows.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)])
+    rows = StepRows(slots, T, cu_seqlens=cu, prefix_lens=prefix_lens, prefill_block_tables=tables)
+    meta = backend.graph_metadata(rows, T, (torch.from_numpy(tile_seq), torch.from_numpy(tile_start)))
+
+    storage = step.storage.clone()
+    out = backend.forward(q, k, v, storage[1, 0], storage[1, 1], meta, step.scale)
+    want, want_storage = step.run("triton", d)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out[:real], want[:real], atol=TOL[torch.float16], rtol=TOL[torch.float16],
+                               msg=lambda m: f"graph_metadata vs metadata\n{m}")
+    _check_rows(out[:real], step.ref, torch.float16, "triton graph")
+    _check_cache(storage, step.want_storage, "triton graph")
+    _check_cache(want_storage, step.want_storage, "triton")
+
+
+@pytest.mark.parametrize("kind", ["eager", "sdpa"])
+def test_torch_backends_have_no_prefill_graphs(kind):
+    backend = make_backend(kind, 64)
+    assert backend.name == kind
+    assert backend.prefill_graphs is False
+    assert backend.graph_tiles(64, 16, torch.device("cpu")) == 0
+    step = _build(4, 2, 64, torch.float32, decodes=[])
+    with pytest.raises(NotImplementedError):
+        backend.graph_metadata(step.rows, 64, None)
+
+
+def test_triton_backend_has_prefill_graphs():
+    backend = make_backend("triton", 64)
+    assert backend.name == "triton" and backend.prefill_graphs is True
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="'nope'") as err:
+        make_backend("nope", 64)
+    for kind in BACKENDS:
+        assert kind in str(err.value)
+    assert set(BACKENDS) == {"triton", "eager", "sdpa"}
