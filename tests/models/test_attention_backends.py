@@ -21,6 +21,8 @@ import torch
 from kernels.reference import kv_write_ref
 from models.attention import BACKENDS, StepRows, make_backend
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the backends run; references stay on the CPU
+
 BLOCK = 16
 NUM_BLOCKS = 20  # real blocks; the scratch block comes after them
 MAX_BLOCKS = 4  # page-table width: wider than any sequence here, the spare entries point at NaN blocks
@@ -48,13 +50,18 @@ class Step:
     scale: float
 
     def run(self, kind: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The backend's metadata and forward through layer 1's views of a fresh copy of the cache;
-        (out, cache after the step)."""
-        backend = make_backend(kind, head_dim)
-        storage = self.storage.clone()
-        out = backend.forward(self.q, self.k, self.v, storage[1, 0], storage[1, 1], backend.metadata(self.rows),
-                              self.scale)
-        return out, storage
+        """The backend's metadata and forward through layer 1's views of a fresh copy of the cache
+        (on the GPU where there is one); (out, cache after the step), on the CPU."""
+        return _forward(make_backend(kind, head_dim), self.q, self.k, self.v, self.storage, self.rows,
+                        lambda b, rows: b.metadata(rows), self.scale)
+
+
+def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    storage = storage.to(DEVICE, copy=True)
+    rows = StepRows(*(dev(getattr(rows, f)) for f in StepRows.__slots__))
+    out = backend.forward(dev(q), dev(k), dev(v), storage[1, 0], storage[1, 1], metadata(backend, rows), scale)
+    return out.cpu(), storage.cpu()
 
 
 def _gen(*key) -> torch.Generator:
@@ -196,7 +203,7 @@ def test_triton_graph_metadata_matches_metadata():
     rows must write nothing."""
     T, max_chunks, d = 64, 16, 64
     backend = make_backend("triton", d)
-    n = backend.graph_tiles(T, max_chunks, torch.device("cpu"))
+    n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE))
     assert n > 0
     step = _build(4, 2, d, torch.float16, decodes=[], pad=0)
     lens, prefix = step.rows.chunk_lens, step.rows.chunk_prefix
@@ -218,10 +225,9 @@ def test_triton_graph_metadata_matches_metadata():
     tables[:k_chunks] = step.rows.prefill_block_tables
     slots = torch.cat([step.rows.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)])
     rows = StepRows(slots, T, cu_seqlens=cu, prefix_lens=prefix_lens, prefill_block_tables=tables)
-    meta = backend.graph_metadata(rows, T, (torch.from_numpy(tile_seq), torch.from_numpy(tile_start)))
-
-    storage = step.storage.clone()
-    out = backend.forward(q, k, v, storage[1, 0], storage[1, 1], meta, step.scale)
+    tiles = (torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_start).to(DEVICE))
+    out, storage = _forward(backend, q, k, v, step.storage, rows, lambda b, r: b.graph_metadata(r, T, tiles),
+                            step.scale)
     want, want_storage = step.run("triton", d)
     assert out.shape == q.shape
     torch.testing.assert_close(out[:real], want[:real], atol=TOL[torch.float16], rtol=TOL[torch.float16],
