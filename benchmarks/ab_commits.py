@@ -63,7 +63,8 @@ def throughput_row(tree: Path, label: str, rnd: int, work: Path, model: Path) ->
     rows = json.loads(next(out.glob("throughput_*.json")).read_text())["rows"]
     tput = next(r for r in rows if r["impl"] == "flashpage")
     steps = {r["batch"]: r for r in rows if r["impl"] == "flashpage_step"}
-    row = dict(impl="flashpage", tree=label, round=rnd, output_tokens_per_s=tput["output_tokens_per_s"])
+    row = dict(impl="flashpage", tree=label, round=rnd, output_tokens_per_s=tput["output_tokens_per_s"],
+               time_split=tput.get("time_split"))  # host launch / device wait / other host time
     for b, r in steps.items():
         row[f"engine_step_ms_b{b}"] = r["engine_step_ms"]
         row[f"graph_ms_b{b}"] = r["graph_ms"]
@@ -77,7 +78,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--old-tree", required=True, type=Path)
     ap.add_argument("--old-label", default="old")
     ap.add_argument("--new-label", default="new")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
     trees = [(args.old_tree.resolve(), args.old_label), (REPO_ROOT, args.new_label)]
