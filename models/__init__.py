@@ -4,10 +4,12 @@ models/attention/base.py); a family's own names stay in its file. Depends on ker
 
 from models.attention import BACKENDS, AttentionBackend, AttentionMetadata, StepRows
 from models.base import CausalLM, KVCaches, placeholder_id, resolve_placeholders
-from models.loader import DTYPES, EMBEDDED_MODEL, load_config, load_model, load_tokenizer, resolve_model_path
+from models.loader import (DTYPES, EMBEDDED_MODEL, checkpoint_dtype, eos_token_ids, load_config, load_model,
+                           load_tokenizer, resolve_model_path)
 from models.registry import MODEL_FAMILIES, model_class
 from models.spec import ModelSpec
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
-           "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "load_config", "load_model",
+           "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "checkpoint_dtype", "eos_token_ids",
+           "load_config", "load_model",
            "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "model_class", "ModelSpec"]

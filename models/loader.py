@@ -74,5 +74,27 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     return model.eval().requires_grad_(False)
 
 
+def checkpoint_dtype(path: Path) -> torch.dtype | None:
+    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), if it is one we serve."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    return DTYPES.get(name) if isinstance(name, str) else None
+
+
+def eos_token_ids(path: Path, config: PretrainedConfig) -> list[int]:
+    """Every end-of-sequence id the checkpoint declares: generation_config.json's `eos_token_id`
+    (Llama 3 lists several) and the config's, int or list."""
+    found: list[int] = []
+    sources = [getattr(config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
+    for ids in sources:
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and i not in found:
+                found.append(i)
+    return found
+
+
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)

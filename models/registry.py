@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from models.gpt2 import GPT2LMHeadModel
+from models.llama import LlamaForCausalLM
 
 MODEL_FAMILIES: dict[str, type] = {
     "gpt2": GPT2LMHeadModel,
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 

@@ -23,6 +23,7 @@ class ModelSpec:
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int  # the longest context the model was built for
+    sliding_window: int | None = None  # attention reaches only this many tokens back (Mistral); None = all
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelSpec:
@@ -36,4 +37,5 @@ class ModelSpec:
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
             max_position_embeddings=config.max_position_embeddings,
+            sliding_window=getattr(config, "sliding_window", None) or None,
         )

@@ -14,7 +14,7 @@ import logging
 import time
 
 from kvcache import BlockManager
-from models import load_tokenizer, resolve_model_path
+from models import eos_token_ids, load_config, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
 from server.engine.faults import FaultInjector
@@ -43,7 +43,9 @@ class LLMEngine:
         self.runner = worker.runner
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
+        eos = eos_token_ids(path, load_config(path)) + [self.tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(i for i in eos if i is not None)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
@@ -213,7 +215,7 @@ class LLMEngine:
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
         """The stop rule (server/engine/stop.py) applied to a sequence's newest token."""
         p = seq.params
-        reason = token_stop(tok, len(seq.output_token_ids), len(seq.token_ids), p, self.eos_token_id,
+        reason = token_stop(tok, len(seq.output_token_ids), len(seq.token_ids), p, self.eos_token_ids,
                             self.max_model_len)
         decoded = self.detokenizer.step(seq, final=reason is not None)
         if p.stop and decoded:

@@ -1,6 +1,6 @@
 """The stop rule: every reason a request ends, and the one function that decides it per token.
 
-A sequence stops on its end-of-sequence token (unless `ignore_eos`) or one of its `stop_token_ids`
+A sequence stops on any of the model's end-of-sequence tokens (unless `ignore_eos`) or one of its `stop_token_ids`
 (STOP), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
 (STOP; the text is cut where the string starts). It is cut off when its deadline passes (TIMEOUT:
 `--request-timeout`, checked by the engine at every step, queued or running), when its client left
@@ -19,10 +19,11 @@ ABORT = "abort"
 ERROR = "error"
 
 
-def token_stop(tok: int, num_output: int, num_tokens: int, params: SamplingParams, eos_token_id: int | None,
+def token_stop(tok: int, num_output: int, num_tokens: int, params: SamplingParams, eos_token_ids: frozenset[int],
                max_model_len: int) -> str | None:
-    """STOP or LENGTH once this newest token ends the sequence, else None."""
-    if (not params.ignore_eos and tok == eos_token_id) or tok in params.stop_token_ids:
+    """STOP or LENGTH once this newest token ends the sequence, else None. `eos_token_ids`: every
+    end-of-sequence id of the model (Llama 3 has several)."""
+    if (not params.ignore_eos and tok in eos_token_ids) or tok in params.stop_token_ids:
         return STOP
     if num_output >= params.max_tokens or num_tokens >= max_model_len:
         return LENGTH

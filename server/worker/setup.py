@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec
-from models import DTYPES, ModelSpec, load_model
+from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
 
@@ -39,7 +39,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 def start_worker(config: EngineConfig, path: Path) -> Worker:
     device = resolve_device(config)
     on_cuda = device.type == "cuda"
-    dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float16 if on_cuda else torch.float32)
+    dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
     attention = config.attention or ("triton" if on_cuda else "sdpa")
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
@@ -48,6 +48,12 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     model = load_model(path, dtype, device, attention)
     spec = model.spec
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    if spec.sliding_window is not None and max_model_len > spec.sliding_window:
+        # Within its window a sliding-window model attends like any other; past it, it must not see
+        # the oldest tokens, which our kernels do not implement.
+        raise ValueError(f"this model attends over a sliding window of {spec.sliding_window} tokens, which flashpage "
+                         f"does not implement; serve it with --max-model-len {spec.sliding_window} or less "
+                         f"(the context would be {max_model_len})")
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
@@ -63,6 +69,15 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
     return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device)
+
+
+def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:
+    """--dtype auto: on CUDA the checkpoint's own half-precision dtype (bf16 for the Llama family),
+    else float16; on the CPU float32."""
+    if not on_cuda:
+        return torch.float32
+    dtype = checkpoint_dtype(path)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
 def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRunner, device: torch.device) -> int:

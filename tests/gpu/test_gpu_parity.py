@@ -42,9 +42,9 @@ def _assert_same_greedy(path, prompts, got, ref, dtype="float16", min_exact=0.75
     parting point is checked against float32 logits of transformers' model: the two tokens chosen
     must be within a few rounding steps of the logits' scale (16 ulps of the dtype at the largest
     logit). A real bug parts sequences at clear winners and fails."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    hf = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     exact = 0
     for prompt, g, r in zip(prompts, got, ref):
         if g == r:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+from functools import partial
+
 import pytest
 import torch
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, make_llama_checkpoint
 from transformers import GPT2Config, LlamaConfig
 
 from kvcache import CacheSpec, allocate_kv_cache
@@ -18,6 +20,7 @@ from models import (MODEL_FAMILIES, ModelSpec, StepRows, load_config, load_model
 # fails test_every_family_meets_the_contract instead of going untested.
 CHECKPOINTS = {
     "gpt2": make_checkpoint,
+    **{t: partial(make_llama_checkpoint, model_type=t) for t in ("llama", "mistral", "qwen2", "qwen3")},
 }
 
 

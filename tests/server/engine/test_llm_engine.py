@@ -141,7 +141,7 @@ def test_stop_strings_tokens_and_eos(tiny_ckpt):
                                                      stop_token_ids=[tok]))[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
     # An EOS token ends the request unless ignore_eos; pin EOS to a token greedy decoding produces.
-    eng.eos_token_id = full.token_ids[5]
+    eng.eos_token_ids = frozenset([full.token_ids[5]])
     eos = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert eos.finish_reason == "stop" and len(eos.token_ids) <= 6
 

@@ -9,7 +9,8 @@ EOS = 0
 
 
 def stop_of(tok, num_output=1, num_tokens=10, max_model_len=100, eos=EOS, **params):
-    return token_stop(tok, num_output, num_tokens, SamplingParams(**params), eos, max_model_len)
+    eos_ids = frozenset() if eos is None else frozenset(eos if isinstance(eos, (list, set, frozenset)) else [eos])
+    return token_stop(tok, num_output, num_tokens, SamplingParams(**params), eos_ids, max_model_len)
 
 
 def test_eos_stops_unless_ignored():
@@ -17,6 +18,13 @@ def test_eos_stops_unless_ignored():
     assert stop_of(EOS, ignore_eos=True) is None
     assert stop_of(5) is None
     assert stop_of(EOS, eos=None) is None  # a tokenizer without an end-of-sequence token
+
+
+def test_every_eos_id_of_the_model_stops():
+    # Llama 3 lists several (generation_config.json): <|end_of_text|>, <|eom_id|>, <|eot_id|>
+    for tok in (128001, 128008, 128009):
+        assert stop_of(tok, eos=[128001, 128008, 128009]) == STOP
+    assert stop_of(128000, eos=[128001, 128008, 128009]) is None
 
 
 def test_stop_token_ids_stop_even_with_ignore_eos():

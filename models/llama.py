@@ -1,0 +1,214 @@
+"""The Llama family (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`)
+over a flat batch of tokens and a paged KV cache.
+
+One architecture with per-checkpoint switches: rotary positions (RoPE, with the `rope_type`s these
+checkpoints use: default, `linear`, `llama3`, `yarn`; inverse frequencies from transformers' own
+functions, so scaling matches it exactly), RMSNorm before attention and MLP, a gated SiLU MLP,
+grouped-query (or multi-query) attention, biases on Q/K/V (Qwen2, or `attention_bias`), RMSNorm on
+each head of Q and K (Qwen3), tied or untied LM head. Q/K/V and gate/up are merged into one GEMM
+each at load. Activations are `[num_tokens, hidden]`; where each token's K/V go and what it attends
+to is in the `AttentionMetadata` (models/attention/base.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from models.attention import AttentionBackend, AttentionMetadata, make_backend
+from models.base import resolve_placeholders
+from models.spec import ModelSpec
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
+
+
+class RMSNorm(nn.Module):
+    """As transformers computes it: the mean square in fp32, the weight applied after rounding back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; flashpage serves {', '.join(ROPE_TYPES)}")
+    return {**params, "rope_type": rope_type}
+
+
+class Rotary:
+    """cos and sin of every position up to max_position_embeddings ([positions, head_dim] fp32),
+    computed once at load; `rotate` looks up a step's positions (graph-safe: a gather)."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device) -> None:
+        rope_type = rope_parameters(config)["rope_type"]
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float, device=device)
+        freqs = pos[:, None] * inv_freq.float().to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim]; as transformers applies it: cos/sin rounded to x's dtype first."""
+        cos = self.cos[positions][:, None, :].to(x.dtype)
+        sin = self.sin[positions][:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # attention_bias puts biases on all four projections; Qwen2 always has them on Q/K/V only.
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+                                  bias=qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
+        self.scale = spec.head_dim**-0.5
+        self.attn = backend
+        self.rotary: Rotary | None = None  # shared by every layer; set at load (needs the device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary.rotate(q, positions), self.rotary.rotate(k, positions)
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type} (silu only)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, spec, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _pad64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Mistral, Qwen2 and Qwen3 (models/registry.py maps their model_types here)."""
+
+    def __init__(self, config: PretrainedConfig, attention: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.spec = ModelSpec.from_hf_config(config)
+        rope_parameters(config)  # refuse an unsupported rope_type before any weight is read
+        self.attention = make_backend(attention, self.spec.head_dim)
+        self.vocab_size = config.vocab_size
+        # Rows up to a multiple of 64 (zero past the vocabulary): the LM head's GEMM gets an aligned N.
+        self.embed_tokens = nn.Embedding(_pad64(config.vocab_size), config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.spec, self.attention)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head_weight = nn.Parameter(torch.empty(_pad64(config.vocab_size), config.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after the
+        last norm). Placeholder ids are resolved by the shared rule (models/base.py)."""
+        positions = positions.long()
+        x = self.embed_tokens(resolve_placeholders(input_ids, sampled_ids))
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, padded vocab] in the model dtype: columns past vocab_size are padding."""
+        return hidden @ (self.embed_tokens.weight if self.tied else self.lm_head_weight).t()
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hugging Face names in; q/k/v and gate/up concatenated into the merged projections."""
+        own = dict(self.named_parameters())
+        merged = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        seen = set()
+        for name, t in tensors.items():
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight":
+                if self.tied:
+                    continue  # some tied checkpoints store the head too; the embedding is the head
+                name = "lm_head_weight"
+            elif name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store RoPE's buffer; ours is computed at load
+            module, _, leaf = name.rpartition(".")
+            holder, _, proj = module.rpartition(".")
+            if proj in merged:
+                target, index = merged[proj]
+                parts.setdefault(f"{holder}.{target}.{leaf}", {})[index] = t
+                continue
+            self._copy(own, name, t)
+            seen.add(name)
+        for name, pieces in parts.items():
+            self._copy(own, name, torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
+            seen.add(name)
+        missing = set(own) - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        device = self.embed_tokens.weight.device
+        rotary = Rotary(self.config, self.spec.head_dim, device)
+        for layer in self.layers:
+            layer.self_attn.rotary = rotary
+
+    def _copy(self, own: dict, name: str, t: torch.Tensor) -> None:
+        if name not in own:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        p = own[name]
+        with torch.no_grad():
+            if name in ("embed_tokens.weight", "lm_head_weight"):  # into the first vocab_size rows
+                p[self.vocab_size :].zero_()
+                p = p[: self.vocab_size]
+            if p.shape != t.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
+            p.copy_(t)
