@@ -2,12 +2,15 @@
 
 Same N requests (random token ids, random input/output lengths, ignore_eos) through:
   flashpage        our engine, --attention triton, CUDA graphs
-  flashpage_eager  our engine, --attention eager (same scheduler, batching and graphs)
+  flashpage_eager  our engine, --attention eager (same scheduler, batching and graphs; GPT-2 only by default)
   hf_eager         transformers generate, attn_implementation="eager", left-padded static batches
+  hf_sdpa          the same with attn_implementation="sdpa" (Llama-family models by default)
 and decode steps of our engine at several batch sizes against the floor
-(weight bytes + K/V bytes read) / measured copy bandwidth.
+(weight bytes + K/V bytes read) / measured copy bandwidth. `--family` picks the model: GPT-2 small
+(float16) or a Llama-family model at its published shape (bf16), random weights either way.
 
   python benchmarks/bench_throughput.py --out-dir benchmarks/results
+  python benchmarks/bench_throughput.py --family llama-3.2-1b --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from benchmarks.checkpoint import LLAMA_SHAPES, make_random_gpt2, make_random_llama  # noqa: E402
 from benchmarks.common import gpu_run_info, write_result  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
@@ -73,10 +76,10 @@ def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int, dict]:
     return dt, tokens, {k: round(v, 3) for k, v in split.items()}
 
 
-def run_hf(path, prompts, outs, batch: int) -> tuple[float, int]:
-    from transformers import GPT2LMHeadModel
+def run_hf(path, prompts, outs, batch: int, attn: str, dtype: torch.dtype) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype).cuda().eval()
 
     def one_batch(ps, os_):
         width = max(len(p) for p in ps)
@@ -155,50 +158,74 @@ def decode_steps(engine: LLMEngine, batches, context: int, copy_tbps: float, voc
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: random-initialised GPT-2 small)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: random weights of --family)")
+    ap.add_argument("--family", default="gpt2-small", choices=["gpt2-small", *LLAMA_SHAPES])
+    ap.add_argument("--hf-attn", nargs="+", default=None, choices=["eager", "sdpa"],
+                    help="transformers attention implementations to compare (default: eager for GPT-2, eager "
+                         "and sdpa for the Llama family)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, nargs=2, default=[128, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[128, 512])
     ap.add_argument("--hf-batch", type=int, default=256, help="requests per transformers generate call")
     ap.add_argument("--step-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--step-context", type=int, default=512)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["flashpage", "flashpage_eager", "hf_eager", "steps"])
+    ap.add_argument("--skip", nargs="*", default=None,
+                    choices=["flashpage", "flashpage_eager", "hf_eager", "hf_sdpa", "steps"],
+                    help="(default: none for GPT-2, flashpage_eager for the Llama family)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
 
-    path = args.model or make_random_gpt2(tempfile.mkdtemp(prefix="gpt2-small-"), "small")
-    vocab = 50257
+    gpt2 = args.family == "gpt2-small"
+    skip = args.skip if args.skip is not None else ([] if gpt2 else ["flashpage_eager"])
+    hf_attn = args.hf_attn or (["eager"] if gpt2 else ["eager", "sdpa"])
+    dtype = "float16" if gpt2 else "bfloat16"
+    work = tempfile.mkdtemp(prefix=f"{args.family}-")
+    path = args.model or (make_random_gpt2(work, "small") if gpt2 else make_random_llama(work, args.family))
+    from models import ModelSpec, load_config
+
+    spec = ModelSpec.from_hf_config(load_config(Path(path)))
+    vocab = spec.vocab_size
+    # The workload's longest request, with room: Llama-family contexts (128k) would size graphs for nothing.
+    max_model_len = min(spec.max_position_embeddings, 4096)
     prompts, outs = workload(args.num_requests, args.input_len, args.output_len, vocab, seed=0)
     copy_tbps = copy_bandwidth()
     print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
     rows = [dict(impl="copy", tbps=round(copy_tbps, 3))]
 
     for impl, attention in (("flashpage", "triton"), ("flashpage_eager", "eager")):
-        if impl in args.skip:
+        if impl in skip:
             continue
-        engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype="float16"))
+        engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype=dtype, max_model_len=max_model_len))
         gc.collect()
         gc.freeze()  # as `python -m server` does after start-up: no full collection walks the start-up heap
         dt, tokens, split = run_engine(engine, prompts, outs)
         rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
                          output_tokens_per_s=round(tokens / dt, 1), time_split=split))
         print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s) {split}", flush=True)
-        if impl == "flashpage" and "steps" not in args.skip:
+        if impl == "flashpage" and "steps" not in skip:
             rows += decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)
         engine.close()
         del engine
         gc.unfreeze()
-    if "hf_eager" not in args.skip:
-        dt, tokens = run_hf(path, prompts, outs, args.hf_batch)
-        rows.append(dict(impl="hf_eager", requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
+    for attn in hf_attn:
+        impl = f"hf_{attn}"
+        if impl in skip:
+            continue
+        dt, tokens = run_hf(path, prompts, outs, args.hf_batch, attn, getattr(torch, dtype))
+        rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
                          output_tokens_per_s=round(tokens / dt, 1), hf_batch=args.hf_batch))
-        print(f"{'hf_eager':16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
+        print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s)", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
 
     result = dict(gpu_run_info("bench_throughput.py", argv),
                   workload=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
-                                model="random-initialised GPT-2 small (124M), float16" if not args.model else args.model),
+                                model=args.model or ("random-initialised GPT-2 small (124M), float16" if gpt2 else
+                                                     f"random-initialised {args.family} shape ({spec.num_layers} layers, "
+                                                     f"{spec.num_heads}/{spec.num_kv_heads} heads x {spec.head_dim}, "
+                                                     f"vocab {spec.vocab_size}), bfloat16")),
                   rows=rows)
-    write_result(result, args.out_dir, "throughput")
+    write_result(result, args.out_dir, "throughput" if gpt2 else f"throughput_{args.family}")
     print(report(result))
     return result
 
@@ -212,7 +239,7 @@ def report(result: dict) -> str:
              f"{result['workload']['model']}, {result['device']}:", "",
              "| engine | output tokens/s | vs hf_eager |", "|---|---:|---:|"]
     base = tput.get("hf_eager", {}).get("output_tokens_per_s")
-    for impl in ("flashpage", "flashpage_eager", "hf_eager"):
+    for impl in ("flashpage", "flashpage_eager", "hf_eager", "hf_sdpa"):
         if impl in tput:
             v = tput[impl]["output_tokens_per_s"]
             lines.append(f"| {impl} | {v:,.0f} | {v / base:.1f}× |" if base else f"| {impl} | {v:,.0f} | |")

@@ -1,8 +1,9 @@
-"""Random-initialised GPT-2 checkpoints in Hugging Face format for benchmarks (no network here).
+"""Random-initialised checkpoints in Hugging Face format for benchmarks (no network here): GPT-2
+sizes and Llama-family models at their published shapes.
 
 The weights are random, the shapes are the real ones (GPT-2 small is 124M parameters), and the
 tokenizer is the embedded model's byte-level BPE; its vocabulary is smaller than the checkpoint's
-50257 rows, which only matters for reading the text, not for speed.
+rows, which only matters for reading the text, not for speed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,44 @@ def make_random_gpt2(path: str | Path, size: str = "small", seed: int = 0, dtype
     model = GPT2LMHeadModel(config)
     if dtype is not None:
         model = model.to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in _TOKENIZER_FILES:
+        if (EMBEDDED_MODEL / name).exists():
+            shutil.copy(EMBEDDED_MODEL / name, path / name)
+    return path
+
+
+# The published shapes (config.json of each model on the hub), bf16 as they are distributed.
+LLAMA_SHAPES = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "llama-3.2-1b": dict(model_type="llama", num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}),
+    "qwen3-0.6b": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=1024, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}
+
+
+def make_random_llama(path: str | Path, shape: str, seed: int = 0) -> Path:
+    """A random bf16 checkpoint of one of LLAMA_SHAPES, built by transformers' own model class."""
+    import torch
+    import transformers
+
+    from models import EMBEDDED_MODEL
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    fields = dict(LLAMA_SHAPES[shape])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     for name in _TOKENIZER_FILES:
         if (EMBEDDED_MODEL / name).exists():

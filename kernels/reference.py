@@ -127,3 +127,51 @@ def argmax_ref(logits, num_cols):
     """Greedy choice per row over the first num_cols columns (NaN counts as +inf, as in the kernel)."""
     x = logits[:, :num_cols].float()
     return torch.where(x.isnan(), float("inf"), x).argmax(dim=-1)
+
+
+# -- Model-dtype references (rope.py, rms_norm.py, silu_mul.py) --------------------------------------
+# Unlike the attention references above, these follow torch's own op-by-op rounding in the model
+# dtype: they are the exact math a Hugging Face-style model runs in eager PyTorch, which the kernels
+# reproduce bit-for-bit where the contract says so.
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] rotated by RoPE at positions [n], non-interleaved ("rotate_half"), as
+    transformers applies it: cos/sin [max_positions, d] fp32 looked up and rounded to x's dtype
+    first, then x * cos + rotate_half(x) * sin in x's dtype (each op rounded by torch)."""
+    c = cos[positions.long()][:, None, :].to(x.dtype)
+    s = sin[positions.long()][:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
+
+
+def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, write_cache=True):
+    """q and k rotated in place (rope_ref); then, with write_cache, rotated k and v scattered into the
+    caches at slot_mapping (kv_write_ref: slot -1 skipped). Returns (q, k)."""
+    q.copy_(rope_ref(q, positions, cos, sin))
+    k.copy_(rope_ref(k, positions, cos, sin))
+    if write_cache:
+        kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as transformers computes it: mean square and normalisation in fp32,
+    rounded to x's dtype, THEN multiplied by weight (x's dtype; the product rounded by torch)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + y, RMSNorm(x + y)): the residual add (rounded to x's dtype) and the next pre-norm."""
+    s = x + y
+    return s, rmsnorm_ref(s, weight, eps)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] merged gate/up projection -> silu(gate) * up, [n, inter], in gate_up's dtype:
+    F.silu (computed in fp32 by torch, rounded to the dtype), then the product (rounded)."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

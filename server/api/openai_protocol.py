@@ -1,5 +1,7 @@
-"""The OpenAI completions protocol: request schema, error objects, and the pieces that turn engine
-outputs into choices (text with stop-string hold-back, echo, logprobs). Routes: server/api/openai.py."""
+"""The OpenAI protocol shared by /v1/completions and /v1/chat/completions (the fields both requests
+have, error objects, usage, a choice's stop-string hold-back), and what is the completions' own: its
+request schema, prompts, echo and legacy logprobs. Routes: server/api/openai.py; chat:
+server/api/openai_chat_protocol.py."""
 
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share; `unsupported` lists the fields that
+    are accepted only at their defaults (`check_unsupported`)."""
+
     model_config = _STRICT
 
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND)
     temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0)
     top_p: float | None = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
@@ -39,11 +42,7 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
     user: str | None = None
-    suffix: str | None = None
-    best_of: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -51,6 +50,34 @@ class CompletionRequest(BaseModel):
     top_k: int = Field(DEFAULTS.top_k, ge=0, le=MAX_TOP_K)
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        """(field, at its default) for each field this server accepts only at its default."""
+        return [("presence_penalty", not self.presence_penalty), ("frequency_penalty", not self.frequency_penalty),
+                ("logit_bias", not self.logit_bias)]
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's parameters for choice `choice` (seeded `seed + choice`)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=DEFAULTS.temperature if self.temperature is None else self.temperature,
+            top_p=DEFAULTS.top_p if self.top_p is None else self.top_p, top_k=self.top_k,
+            seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+    def stop_strings(self) -> list[str]:
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        return [("suffix", self.suffix is None), ("best_of", self.best_of in (None, self.n)), *super().unsupported()]
 
 
 class OpenAIError(Exception):
@@ -79,16 +106,15 @@ def from_engine_error(e: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {e!r}", "server_error")
 
 
-def check_unsupported(body: CompletionRequest) -> None:
-    checks = [("suffix", body.suffix is None), ("best_of", body.best_of in (None, body.n)),
-              ("presence_penalty", not body.presence_penalty), ("frequency_penalty", not body.frequency_penalty),
-              ("logit_bias", not body.logit_bias)]
-    for param, ok in checks:
+def check_request(body: SamplingRequest) -> None:
+    for param, ok in body.unsupported():
         if not ok:
             raise OpenAIError(400, f"'{param}' is not supported by this server (only its default value is accepted)",
                               param=param, code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if any(has_surrogates(s) for s in body.stop_strings()):
+        raise OpenAIError(400, "'stop' holds a lone UTF-16 surrogate, which is not text", param="stop")
 
 
 def parse_prompts(prompt, tokenizer, limits: ServerLimits) -> list[tuple[str | None, list[int]]]:
@@ -137,16 +163,16 @@ class _Logprobs:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for (tid, lp), *alts in entries:
             tok = self._tok(tid)
-            top = {self._tok(t): _finite(v) for t, v in alts}
-            top.setdefault(tok, _finite(lp))
+            top = {self._tok(t): finite(v) for t, v in alts}
+            top.setdefault(tok, finite(lp))
             out["tokens"].append(tok)
-            out["token_logprobs"].append(_finite(lp))
+            out["token_logprobs"].append(finite(lp))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._advance(tok))
         return out
 
 
-def _finite(v: float) -> float:
+def finite(v: float) -> float:
     return max(float(v), -9999.0)  # JSON has no -inf
 
 
@@ -161,37 +187,60 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Choice:
-    """One choice (one engine request): turns its outputs into choice objects and accumulates them."""
+class ChoiceBase:
+    """One choice (one engine request) of either route. Its text goes out from the engine's cumulative
+    (stop-truncated) text, holding back a tail that could still become a stop string, so a stop
+    string spanning tokens never leaks and streamed and whole text agree. A route's subclass turns
+    each output into its choice objects: `chunks(out)` for a stream, `result()` for the whole."""
 
-    def __init__(self, index: int, text: str | None, ids: list[int], params: SamplingParams, echo: bool, tokenizer):
-        self.index, self.ids, self.params, self.echo = index, ids, params, echo
-        self.prompt_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
-        self.lp = _Logprobs(tokenizer) if params.logprobs is not None else None
+    def __init__(self, index: int, ids: list[int], params: SamplingParams) -> None:
+        self.index, self.ids, self.params = index, ids, params
         self.started = False
         self.completion_tokens = 0
         self.texts: list[str] = []  # what a non-streamed response accumulates
-        self.logprobs: dict | None = None
         self.finish_reason: str | None = None
-        # Text goes out from the engine's cumulative (stop-truncated) text, holding back a tail that
-        # could still become a stop string, so a stop string spanning tokens never leaks.
         self.emitted, self.hold = 0, max((len(s) for s in params.stop), default=1) - 1
 
-    def piece(self, out) -> dict:
-        """The choice object for one engine output (the first one carries the echoed prompt)."""
+    def advance(self, out) -> str:
+        """The new text of `out` that can go out now (all that is left once it is finished)."""
         end = len(out.text) if out.finished else max(self.emitted, len(out.text) - self.hold)
-        text, logprobs, self.emitted = out.text[self.emitted:end], None, end
+        text, self.emitted = out.text[self.emitted:end], end
+        self.completion_tokens = out.completion_tokens
+        self.finish_reason = out.finish_reason if out.finished else None
+        return text
+
+    def chunks(self, out) -> list[dict]:
+        raise NotImplementedError
+
+    def result(self) -> dict:
+        raise NotImplementedError
+
+
+class Choice(ChoiceBase):
+    """A completions choice: text (the first piece carries the echoed prompt) and legacy logprobs."""
+
+    def __init__(self, index: int, text: str | None, ids: list[int], params: SamplingParams, echo: bool, tokenizer):
+        super().__init__(index, ids, params)
+        self.echo = echo
+        self.prompt_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
+        self.lp = _Logprobs(tokenizer) if params.logprobs is not None else None
+        self.logprobs: dict | None = None
+
+    def chunks(self, out) -> list[dict]:
+        text, logprobs = self.advance(out), None
         if self.lp is not None:
             head = self.lp.prompt(self.ids) if self.echo and not self.started else None
             logprobs = _merge(head, self.lp.sampled(out.new_logprobs))
         if self.echo and not self.started:
             text = self.prompt_text + text
         self.started = True
-        self.completion_tokens = out.completion_tokens
         self.texts.append(text)
         self.logprobs = _merge(self.logprobs, logprobs)
-        self.finish_reason = out.finish_reason if out.finished else None
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}]
+
+    def result(self) -> dict:
+        return {"index": self.index, "text": "".join(self.texts), "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason}
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -202,11 +251,12 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     param = loc[0] if loc else None
     if err.get("type") == "json_invalid":
         return OpenAIError(400, "We could not parse the JSON body of your request.")
+    where = ".".join(loc)  # a nested field by its path: messages.0.role
     if err.get("type") == "extra_forbidden":
-        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        return OpenAIError(400, f"Unrecognized request argument supplied: {where}", param=param)
     if err.get("type") == "missing":
-        return OpenAIError(400, f"'{param}' is a required property" if param else "a JSON body is required", param=param)
+        return OpenAIError(400, f"'{where}' is a required property" if param else "a JSON body is required", param=param)
     if param == "prompt":
         return OpenAIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                            "token-id lists", param="prompt")
-    return OpenAIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=param)
+    return OpenAIError(400, f"{where or 'body'}: {err.get('msg')}", param=param)

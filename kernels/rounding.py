@@ -1,0 +1,31 @@
+"""Rounding an fp32 value to a model dtype inside a kernel, bit-for-bit as torch rounds it.
+
+The elementwise kernels in this folder (rope.py, rms_norm.py, silu_mul.py) reproduce a chain of
+torch operations in fp16/bf16, where torch rounds after every operation. They compute each step in
+fp32 and round it with ``round_to``: round-to-nearest-even, the rounding torch uses.
+
+fp16 uses Triton's conversion (round-to-nearest-even both on the GPU and under the interpreter).
+bf16 is rounded with integer arithmetic on the bits (torch's own ``round_to_nearest_even``), because
+Triton's interpreter truncates fp32 -> bf16 instead of rounding; on the GPU the result is the same
+as the hardware conversion, so kernels and their CPU tests share one rounding everywhere. NaN stays
+NaN (its sign and top payload bits kept, the quiet bit set).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """x (fp32) rounded to nearest-even in `dtype` (float32, float16 or bfloat16); returns `dtype`."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        hi = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        hi = tl.where(x != x, (bits >> 16) | 0x40, hi)
+        return hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16)
+    else:
+        return x.to(dtype)
