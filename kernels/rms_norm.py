@@ -22,11 +22,13 @@ rmsnorm contract (semantics = ``kernels.reference.rmsnorm_ref``):
 One program per row (a token, or a token's head); the row must fit one block (<= 32768 elements).
 
 Bit-exactness vs torch: the add, both roundings and the weight product are exact; only the fp32
-sum of squares is reduced in a different order than torch's, so rsqrt(mean + eps) can differ from
-torch's by an ulp of fp32 or so, and an element of h can then round to the neighbouring value: h
-matches torch to 1 ulp of the model dtype, with all but a small fraction of elements identical
-(on the GPU, torch's and Triton's rsqrt are the same approximate instruction; under the interpreter
-both are 1 / sqrt). s is always bit-identical.
+sum of squares is reduced in a different order than torch's (and on the GPU torch's mean and rsqrt
+are its own), so rsqrt(mean + eps) can differ from torch's in the last bits of fp32, and an element
+of normalised x can round to its neighbour (1 ulp), which the weight product can stretch to 2 ulp.
+s is always bit-identical; h matches torch to <= 2 ulp of the model dtype with nearly every element
+identical. Measured on an H100 (triton 3.6) against the model's RMSNorm, 4096 x 4096: fp16 411 of
+16.8M elements differ (max 2 ulp), bf16 36 (max 1 ulp), fp32 15% (max 5 ulp of fp32); per-head
+rows of 128: none. Under the interpreter: about 1 in 50000 (fp16/bf16).
 
 Not checked: NaN/inf in the input (they propagate as in torch), aliasing of out with x other than
 out=x exactly.

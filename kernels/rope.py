@@ -30,6 +30,7 @@ out = x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x[..., d/2:], x[
 torch rounds each product and the sum to x's dtype. The kernel computes each of those steps in fp32
 and rounds it (kernels/rounding.py), so the result is bit-identical to the reference in every dtype
 (fp32 too: the launch disables FMA contraction on the GPU, so x*cos + r*sin rounds twice, as torch).
+Measured bit-identical to the model's rotation on an H100 (triton 3.6) and under the interpreter.
 
 Not checked: positions in range of the tables, slot values in range of the cache, uniqueness of
 non-padding slots (duplicates would race), aliasing between q, k and v. Cache offsets are int64.
@@ -156,7 +157,7 @@ def rope_kv_write(
         *cache_args,
         HALF=half, HALF_PAD=half_pad, HQ_PAD=hq_pad, HKV_PAD=hkv_pad,
         BLOCK_SIZE=block_size, WRITE=bool(write_cache),
-        num_warps=1 if _INTERPRET else max(1, min(8, elems // 512)),
+        num_warps=1 if _INTERPRET else 1 << max(0, min(3, (elems // 512).bit_length() - 1)),  # a power of 2, <= 8
         enable_fp_fusion=False,  # x*cos + r*sin must round twice, as torch does (fp32)
     )
     return q, k

@@ -13,9 +13,11 @@ Grid: (num_tokens, cdiv(inter, BLOCK)); any inter (non-powers of two masked).
 
 Bit-exactness vs torch: the division is IEEE (div_rn) and both roundings are exact; exp is the only
 approximate step. On the GPU the kernel uses libdevice's expf, the same routine torch's CUDA silu
-calls, so the result matches torch's CUDA path; under the interpreter it uses numpy's exp, which can
-differ from torch's CPU exp (SLEEF) in the last bit of fp32, so a rare element of fp16/bf16 output
-rounds to the neighbouring value (1 ulp) and fp32 output agrees to a few ulp.
+calls: measured bit-identical to the model's ``F.silu(gate) * up`` on an H100 (triton 3.6, torch
+2.11) in fp16, bf16 and fp32 (58.7M elements each; Triton's fast tl.exp would give 12784 fp16
+elements off by up to 2 ulp). Under the interpreter it uses numpy's exp, which can differ from
+torch's CPU exp (SLEEF) in fp32's last bit, so a rare fp16/bf16 element (~2e-4 of them) rounds to
+the neighbouring value (1 ulp) and fp32 agrees to a few ulp.
 
 Not checked: NaN/inf (they propagate as in torch).
 """

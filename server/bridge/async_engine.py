@@ -24,10 +24,15 @@ from server.bridge.engine_process import EngineClient
 from server.bridge.messages import RequestRefused
 from server.bridge.thread_core import ThreadCore
 from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
-from server.engine.stop import ABORT, ERROR
+from server.engine.stop import ABORT, ERROR, TIMEOUT
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
+
+
+# Seconds past a request's deadline after which the API side ends it itself, should the engine not
+# have: steps take milliseconds, so only a stalled engine (or a command that never reached it) trips it.
+DEADLINE_BACKSTOP_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -90,6 +95,7 @@ class AsyncEngine:
         self.core = engine if isinstance(engine, EngineClient) else ThreadCore(engine)
         self.max_waiting = max_waiting  # admitted-but-not-running requests beyond which new ones get 503
         self.request_timeout = request_timeout  # seconds from arrival; the engine ends it then ("timeout")
+        self.deadline_backstop = DEADLINE_BACKSTOP_S
         self.draining = False  # shutting down: admit nothing new
         self._streams: dict[str, _Collector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,7 +144,13 @@ class AsyncEngine:
             raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
                                           f"{self.max_waiting}); retry later")
         stream = self._streams[request_id] = _Collector()
-        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        deadline, backstop = None, None
+        if self.request_timeout is not None:
+            deadline = time.monotonic() + self.request_timeout
+            # The engine ends the request at its deadline (server/engine/stop.py); this timer only
+            # answers the client if the engine cannot (a step that never returns, a lost command).
+            backstop = self._loop.call_later(self.request_timeout + self.deadline_backstop, self._cut_off,
+                                             request_id, TIMEOUT)
         self.core.add(request_id, prompt_token_ids, params, deadline)
         finished, last = False, None
         try:
@@ -159,6 +171,8 @@ class AsyncEngine:
                 finished, last = item.finished, item
                 yield item
         finally:
+            if backstop is not None:
+                backstop.cancel()
             if not finished:
                 self.abort(request_id)
 

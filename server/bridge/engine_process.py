@@ -129,11 +129,30 @@ class EngineClient:
 
     def _flush(self) -> None:
         commands, self._commands = self._commands, []
-        if commands and not self._closed:
+        if not commands or self._closed:
+            return
+        try:
+            data = encode(commands)
+        except Exception:  # a value msgpack cannot carry: refuse that request alone, send the rest
+            data = self._encode_each(commands)
+        try:
+            self._cmd.send_bytes(data)
+        except OSError as e:
+            self._lost(e)
+
+    def _encode_each(self, commands: list[Command]) -> bytes:
+        good, refused = [], []
+        for cmd in commands:
             try:
-                self._cmd.send_bytes(encode(commands))
-            except OSError as e:
-                self._lost(e)
+                encode([cmd])
+                good.append(cmd)
+            except Exception as e:
+                if isinstance(cmd, AddRequest):
+                    self._text.pop(cmd.request_id, None)
+                    refused.append(RequestRefused(cmd.request_id, f"the request cannot be sent to the engine: {e}"))
+        if refused:
+            self._deliver([], refused)
+        return encode(good)
 
     async def stop(self) -> None:
         if self._loop is not None and not self._closed:

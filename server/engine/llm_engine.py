@@ -70,9 +70,11 @@ class LLMEngine:
         """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
         sched, bm = self.scheduler, self.block_manager
         prefix = bm.allocator.stats
-        return EngineSnapshot(len(sched.running), len(sched.waiting), len(self.seqs), sched.num_preemptions,
-                              bm.num_blocks, bm.num_free_blocks, prefix.queries, prefix.hits,
-                              self.num_prompt_tokens, self.num_generated_tokens)
+        return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting), sequences=len(self.seqs),
+                              preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
+                              kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
+                              prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
+                              generation_tokens=self.num_generated_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     validated: bool = False, deadline: float | None = None) -> None:
@@ -123,9 +125,9 @@ class LLMEngine:
                 continue  # ended already (its entry is stale), or an id reused with a later deadline
             new_text, seq.emitted = seq.text[seq.emitted :], len(seq.text)
             self._retire(seq, TIMEOUT)
-            outputs.append(RequestOutput(rid, new_text, [], True, TIMEOUT, len(seq.prompt_token_ids),
-                                         len(seq.output_token_ids), [], seq.text, seq.output_token_ids,
-                                         seq.num_cached_prompt))
+            outputs.append(RequestOutput(rid, new_text, [], True, TIMEOUT, prompt_tokens=len(seq.prompt_token_ids),
+                                         completion_tokens=len(seq.output_token_ids), text=seq.text,
+                                         token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt))
         return outputs
 
     # -- the step -----------------------------------------------------------------------------
@@ -205,8 +207,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             self._retire(seq, ERROR)
-            outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, len(seq.prompt_token_ids),
-                                         len(seq.output_token_ids), text=seq.text,
+            outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
+                                         completion_tokens=len(seq.output_token_ids), text=seq.text,
                                          token_ids=list(seq.output_token_ids), error=message))
         if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
@@ -227,10 +229,10 @@ class LLMEngine:
         new_text, seq.emitted = seq.text[seq.emitted : end], end
         if reason is not None:
             self._retire(seq, reason)
-        return RequestOutput(
-            seq.request_id, new_text, [tok], reason is not None, reason, len(seq.prompt_token_ids),
-            len(seq.output_token_ids), [logprob] if logprob is not None else [], seq.text,
-            seq.output_token_ids, seq.num_cached_prompt)
+        return RequestOutput(seq.request_id, new_text, [tok], reason is not None, reason,
+                             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+                             new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
+                             token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Offline helper: run prompts to completion, return the final outputs in order."""

@@ -42,7 +42,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     first_token_time: float | None = None
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: chosen, then top alternatives
     # Asynchronous scheduling: a step is launched before the previous one's sampled ids reach the
     # host, so the newest token(s) may still be PLACEHOLDERs. `pending_row` is the row of the newest
     # one in the launched step's sampled ids (the runner gathers it on the GPU); `capped` stops

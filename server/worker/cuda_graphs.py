@@ -84,7 +84,7 @@ class DecodeGraphs:
     def _forward(self, n: int) -> torch.Tensor:
         ids, pos, slots, ctx, bt = self._views(self.staging.dev)
         meta = self.model.attention.metadata(StepRows(slots[:n], 0, context_lens=ctx[:n], decode_block_tables=bt[:n]))
-        logits = self.model.lm_head(self.model(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
+        logits = self.model.lm_head(self.model.forward(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
         argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n])
         return logits
 
@@ -173,7 +173,7 @@ class PrefillGraphs:
         n = self.num_tiles[t]
         rows = StepRows(slots[:t], t, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=bt)
         meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None)
-        logits = self.model.lm_head(self.model(ids[:t], pos[:t], self.kv_caches, meta)[ends])
+        logits = self.model.lm_head(self.model.forward(ids[:t], pos[:t], self.kv_caches, meta)[ends])
         argmax_rows(logits, self.model.vocab_size, out=self.ids)
         return logits
 

@@ -185,7 +185,7 @@ def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[S
         arrays.update(context_lens=[s.start + 1 for s in decodes],
                       decode_block_tables=pad_rows(tables, max(map(len, tables))))
     v = packer.pack(**arrays)
-    rows = StepRows(v["slot_mapping"], offset, v.get("cu_seqlens"), v.get("prefix_lens"),
-                    v.get("prefill_block_tables"), pf.lens, pf.prefix, v.get("context_lens"),
-                    v.get("decode_block_tables"))
+    rows = StepRows(v["slot_mapping"], offset, cu_seqlens=v.get("cu_seqlens"), prefix_lens=v.get("prefix_lens"),
+                    prefill_block_tables=v.get("prefill_block_tables"), chunk_lens=pf.lens, chunk_prefix=pf.prefix,
+                    context_lens=v.get("context_lens"), decode_block_tables=v.get("decode_block_tables"))
     return StepInputs(v["input_ids"], v["positions"], rows, v["ends"])

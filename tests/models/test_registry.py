@@ -99,8 +99,9 @@ def test_resolve_placeholders():
     assert placeholder_id(0) == -1 and placeholder_id(2) == -3
 
 
-def test_model_resolves_placeholders(tiny_ckpt):
-    model = load_model(tiny_ckpt, torch.float32, "cpu", "sdpa")
+@pytest.mark.parametrize("model_type", sorted(MODEL_FAMILIES))
+def test_every_family_resolves_placeholders(model_type, tmp_path):
+    model = load_model(CHECKPOINTS[model_type](tmp_path), torch.float32, "cpu", "sdpa")
     x, t = 3, 42
     sampled = torch.tensor([x, t], dtype=torch.int32)
     resolved = _prefill(model, [placeholder_id(1)], sampled)

@@ -73,3 +73,58 @@ def test_engine_process_outbox_merges_a_requests_outputs_until_sent():
     assert not box.dirty and not box.outputs
     box.flush(writer, lambda: 1 / 0, block=True)  # nothing waits: nothing sent, no snapshot taken
     assert not reader.poll(0.05)
+
+
+class _StalledCore:
+    """A core whose engine never answers (a step that never returns): only the backstop can."""
+
+    def __init__(self, engine):
+        self.engine, self.added, self.aborted = engine, [], []
+
+    def start(self, loop, deliver, die):
+        pass
+
+    def add(self, request_id, prompt_token_ids, params, deadline=None):
+        self.added.append((request_id, deadline))
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def stop(self):
+        pass
+
+
+def test_the_api_side_ends_a_request_whose_engine_stalls_past_its_deadline(tiny_ckpt):
+    import time
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", num_blocks=8))
+    core = _StalledCore(engine)
+
+    async def main():
+        aengine = AsyncEngine(engine, request_timeout=0.2)
+        aengine.core, aengine.deadline_backstop = core, 0.1
+        aengine.start()
+        t0 = time.monotonic()
+        outs = [o async for o in aengine.generate("r", [1, 2, 3], SamplingParams(max_tokens=4))]
+        return outs, time.monotonic() - t0
+
+    outs, elapsed = asyncio.run(main())
+    assert [(o.finished, o.finish_reason) for o in outs] == [(True, "timeout")]
+    assert 0.25 < elapsed < 5
+    (rid, deadline), = core.added
+    assert rid == "r" and deadline is not None and core.aborted == ["r"]  # the engine is told to let go
+
+
+def test_a_command_msgpack_cannot_carry_is_refused_alone():
+    from server.bridge.engine_process import EngineClient
+    from server.bridge.messages import AbortRequest, AddRequest, decode_down
+
+    client = object.__new__(EngineClient)  # no engine process: only the encoding path
+    delivered = []
+    client._text = {"big": ("", []), "ok": ("", [])}
+    client._deliver = lambda outputs, refused: delivered.extend(refused)
+    p = SamplingParams()
+    data = client._encode_each([AddRequest("big", [2**64], p), AddRequest("ok", [1], p), AbortRequest("gone")])
+    assert [type(c).__name__ for c in decode_down(data)] == ["AddRequest", "AbortRequest"]
+    assert [r.request_id for r in delivered] == ["big"] and "cannot be sent" in delivered[0].message
+    assert "big" not in client._text and "ok" in client._text
