@@ -9,6 +9,7 @@ import sys
 import time
 
 from models import BACKENDS, DTYPES
+from server.api.chat_template import read_chat_template
 from server.api.guards import ServerLimits, add_arguments, parse_bytes
 from server.config import EngineConfig
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text lines, or one JSON object per line (with request_id where known)")
     p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
                    help="seconds between engine summary lines while busy (0 = off)")
+    p.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
+                   help="Jinja chat template for /v1/chat/completions, in place of the tokenizer's own "
+                        "(needed when the model has none)")
     add_arguments(p)  # request limits, queue bound, deadline, shutdown grace, API key (server/api/guards.py)
     return p
 

@@ -218,7 +218,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
                              "usage": _usage(last.prompt_tokens, last.completion_tokens)}, headers=headers)
 
     app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
-    install_openai(app, limits)  # /v1/completions, /v1/models, OpenAI-shaped errors on /v1
+    install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors
     install_metrics(app, engine.engine)  # GET /metrics
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response
     return app

@@ -3,7 +3,8 @@ its client goes away.
 
 - `ServerLimits`: the bounds on a request (body bytes, prompt characters and tokens), the
   admission bounds the engine applies (waiting-queue length, per-request deadline), the shutdown
-  grace period and the optional API key; `add_arguments` puts them on the CLI.
+  grace period, the optional API key and the `--chat-template` override (its flag is in
+  server/cli.py); `add_arguments` puts the others on the CLI.
 - `GuardMiddleware` (pure ASGI, streaming-safe), in front of every route:
   1. bearer-token auth when an API key is set (`/health` stays open): 401 with `WWW-Authenticate`;
      the comparison is constant-time (`hmac.compare_digest`);
@@ -54,6 +55,7 @@ class ServerLimits:
     request_timeout: float | None = None  # seconds; None: no deadline
     shutdown_grace: float = 30.0
     api_key: str | None = None
+    chat_template: str | None = None  # --chat-template's text, in place of the tokenizer's own template
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
@@ -61,7 +63,8 @@ class ServerLimits:
                    max_prompt_tokens=args.max_prompt_tokens or None,
                    max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
                    request_timeout=args.request_timeout or None, shutdown_grace=args.shutdown_grace,
-                   api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None)
+                   api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None,
+                   chat_template=getattr(args, "chat_template", None))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,7 +193,7 @@ class ClientDisconnected(Exception):
     pass
 
 
-async def _wait_disconnect(request) -> None:
+async def wait_disconnect(request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -200,7 +203,7 @@ async def _wait_disconnect(request) -> None:
 async def until_disconnected(request, stream: AsyncIterator) -> AsyncIterator:
     """Yield from `stream` until it ends; if the client disconnects first, close `stream` (the
     engine aborts the request and frees its blocks at its next step) and raise ClientDisconnected."""
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
     nxt = None
     try:
         while True:

@@ -19,20 +19,20 @@ from server.sampling_params import SamplingParams
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as /generate: "5" is not 5, no NaN
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as /generate: "5" is not 5, no NaN
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share; `unsupported` lists the fields that
-    are accepted only at their defaults (`check_unsupported`)."""
+    are accepted only at their defaults (`check_request`)."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str
     temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0)
@@ -255,7 +255,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if err.get("type") == "extra_forbidden":
         return OpenAIError(400, f"Unrecognized request argument supplied: {where}", param=param)
     if err.get("type") == "missing":
-        return OpenAIError(400, f"'{where}' is a required property" if param else "a JSON body is required", param=param)
+        return OpenAIError(400, f"'{where}' is a required property" if param else "a JSON body is required",
+                           param=param)
     if param == "prompt":
         return OpenAIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                            "token-id lists", param="prompt")

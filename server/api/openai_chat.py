@@ -1,0 +1,62 @@
+"""POST /v1/chat/completions: OpenAI's chat schema over the same machinery as /v1/completions
+(server/api/openai_serving.py).
+
+- `messages`: roles system, user and assistant; `content` a string or a list of text parts
+  (joined with newlines). Other part types (images, audio) and other roles (tool) are a 400.
+- The prompt is the conversation rendered by the model's chat template, or `--chat-template FILE`
+  in its place, with the assistant's generation prompt, then tokenized without adding special
+  tokens (the template writes them): server/api/chat_template.py, off the event loop. No template
+  at all is a 400 naming `--chat-template`; a template that fails to render is a 400 with its error.
+- `max_completion_tokens` or the deprecated `max_tokens` (both given and different: 400); neither:
+  the rest of the model's context.
+- `logprobs: true` gives each token's log-probability, its bytes (of the token decoded alone) and
+  `top_logprobs` (0..20) alternatives, from the sampling step as /v1/completions does.
+- `n`, `seed` (choice j uses seed + j), `stop` (held back while streaming, so streamed and whole
+  text agree), `stream` with `stream_options.include_usage`, `user` (logged), and the extensions
+  `top_k`, `ignore_eos`, `stop_token_ids` behave as in /v1/completions. Accepted only at their
+  defaults: `presence_penalty`, `frequency_penalty`, `logit_bias`, `tools`, `tool_choice`,
+  `parallel_tool_calls`, `functions`, `function_call`, `response_format` ({"type": "text"}),
+  `store`, `modalities` (["text"]).
+- Whole: a `chat.completion` whose choices hold `message: {role: "assistant", content}`. Streamed:
+  `chat.completion.chunk`s; a choice's first chunk has `delta: {role: "assistant", content: ""}`,
+  then content deltas, then an empty delta with `finish_reason`; then the usage chunk (when asked)
+  and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import Request
+
+from server.api.chat_template import ChatTemplateError, render_chat
+from server.api.guards import LimitError, check_prompt_tokens
+from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
+from server.api.openai_protocol import OpenAIError
+from server.api.openai_serving import Route, answer, begin, choice_params, respond
+
+log = logging.getLogger("flashpage.openai")
+CHAT = Route("chat completion", "chatcmpl-", "chat.completion", "chat.completion.chunk")
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """POST /v1/chat/completions, on the /v1 router of server/api/openai.py."""
+    return await answer(_chat_completions(body, request))
+
+
+async def _chat_completions(body: ChatCompletionRequest, request: Request):
+    engine, limits = begin(body, request)
+    limit, top_n = body.completion_limit(), body.top_n()
+    messages = body.conversation(limits)
+    try:
+        _, ids = await asyncio.to_thread(render_chat, engine.tokenizer, messages, limits.chat_template)
+        check_prompt_tokens(len(ids), limits, "messages")
+    except (ChatTemplateError, LimitError) as e:
+        raise OpenAIError(400, str(e), param="messages") from None
+    max_tokens = limit if limit is not None else max(1, engine.max_model_len - len(ids))
+    choices = [ChatChoice(j, ids, params, engine.tokenizer)
+               for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]
+    log.info("chat completion: %d message(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s%s",
+             len(messages), len(ids), body.n, max_tokens, body.stream, f", user={body.user}" if body.user else "")
+    return await respond(request, CHAT, body, choices, len(ids))

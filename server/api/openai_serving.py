@@ -1,0 +1,172 @@
+"""What /v1/completions and /v1/chat/completions do alike once a body is parsed: the model check,
+each choice's SamplingParams (checked against the engine before anything runs), one engine request
+per choice, and the response: one JSON object, or SSE chunks then `data: [DONE]`.
+
+- Engine errors before the response starts keep their status code (a stream waits for the first
+  output before it answers 200); a failure mid-stream is a last `data: {"error": ...}` chunk.
+- A non-streaming client that disconnects has all its choices aborted (499 in the access log);
+  closing a stream aborts whatever still runs.
+- Each route's `ChoiceBase` subclass (server/api/openai_protocol.py) shapes its choice objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.api.guards import ServerLimits, wait_disconnect
+from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
+                                        usage_dict)
+from server.engine import RequestError
+from server.logs import request_id_var
+from server.sampling_params import SamplingParams
+
+log = logging.getLogger("flashpage.openai")
+ROUTE_ERRORS = {  # errors are OpenAI-shaped; validation errors are 400 here, not 422
+    400: {"description": "Invalid request"}, 404: {"description": "Unknown model"},
+    503: {"description": "Overloaded or shutting down (Retry-After), or the engine is dead"}}
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # for the log lines
+    id_prefix: str  # the response id is id_prefix + the request id
+    object: str  # of the whole response
+    chunk_object: str  # of each streamed chunk
+
+
+async def answer(handling: Awaitable):
+    """A route's answer: what its handler returns, or the OpenAIError it raised as a response."""
+    try:
+        return await handling
+    except OpenAIError as e:
+        return e.response()
+
+
+def begin(body: SamplingRequest, request: Request) -> tuple[object, ServerLimits]:
+    """The checks every body gets first (the model, fields at their defaults); the engine and limits."""
+    engine = request.app.state.engine.engine
+    if body.model != engine.model_name:
+        raise OpenAIError(404, f"The model '{body.model}' does not exist; this server serves '{engine.model_name}'",
+                          param="model", code="model_not_found")
+    check_request(body)
+    return engine, getattr(request.app.state, "limits", None) or ServerLimits()
+
+
+def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,
+                  param: str) -> list[SamplingParams]:
+    """The parameters of the `body.n` choices of one prompt, each validated as the engine will."""
+    if len(ids) + max_tokens > engine.max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, however "
+                          f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in your prompt; "
+                          f"{max_tokens} for the completion). Please reduce your prompt or completion length.",
+                          param=param, code="context_length_exceeded")
+    out = []
+    for j in range(body.n):
+        params = body.sampling_params(max_tokens, logprobs, j)
+        try:
+            engine.validate(ids, params)
+        except RequestError as e:
+            raise OpenAIError(400, str(e), param=param) from None
+        out.append(params)
+    return out
+
+
+async def respond(request: Request, route: Route, body: SamplingRequest, choices: list[ChoiceBase],
+                  prompt_tokens: int):
+    """Run every choice on the engine and answer: a JSON response, or an SSE stream."""
+    aengine = request.app.state.engine
+    rid = request_id_var.get() or request.headers.get("x-request-id") or uuid.uuid4().hex
+    head = {"id": route.id_prefix + rid, "object": route.chunk_object if body.stream else route.object,
+            "created": int(time.time()), "model": aengine.engine.model_name}
+    queue: asyncio.Queue = asyncio.Queue()
+    tag = uuid.uuid4().hex[:8]  # engine ids stay unique even when a client reuses its X-Request-ID
+
+    async def pump(c: ChoiceBase) -> None:
+        stream = aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True)
+        try:
+            async for out in stream:
+                queue.put_nowait((c, out))
+        except Exception as e:
+            queue.put_nowait((c, e))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+
+    async def cancel() -> None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    if body.stream:
+        try:
+            first = await queue.get()  # engine errors before the response starts get a status code
+        except BaseException:
+            await cancel()
+            raise
+        if isinstance(first[1], BaseException):
+            await cancel()
+            raise from_engine_error(first[1])
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        gen = _stream(route, first, queue, choices, head, include_usage, prompt_tokens, cancel)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    done = 0
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        while done < len(choices):
+            getter = asyncio.ensure_future(queue.get())
+            finished, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in finished:
+                getter.cancel()
+                log.info("client disconnected; aborting %d sequence(s)", len(choices))
+                return JSONResponse(OpenAIError(499, "client disconnected").body(), status_code=499)
+            c, out = getter.result()
+            if isinstance(out, BaseException):
+                raise from_engine_error(out)
+            c.chunks(out)
+            done += out.finished
+    finally:
+        watcher.cancel()
+        await cancel()
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    log.info("%s done: prompt_tokens=%d, completion_tokens=%d, finish_reason=%s", route.name, prompt_tokens,
+             completion_tokens, ",".join(sorted({str(c.finish_reason) for c in choices})))
+    return {**head, "choices": [c.result() for c in choices], "usage": usage_dict(prompt_tokens, completion_tokens)}
+
+
+async def _stream(route: Route, first, queue: asyncio.Queue, choices: list[ChoiceBase], head: dict,
+                  include_usage: bool, prompt_tokens: int, cancel):
+    """SSE chunks, one per choice object of each engine output; closing the stream aborts what still runs."""
+    extra = {"usage": None} if include_usage else {}
+    done, item = 0, first
+    try:
+        while True:
+            c, out = item
+            if isinstance(out, BaseException):
+                yield f"data: {json.dumps(from_engine_error(out).body())}\n\n"
+                break
+            for piece in c.chunks(out):
+                yield f"data: {json.dumps({**head, 'choices': [piece], **extra})}\n\n"
+            done += out.finished
+            if done == len(choices):
+                completion_tokens = sum(ch.completion_tokens for ch in choices)
+                log.info("%s done (stream): prompt_tokens=%d, completion_tokens=%d", route.name, prompt_tokens,
+                         completion_tokens)
+                if include_usage:
+                    usage = usage_dict(prompt_tokens, completion_tokens)
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                break
+            item = await queue.get()
+        yield "data: [DONE]\n\n"
+    finally:
+        await cancel()
