@@ -8,13 +8,9 @@ import logging
 import sys
 import time
 
-from models import BACKENDS, DTYPES
 from server.api.chat_template import read_chat_template
 from server.api.guards import ServerLimits, add_arguments, parse_bytes
-from server.config import EngineConfig
-
-DTYPE_NAMES = ["float32", "float16", "bfloat16"]
-assert all(n in DTYPES for n in DTYPE_NAMES)
+from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, EngineConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name, help="name reported by the API (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPE_NAMES], help="auto = float16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
+                   help="auto = on CUDA the checkpoint's float16/bfloat16 (else float16), on CPU float32")
     p.add_argument("--device", default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
-    p.add_argument("--attention", default=d.attention, choices=list(BACKENDS),
+    p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks to allocate (overrides the memory budget)")

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The CLI's choices, spelled here so that `python -m server --help` need not import torch to list
+# them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
+ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
+DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # local directory or hub id; None = the embedded model
     served_model_name: str | None = None  # None = model (or "flashpage-embedded")
-    dtype: str = "auto"  # auto = float16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto = the checkpoint's fp16/bf16 on CUDA (else float16), float32 on CPU
     device: str | None = None  # None = cuda if available
     attention: str | None = None  # triton | eager | sdpa; None = triton on CUDA, sdpa on CPU
     block_size: int = 16  # tokens per KV block

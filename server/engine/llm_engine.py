@@ -217,7 +217,10 @@ class LLMEngine:
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
         """The stop rule (server/engine/stop.py) applied to a sequence's newest token."""
         p = seq.params
-        reason = token_stop(tok, len(seq.output_token_ids), len(seq.token_ids), p, self.eos_token_ids,
+        # Resolved tokens only: with asynchronous scheduling token_ids already holds the next step's
+        # placeholder, which would end a sequence at the context limit one token early.
+        num_output = len(seq.output_token_ids)
+        reason = token_stop(tok, num_output, len(seq.prompt_token_ids) + num_output, p, self.eos_token_ids,
                             self.max_model_len)
         decoded = self.detokenizer.step(seq, final=reason is not None)
         if p.stop and decoded:

@@ -313,3 +313,12 @@ def test_a_request_that_ends_first_leaves_no_deadline_behind(tiny_ckpt):
     outs = [o for _ in range(10) if eng.has_unfinished() for o in eng.step()]
     assert [o.finish_reason for o in outs if o.finished] == ["length"]  # the stale entry is skipped
     assert eng.deadlines == []
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_filling_the_context_gets_every_token(tiny_ckpt, async_scheduling):
+    # prompt + max_tokens == the context (256): with a step in flight, its placeholder must not count.
+    eng = _engine(tiny_ckpt, async_scheduling=async_scheduling)
+    out = eng.generate([list(range(1, 44))], SamplingParams(max_tokens=213, temperature=0.0, ignore_eos=True))[0]
+    assert (len(out.token_ids), out.finish_reason) == (213, "length")
+    assert eng.block_manager.check_all_free()

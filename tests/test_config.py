@@ -1,0 +1,20 @@
+"""server/config.py spells the CLI's choices without importing torch: they must stay what the
+models package serves."""
+
+import subprocess
+import sys
+
+from models import BACKENDS, DTYPES
+from server.config import ATTENTION_BACKENDS, DTYPE_NAMES
+
+
+def test_cli_choices_match_the_models_package():
+    assert tuple(ATTENTION_BACKENDS) == tuple(BACKENDS)
+    assert DTYPE_NAMES[0] == "auto" and all(name in DTYPES for name in DTYPE_NAMES[1:])
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, server.cli as c; c.build_parser().format_help(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
