@@ -80,3 +80,39 @@ def make_llama_checkpoint(path, model_type="llama", num_hidden_layers=2, num_att
                     p.normal_(0, 0.2)
     model.save_pretrained(path)
     return path
+
+
+def bits(t):
+    """The raw bits of a 16- or 32-bit float tensor, for bit-for-bit comparisons."""
+    import torch
+
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def ulps(a, b):
+    """|a - b| in units in the last place of their (common) dtype, for finite values: the distance
+    between the two values' positions in the ordered sequence of representable numbers."""
+    import torch
+
+    def ordered(t):
+        i = bits(t).long()
+        sign = 1 << (8 * t.element_size() - 1)
+        return torch.where(i < 0, -(i + sign), i)  # two's-complement bits of -x, made monotonic
+    return (ordered(a) - ordered(b)).abs()
+
+
+def prefill_logits(model, ids: list[int], dtype=None):
+    """One sequence through a model as a single prefill chunk over a fresh paged cache, through the
+    model contract (models/base.py): fp32 logits of every position."""
+    import torch
+
+    from kvcache import CacheSpec, allocate_kv_cache
+    from models import StepRows
+
+    s, n = model.spec, len(ids)
+    cache = CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, dtype or torch.float32)
+    caches = allocate_kv_cache(cache, -(-n // 16), "cpu")
+    rows = StepRows(torch.arange(n, dtype=torch.int32), n, torch.tensor([0, n], dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
+    hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
+    return model.lm_head(hidden)[:, : model.vocab_size].float()

@@ -16,34 +16,23 @@ from kernels.reference import add_rmsnorm_ref, rmsnorm_ref
 from kernels.rms_norm import add_rmsnorm, rmsnorm
 from models.llama import RMSNorm
 
+from tests.helpers import bits, ulps  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place of their dtype (finite values)."""
-    def ordered(t):
-        i = _bits(t).long()
-        sign = 1 << (8 * t.element_size() - 1)
-        return torch.where(i < 0, -(i + sign), i)  # the two's-complement bits of -x, made monotonic
-    return (ordered(a) - ordered(b)).abs()
 
 
 def _assert_close_ulp(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if not out.numel():
         return
-    ulps = _ulps(out, ref)
+    dist = ulps(out, ref)
     if out.dtype == torch.float32:  # nothing rounds the fp32 result: a few ulp of rsqrt's input
-        assert ulps.max().item() <= 8, f"{what}: {ulps.max().item()} ulp"
+        assert dist.max().item() <= 8, f"{what}: {dist.max().item()} ulp"
         return
     # normalised x can round to its neighbour (1 ulp); the weight (0.5..1.5) can stretch that to 2.
-    off = int((ulps > 0).sum())
-    assert ulps.max().item() <= 2, f"{what}: {ulps.max().item()} ulp"
+    off = int((dist > 0).sum())
+    assert dist.max().item() <= 2, f"{what}: {dist.max().item()} ulp"
     assert off <= 1 + out.numel() // 500, f"{what}: {off} of {out.numel()} elements off"
 
 
@@ -58,7 +47,7 @@ def test_reference_is_the_model_rmsnorm():
         norm = RMSNorm(100, 1e-6).to(dtype)
         with torch.no_grad():
             norm.weight.copy_(torch.rand(100, generator=g) + 0.5)
-            assert torch.equal(_bits(norm(x)), _bits(rmsnorm_ref(x, norm.weight, 1e-6)))
+            assert torch.equal(bits(norm(x)), bits(rmsnorm_ref(x, norm.weight, 1e-6)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +61,7 @@ def test_add_rmsnorm_matches_reference(dtype, n, hidden):
     x_in = x.clone()
     s, h = add_rmsnorm(x_in, y, w, 1e-5)
     assert s.data_ptr() == x_in.data_ptr()  # the residual stream is updated in place
-    assert torch.equal(_bits(s), _bits(ref_s)), "the residual add must be bit-exact"
+    assert torch.equal(bits(s), bits(ref_s)), "the residual add must be bit-exact"
     _assert_close_ulp(h, ref_h, f"h {dtype} {n}x{hidden}")
 
 
@@ -90,11 +79,11 @@ def test_add_rmsnorm_strided_rows_and_out(dtype):
     out = torch.full((n, hidden), float("nan"), dtype=dtype, device=DEVICE)
     s, h = add_rmsnorm(x, y, w, 1e-6, out=out)
     assert h.data_ptr() == out.data_ptr()
-    assert torch.equal(_bits(s), _bits(ref_s))
+    assert torch.equal(bits(s), bits(ref_s))
     _assert_close_ulp(h, ref_h, "strided h")
     # Columns of the buffer outside the view are untouched.
-    assert torch.equal(_bits(xb[:, :5]), _bits(xb_before[:, :5]))
-    assert torch.equal(_bits(xb[:, 5 + hidden :]), _bits(xb_before[:, 5 + hidden :]))
+    assert torch.equal(bits(xb[:, :5]), bits(xb_before[:, :5]))
+    assert torch.equal(bits(xb[:, 5 + hidden :]), bits(xb_before[:, 5 + hidden :]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,6 +110,6 @@ def test_rmsnorm_rows_and_heads(dtype):
         assert rmsnorm(k, wk, 1e-6, out=k).data_ptr() == k.data_ptr()  # in place, inside the buffer
         _assert_close_ulp(k, ref_k, f"k heads {kv_heads}x{d} in place")
         # q and v untouched by the in-place k norm.
-        assert torch.equal(_bits(qkv[:, : heads * d]), _bits(before[:, : heads * d]))
-        assert torch.equal(_bits(qkv[:, (heads + kv_heads) * d :]), _bits(before[:, (heads + kv_heads) * d :]))
+        assert torch.equal(bits(qkv[:, : heads * d]), bits(before[:, : heads * d]))
+        assert torch.equal(bits(qkv[:, (heads + kv_heads) * d :]), bits(before[:, (heads + kv_heads) * d :]))
     assert rmsnorm(x[:0], w, 1e-6).shape == (0, 1000)

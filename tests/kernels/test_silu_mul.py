@@ -17,21 +17,10 @@ from kernels.reference import silu_mul_ref
 from kernels.silu_mul import silu_mul
 from models.llama import LlamaMLP
 
+from tests.helpers import bits, ulps  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place of their dtype (finite values)."""
-    def ordered(t):
-        i = _bits(t).long()
-        sign = 1 << (8 * t.element_size() - 1)
-        return torch.where(i < 0, -(i + sign), i)
-    return (ordered(a) - ordered(b)).abs()
 
 
 def _assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -39,14 +28,14 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     if not out.numel():
         return
     if DEVICE == "cuda" and out.dtype != torch.float32:
-        assert torch.equal(_bits(out), _bits(ref)), f"{what}: not bit-identical to torch on the GPU"
+        assert torch.equal(bits(out), bits(ref)), f"{what}: not bit-identical to torch on the GPU"
         return
-    ulps = _ulps(out, ref)
+    dist = ulps(out, ref)
     if out.dtype == torch.float32:
-        assert ulps.max().item() <= 4, f"{what}: {ulps.max().item()} ulp"
+        assert dist.max().item() <= 4, f"{what}: {dist.max().item()} ulp"
         return
-    off = int((ulps > 0).sum())
-    assert ulps.max().item() <= 1, f"{what}: {ulps.max().item()} ulp"
+    off = int((dist > 0).sum())
+    assert dist.max().item() <= 1, f"{what}: {dist.max().item()} ulp"
     assert off <= 1 + out.numel() // 500, f"{what}: {off} of {out.numel()} elements off by an ulp"
 
 
@@ -63,7 +52,7 @@ def test_reference_is_the_model_mlp():
         gate_up = (torch.randn(5, 2 * inter, generator=g) * 4).to(dtype)
         with torch.no_grad():
             mlp(gate_up)
-        assert torch.equal(_bits(seen[-1]), _bits(silu_mul_ref(gate_up)))
+        assert torch.equal(bits(seen[-1]), bits(silu_mul_ref(gate_up)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

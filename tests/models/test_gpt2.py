@@ -2,23 +2,10 @@
 
 import pytest
 import torch
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, prefill_logits
 from transformers import GPT2LMHeadModel as HFModel
 
-from kvcache import CacheSpec, allocate_kv_cache
-from models import StepRows, load_model, load_tokenizer
-
-
-def _prefill_logits(model, ids: list[int], dtype) -> torch.Tensor:
-    """Run one sequence through our model as a single prefill chunk, through the model contract;
-    fp32 logits for every position."""
-    s = model.spec
-    caches = allocate_kv_cache(CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, dtype), -(-len(ids) // 16), "cpu")
-    n = len(ids)
-    rows = StepRows(torch.arange(n, dtype=torch.int32), n, torch.tensor([0, n], dtype=torch.int32),
-                    torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
-    return model.lm_head(hidden)[:, : model.vocab_size].float()
+from models import load_model, load_tokenizer
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "small_ckpt"])
@@ -31,7 +18,7 @@ def test_logits_match_transformers(ckpt, attention, request):
     ids = torch.randint(0, hf.config.vocab_size, (37,), generator=g).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    got = _prefill_logits(ours, ids, torch.float32)
+    got = prefill_logits(ours, ids, torch.float32)
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
@@ -45,7 +32,7 @@ def test_pytorch_bin_checkpoint_and_extra_config(tmp_path):
     ids = list(range(3, 40))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_prefill_logits(ours, ids, torch.float32), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(prefill_logits(ours, ids, torch.float32), ref, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -56,7 +43,7 @@ def test_half_precision_loads_and_stays_close(tiny_ckpt, dtype):
     ids = list(range(10, 30))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    got = _prefill_logits(ours, ids, dtype)
+    got = prefill_logits(ours, ids, dtype)
     err = (got - ref).norm() / ref.norm()
     assert err < 3e-2, err
 
@@ -66,10 +53,10 @@ def test_loader_errors(tmp_path):
         from models import resolve_model_path
 
         resolve_model_path(str(tmp_path / "missing") + "/")
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     from models import load_config
 
-    with pytest.raises(ValueError, match=r"model_type 'llama' is not supported; flashpage serves: gpt2"):
+    with pytest.raises(ValueError, match=r"model_type 'mamba' is not supported; flashpage serves: gpt2, llama, mistral, qwen2, qwen3"):
         load_config(tmp_path)
 
 

@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from tests.helpers import make_llama_checkpoint
+from tests.helpers import make_llama_checkpoint, prefill_logits
 from transformers import AutoModelForCausalLM
 
-from kvcache import CacheSpec, allocate_kv_cache
-from models import StepRows, eos_token_ids, load_config, load_model
+from models import eos_token_ids, load_config, load_model
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams
@@ -38,17 +37,6 @@ def ckpt(request, tmp_path_factory):
     return make_llama_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **extra)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    s = model.spec
-    caches = allocate_kv_cache(CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, torch.float32),
-                               -(-len(ids) // 16), "cpu")
-    n = len(ids)
-    rows = StepRows(torch.arange(n, dtype=torch.int32), n, torch.tensor([0, n], dtype=torch.int32),
-                    torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
-    return model.lm_head(hidden)[:, : model.vocab_size].float()
-
-
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_logits_match_transformers(ckpt, attention):
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -56,7 +44,7 @@ def test_logits_match_transformers(ckpt, attention):
     ids = torch.randint(0, hf.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(ours, ids), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(prefill_logits(ours, ids), ref, atol=2e-4, rtol=2e-4)
 
 
 def _hf_greedy(hf, prompt, n):
