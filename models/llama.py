@@ -63,9 +63,10 @@ class Rotary:
     computed once at load; `rotate` looks up a step's positions (graph-safe: a gather)."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device) -> None:
-        rope_type = rope_parameters(config)["rope_type"]
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
         if rope_type == "default":
-            base = config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None) else config.rope_theta
+            base = params.get("rope_theta") or config.rope_theta
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
             scaling = 1.0
         else:

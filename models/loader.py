@@ -81,15 +81,13 @@ def checkpoint_dtype(path: Path) -> torch.dtype | None:
     return DTYPES.get(name) if isinstance(name, str) else None
 
 
-def eos_token_ids(path: Path, config: PretrainedConfig) -> list[int]:
+def eos_token_ids(path: Path) -> list[int]:
     """Every end-of-sequence id the checkpoint declares: generation_config.json's `eos_token_id`
-    (Llama 3 lists several) and the config's, int or list."""
+    (Llama 3 lists several), then config.json's; each an int or a list."""
     found: list[int] = []
-    sources = [getattr(config, "eos_token_id", None)]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
-    for ids in sources:
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        ids = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
         for i in ids if isinstance(ids, list) else [ids]:
             if isinstance(i, int) and i not in found:
                 found.append(i)

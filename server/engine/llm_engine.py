@@ -14,7 +14,7 @@ import logging
 import time
 
 from kvcache import BlockManager
-from models import eos_token_ids, load_config, load_tokenizer, resolve_model_path
+from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
 from server.engine.faults import FaultInjector
@@ -44,7 +44,7 @@ class LLMEngine:
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config)
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
-        eos = eos_token_ids(path, load_config(path)) + [self.tokenizer.eos_token_id]
+        eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}

@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache_spec: CacheSpec, device: torch.device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
-        self.spec = cache_spec
+        self.cache_spec = cache_spec
         self.block_size = cache_spec.block_size
         self.device = device
         self.max_num_seqs = max_num_seqs
@@ -78,7 +78,7 @@ class ModelRunner:
         """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
         max_num_seqs rows) against a one-block cache and return the peak bytes it allocated."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        caches = allocate_kv_cache(self.spec, 1, self.device)
+        caches = allocate_kv_cache(self.cache_spec, 1, self.device)
         n, seqs = self.max_tokens, self.max_num_seqs
         per = -(-n // seqs)
         lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
@@ -94,7 +94,7 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device)
 
     def allocate_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
+        self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device)
 
     @torch.inference_mode()
     def warmup(self) -> None:

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import make_llama_checkpoint, prefill_logits
 from transformers import AutoModelForCausalLM
 
-from models import eos_token_ids, load_config, load_model
+from models import eos_token_ids, load_model
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams
@@ -87,7 +87,7 @@ def test_every_eos_id_in_generation_config_stops(tmp_path):
     gen = json.loads((ckpt / "generation_config.json").read_text())
     gen["eos_token_id"] = [gen.get("eos_token_id", 0), first[3]]  # Llama 3 style: a list
     (ckpt / "generation_config.json").write_text(json.dumps(gen))
-    assert first[3] in eos_token_ids(ckpt, load_config(ckpt))
+    assert first[3] in eos_token_ids(ckpt)
     out = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", num_blocks=32)).generate(
         [[3, 4, 5]], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[3]) + 1]
