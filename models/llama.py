@@ -10,10 +10,11 @@ each at load. Activations are `[num_tokens, hidden]`; where each token's K/V go 
 to is in the `AttentionMetadata` (models/attention/base.py).
 
 On CUDA a decode step at small batch is bound by kernel launches, so there each residual add shares a
-kernel with the next RMSNorm (kernels/rms_norm.py), Q and K are rotated in place in one launch
-(kernels/rope.py) and the MLP's SiLU-and-multiply is one launch (kernels/silu_mul.py); elsewhere the
-same arithmetic runs as torch ops (the kernels' references: rope and silu bit-identical, RMSNorm
-within 2 ulp of torch's summation order).
+kernel with the next RMSNorm (kernels/rms_norm.py) and the MLP's SiLU-and-multiply is one launch
+(kernels/silu_mul.py); elsewhere the same arithmetic runs as torch ops (the kernels' references: silu
+bit-identical, RMSNorm within 2 ulp of torch's summation order). The rotation of Q and K is handed
+to the attention backend (models/attention/base.py `Rope`), which does it in the launch that writes
+K/V on the Triton backend (kernels/rope.py) and as torch ops on the others (bit-identical).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.rms_norm import add_rmsnorm, rmsnorm
-from kernels.rope import rope
 from kernels.silu_mul import silu_mul
-from models.attention import AttentionBackend, AttentionMetadata, make_backend
+from models.attention import AttentionBackend, AttentionMetadata, Rope, make_backend
 from models.base import resolve_placeholders
 from models.spec import ModelSpec
 
@@ -60,7 +60,7 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 class Rotary:
     """cos and sin of every position up to max_position_embeddings ([positions, head_dim] fp32),
-    computed once at load; `rotate` looks up a step's positions (graph-safe: a gather)."""
+    computed once at load; the attention backend looks a step's positions up (graph-safe: a gather)."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device) -> None:
         params = rope_parameters(config)
@@ -75,14 +75,6 @@ class Rotary:
         freqs = pos[:, None] * inv_freq.float().to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim]; as transformers applies it: cos/sin rounded to x's dtype first."""
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -107,16 +99,14 @@ class LlamaAttention(nn.Module):
         n, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
-        if x.is_cuda:  # in place, on views of the QKV output: two launches (one with Qwen3's norms: three)
-            if self.qk_norm:
+        if self.qk_norm:
+            if x.is_cuda:  # in place, on views of the QKV output
                 rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
                 rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
-            rope(q, k, positions, self.rotary.cos, self.rotary.sin)
-        else:
-            if self.qk_norm:
+            else:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary.rotate(q, positions), self.rotary.rotate(k, positions)
-        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        rope = Rope(positions, self.rotary.cos, self.rotary.sin)
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from models.attention.base import AttentionBackend, AttentionMetadata, StepRows
+from models.attention.base import AttentionBackend, AttentionMetadata, Rope, StepRows
 
 BACKENDS = ("triton", "eager", "sdpa")
 
@@ -23,4 +23,4 @@ def make_backend(kind: str, head_dim: int) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {kind!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "Rope", "StepRows", "make_backend"]

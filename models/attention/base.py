@@ -56,6 +56,17 @@ class AttentionMetadata:
     prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(slots=True)
+class Rope:
+    """Rotary positions for one layer call: the step's token positions and the model's tables.
+    A backend given one rotates q and k (in place where it can) before it writes K/V and attends,
+    so that rotation, the K/V write and (on the Triton backend) the query rotation share a launch."""
+
+    positions: torch.Tensor  # [num_tokens] int32 / int64
+    cos: torch.Tensor  # [max_positions, head_dim] fp32, "rotate_half" layout (kernels/rope.py)
+    sin: torch.Tensor
+
+
 def base_metadata(rows: StepRows) -> AttentionMetadata:
     return AttentionMetadata(rows.slot_mapping, rows.num_prefill_tokens, rows.cu_seqlens, rows.prefix_lens,
                              rows.prefill_block_tables, rows.context_lens, rows.decode_block_tables)
@@ -71,9 +82,11 @@ class AttentionBackend(Protocol):
         """This step's metadata, built once and handed to every layer."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [num_tokens, heads, d], k/v [num_tokens, kv_heads, d]: write k/v at `slot_mapping`,
-        attend, return [num_tokens, heads, d]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                rope: Rope | None = None) -> torch.Tensor:
+        """q [num_tokens, heads, d], k/v [num_tokens, kv_heads, d]: rotate q and k if `rope` is
+        given (bit-identical to kernels.reference.rope_ref), write k/v at `slot_mapping`, attend,
+        return [num_tokens, heads, d]. q and k may be modified in place."""
 
     def warmup(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int) -> None:
         """Compile what batch shapes could otherwise compile mid-serving."""

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import rope_ref
 from kvcache.cache import scratch_slot
-from models.attention.base import AttentionMetadata, StepRows, base_metadata
+from models.attention.base import AttentionMetadata, Rope, StepRows, base_metadata
 
 
 def _write_kv_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -52,7 +53,10 @@ class TorchAttention:
             meta.prefix_lens_host = rows.chunk_prefix
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                rope: Rope | None = None) -> torch.Tensor:
+        if rope is not None:  # torch ops, as transformers rotates (kernels/rope.py is bit-identical)
+            q, k = rope_ref(q, rope.positions, rope.cos, rope.sin), rope_ref(k, rope.positions, rope.cos, rope.sin)
         _write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens

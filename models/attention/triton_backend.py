@@ -1,8 +1,10 @@
-"""Our kernels: K/V write (kernels/kv_write.py), flash prefill with a paged prefix
-(kernels/flash_prefill.py), paged decode (kernels/paged_decode.py).
+"""Our kernels: K/V write (kernels/kv_write.py, or kernels/rope.py with rotary positions), flash
+prefill with a paged prefix (kernels/flash_prefill.py), paged decode (kernels/paged_decode.py).
 
-In a step of decodes only, the decode kernel writes this step's K/V itself (one launch a layer
-fewer). Prefill steps can be captured in CUDA graphs: the flash prefill kernel then walks a tile
+Launches per layer call: in a step of decodes only, the decode kernel writes this step's K/V itself
+(after the query/key rotation, if any: 1 or 2 launches); in a step with prefill chunks one launch
+rotates q and k and writes K/V (rope_kv_write; kv_write without rotary positions), then the prefill
+kernel, then the decode kernel for the step's decode rows. Prefill steps can be captured in CUDA graphs: the flash prefill kernel then walks a tile
 map (which query tile of which chunk each program takes) built on the host for each replay, so its
 grid never changes; the map is this backend's to size and fill.
 """
@@ -15,7 +17,8 @@ import torch
 from kernels.flash_prefill import block_m, flash_prefill, tile_map
 from kernels.kv_write import kv_write
 from kernels.paged_decode import paged_decode, warmup_split_variants
-from models.attention.base import AttentionMetadata, StepRows, base_metadata
+from kernels.rope import rope_kv_write
+from models.attention.base import AttentionMetadata, Rope, StepRows, base_metadata
 
 
 class TritonAttention:
@@ -33,14 +36,20 @@ class TritonAttention:
             meta.has_prefix = any(rows.chunk_prefix)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                rope: Rope | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
         if not p:  # decodes only: the decode kernel writes this step's K/V itself
+            if rope is not None:
+                rope_kv_write(q, k, None, rope.positions, rope.cos, rope.sin, None, None, None, write_cache=False)
             paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out,
                          k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
             return out
-        kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is not None:  # rotation and the K/V write in one launch
+            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
         flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],
                       v_cache=cache[1], block_tables=meta.prefill_block_tables, prefix_lens=meta.prefix_lens,

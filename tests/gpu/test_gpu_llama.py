@@ -1,7 +1,7 @@
 """GPU-only checks for the Llama family (skipped without CUDA): the Triton backend with CUDA graphs,
 asynchronous scheduling, chunked prefill and prefix hits gives the greedy tokens of eager attention
-run eagerly, at grouped-query shapes with head sizes 64 and 128; `--dtype auto` follows the
-checkpoint."""
+run eagerly, at grouped-query shapes with head sizes 64 and 128; every family served over HTTP gives
+transformers' greedy tokens (up to bf16 near-ties); `--dtype auto` follows the checkpoint."""
 
 import pytest
 import torch
@@ -49,3 +49,51 @@ def test_dtype_auto_follows_the_checkpoint(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     eng = LLMEngine(EngineConfig(model=str(path), device="cuda", num_blocks=64, enforce_eager=True))
     assert eng.runner.kv_caches[0][0].dtype == torch.bfloat16
+
+
+HTTP_SHAPES = {  # each family at its real head layout (few layers, small vocabulary)
+    "llama": dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=2048, intermediate_size=2048),
+    "mistral": dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, intermediate_size=2048,
+                    sliding_window=None),
+    "qwen2": dict(num_attention_heads=14, num_key_value_heads=2, hidden_size=896, intermediate_size=1024),
+    "qwen3": dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_size=1024,
+                  intermediate_size=1024),
+}
+
+
+@pytest.fixture(scope="module")
+def http_servers(tmp_path_factory):
+    """One Triton-backed server per family (bf16, CUDA graphs and asynchronous scheduling on), all
+    started at once, with tests/models/test_families_http.py's small cache and step budget."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.common import ServerProcess
+    from tests.helpers import make_llama_checkpoint
+    from tests.models.test_families_http import SERVER_ARGS
+
+    paths = {family: make_llama_checkpoint(tmp_path_factory.mktemp(f"http-{family}"), family, num_hidden_layers=3,
+                                           max_position_embeddings=1024, vocab_size=2048, initializer_range=0.05,
+                                           **shape)
+             for family, shape in HTTP_SHAPES.items()}
+    started = {family: ServerProcess.python_server(["--model", str(path), "--device", "cuda", "--attention", "triton",
+                                                    "--dtype", "bfloat16", *SERVER_ARGS])
+               for family, path in paths.items()}
+    try:
+        yield {family: (paths[family], srv.wait_healthy(300).url) for family, srv in started.items()}
+    finally:
+        with ThreadPoolExecutor(len(started)) as pool:
+            list(pool.map(lambda srv: srv.stop(30), started.values()))
+
+
+@pytest.mark.parametrize("family", sorted(HTTP_SHAPES))
+def test_greedy_over_http_matches_transformers(http_servers, family):
+    """The CPU exchange of tests/models/test_families_http.py (concurrent mixed lengths, preemption,
+    chunked prefill, prefix hits) against the Triton backend: greedy tokens as transformers' fp32
+    model gives them, except at bf16 near-ties (each parting checked to be one)."""
+    from tests.models.test_families_http import assert_exercised, exchange, hf_greedy
+
+    path, url = http_servers[family]
+    prompts, got, metrics = exchange(url)
+    ref = hf_greedy(path, prompts, device="cuda")
+    _assert_same_greedy(path, prompts, got, ref, "bfloat16")
+    assert_exercised(metrics)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import kv_write_ref
-from models.attention import BACKENDS, StepRows, make_backend
+from kernels.reference import kv_write_ref, rope_ref
+from models.attention import BACKENDS, Rope, StepRows, make_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the backends run; references stay on the CPU
 
@@ -56,11 +56,16 @@ class Step:
                         lambda b, rows: b.metadata(rows), self.scale)
 
 
-def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale, rope: Rope | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     dev = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
     storage = storage.to(DEVICE, copy=True)
     rows = StepRows(*(dev(getattr(rows, f)) for f in StepRows.__slots__))
-    out = backend.forward(dev(q), dev(k), dev(v), storage[1, 0], storage[1, 1], metadata(backend, rows), scale)
+    if rope is not None:
+        rope = Rope(dev(rope.positions), dev(rope.cos), dev(rope.sin))
+    # Copies: a backend may rotate q and k in place.
+    out = backend.forward(dev(q).clone(), dev(k).clone(), dev(v), storage[1, 0], storage[1, 1],
+                          metadata(backend, rows), scale, rope)
     return out.cpu(), storage.cpu()
 
 
@@ -235,6 +240,28 @@ def test_triton_graph_metadata_matches_metadata():
     _check_rows(out[:real], step.ref, torch.float16, "triton graph")
     _check_cache(storage, step.want_storage, "triton graph")
     _check_cache(want_storage, step.want_storage, "triton")
+
+
+@pytest.mark.parametrize("chunks,decodes", [(CHUNKS, DECODES), ([], DECODES)], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, decodes):
+    """With `Rope`, a backend computes exactly what it computes without it on q and k rotated
+    beforehand by kernels.reference.rope_ref (transformers' arithmetic): the same output and the
+    same cache, bit for bit (the Triton backend rotates inside its K/V-write launch)."""
+    step = _build(4, 2, 64, dtype, chunks=chunks, decodes=decodes, seed=2)
+    g = _gen("rope", kind, dtype)
+    positions = torch.randint(0, 200, (len(step.q),), generator=g)
+    angles = torch.arange(256)[:, None] * torch.rand(32, generator=g)[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    rope = Rope(positions, emb.cos(), emb.sin())
+    backend = make_backend(kind, 64)
+    meta = lambda b, rows: b.metadata(rows)  # noqa: E731
+    got, got_cache = _forward(backend, step.q, step.k, step.v, step.storage, step.rows, meta, step.scale, rope)
+    q, k = (rope_ref(x.to(DEVICE), positions.to(DEVICE), emb.cos().to(DEVICE), emb.sin().to(DEVICE)).cpu()
+            for x in (step.q, step.k))
+    want, want_cache = _forward(backend, q, k, step.v, step.storage, step.rows, meta, step.scale)
+    assert torch.equal(got, want), f"{kind}: output with Rope differs from attention over pre-rotated q, k"
+    _check_cache(got_cache, want_cache, kind)
 
 
 @pytest.mark.parametrize("kind", ["eager", "sdpa"])
