@@ -58,10 +58,11 @@ def test_default_service_reserves_a_gpu_and_serves_gpt2(compose):
     assert svc["build"]["dockerfile"] == "docker/Dockerfile"
 
 
-def test_variables_choose_model_port_and_pass_the_token(compose):
-    cfg = compose(MODEL="distilgpt2", PORT="9000", HF_TOKEN="hf_test_token")
+@pytest.mark.parametrize("model", ["distilgpt2", "Qwen/Qwen2.5-0.5B-Instruct", "/models/my-finetune"])
+def test_variables_choose_model_port_and_pass_the_token(compose, model):
+    cfg = compose(MODEL=model, PORT="9000", HF_TOKEN="hf_test_token")
     svc = cfg["services"]["flashpage"]
-    assert svc["environment"]["FLASHPAGE_MODEL"] == "distilgpt2"
+    assert svc["environment"]["FLASHPAGE_MODEL"] == model
     assert svc["environment"]["HF_TOKEN"] == "hf_test_token"
     assert any(int(p["published"]) == 9000 for p in _ports(svc))
 
