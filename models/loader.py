@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from models.base import CausalLM
-from models.registry import model_class
+from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -44,7 +44,7 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_config(path: Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(path)
-    model_class(config.model_type)  # raises, naming the families served, for any other model
+    check_served(config.model_type)  # raises, naming the families served, for any other model
     return config
 
 

@@ -82,11 +82,12 @@ def family_names() -> set[str]:
     transformers maps the common names onto (GPT-2: n_embd, n_head, n_layer, n_positions, ...)."""
     from transformers import AutoConfig
 
-    from models import MODEL_FAMILIES
+    from models import MODEL_FAMILIES, model_class
 
     names = set(GPT2_MODULES)
-    for model_type, cls in MODEL_FAMILIES.items():
-        names |= {model_type, cls.__name__, *AutoConfig.for_model(model_type).attribute_map.values()}
+    for model_type in MODEL_FAMILIES:
+        names |= {model_type, model_class(model_type).__name__,
+                  *AutoConfig.for_model(model_type).attribute_map.values()}
     return names
 
 

@@ -118,3 +118,16 @@ def test_load_config_refuses_unserved_families(tmp_path):
     assert "mamba" in msg
     for family in MODEL_FAMILIES:
         assert family in msg.split("serves:")[-1]
+
+
+def test_families_are_imported_only_when_a_model_is_built():
+    """The API front end reads configs and tokenizers only: importing it must not import a family's
+    module (and transformers' activation machinery with it, seconds of start-up per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, server.api.app, models; "
+            "loaded = sorted(m for m in sys.modules if m in ('models.gpt2', 'models.llama')); "
+            "assert not loaded, loaded; "
+            "assert models.model_class('qwen3').__name__ == 'LlamaForCausalLM' and 'models.llama' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
