@@ -93,7 +93,9 @@ def test_greedy_over_http_matches_transformers(http_servers, family):
     from tests.models.test_families_http import assert_exercised, exchange, hf_greedy
 
     path, url = http_servers[family]
-    prompts, got, metrics = exchange(url)
-    ref = hf_greedy(path, prompts, device="cuda")
+    # Longer outputs than on the CPU: a GPU step takes a millisecond, so 24-token requests can finish
+    # before the last of a wave arrives over HTTP, and nothing would need preempting.
+    prompts, got, metrics = exchange(url, max_tokens=96)
+    ref = hf_greedy(path, prompts, max_tokens=96, device="cuda")
     _assert_same_greedy(path, prompts, got, ref, "bfloat16")
     assert_exercised(metrics)

@@ -75,11 +75,11 @@ def hf_greedy(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, devi
     return outs
 
 
-def exchange(url: str) -> tuple[list[list[int]], list[list[int]], dict[str, float]]:
+def exchange(url: str, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[int]], dict[str, float]]:
     """Both waves against a running server: (prompts, token ids, the server's counters after)."""
     first, second = wave_prompts()
-    got = generate_concurrently(url, first)
-    got += generate_concurrently(url, second)
+    got = generate_concurrently(url, first, max_tokens)
+    got += generate_concurrently(url, second, max_tokens)
     return first + second, got, scrape(url)
 
 

@@ -1,5 +1,6 @@
 """The batched sampler: greedy, top-k/top-p filtering, per-row seeds, logprobs."""
 
+import pytest
 import torch
 
 from server.sampling_params import SamplingParams
@@ -107,3 +108,20 @@ def test_logprobs_are_of_the_raw_logits_whatever_the_temperature():
     torch.testing.assert_close(lp, torch.log_softmax(logits, dim=-1))
     _, lp = draw(logits, GREEDY, want_logprobs=True)
     torch.testing.assert_close(lp, torch.log_softmax(logits, dim=-1))
+
+
+def test_plain_temperature_skips_the_filter_and_keeps_the_distribution(monkeypatch):
+    """No row asks for top-k or top-p: the full-vocabulary sort is skipped (it costs milliseconds a
+    step at large vocabularies), and draws still follow softmax(logits / T)."""
+    import server.worker.sampler as sampler
+
+    def no_sort(*_):
+        raise AssertionError("the top-k/top-p filter ran for rows that asked for neither")
+
+    monkeypatch.setattr(sampler, "_filter_top_k_top_p", no_sort)
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(4000, 1)
+    ids, _ = draw(logits * 0.5, SamplingParams(temperature=0.5), [gen(i) for i in range(4000)])
+    freq = torch.bincount(ids, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+    with pytest.raises(AssertionError, match="filter ran"):
+        draw(logits, [SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_k=2)] * 2000)
