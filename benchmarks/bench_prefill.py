@@ -1,20 +1,25 @@
 """Prefill attention benchmark: flashpage's Triton kernel vs torch SDPA backends vs eager, one GPU.
 
-    python benchmarks/bench_prefill.py [--out-dir benchmarks/results] [--check] [--sweep 512,1024]
+    python benchmarks/bench_prefill.py [--out-dir benchmarks/results] [--check] [--shapes mha64,mha128,gqa128]
+                                       [--sweep 512,1024]
 
 Default run: GPU correctness check against kernels/reference.py (prefix, mixed lengths, bf16,
-GQA, odd head_dim, NaN in unowned cache slots), then for each config a numerical check of ours
-against SDPA, then timings (triton.testing.do_bench medians, two interleaved rounds per impl, the
-lower kept; do_bench clears L2 before every call and q+k+v+o are >= 100 MB anyway), the
-copy-bandwidth and fp16-matmul ceilings, and prefill_<gpu>.json + prefill_<gpu>.png (roofline)
-under --out-dir. --check: only the check. --sweep N,N: also time every candidate kernel config
-(used to fill flash_prefill._GPU_CONFIGS) into sweep_prefill_<gpu>.json.
+GQA packing, TMA and pointer paths, odd head_dim, NaN in unowned cache slots), then for each
+config a numerical check of ours against SDPA, then timings (triton.testing.do_bench medians, two
+interleaved rounds per impl, the lower kept; do_bench clears L2 before every call and q+k+v+o are
+>= 100 MB anyway), the copy-bandwidth and fp16-matmul ceilings, and prefill_<gpu>.json +
+prefill_<gpu>.png (roofline) under --out-dir. --check: only the check. --sweep N,N: instead time
+every candidate kernel config (used to fill flash_prefill's tables) beside sdpa_cudnn and
+sdpa_flash into sweep_prefill_<gpu>.json.
 
-Configs: causal fp16, 12 heads, head_dim 64 (GPT-2) and 128, B*N = 16384 tokens, N = 512..16384,
-plus one packed batch of 16 mixed lengths (ours: one varlen launch; peers: one call per sequence
-("looped") and, for the SDPA backends, right-padded to the longest ("padded", wasted work counted
-as zero)). TFLOP/s = 2*B*H*N^2*D / time for every impl (the causal count), so eager, which
-computes the full square, gets no credit for its wasted half.
+Shapes (causal, B*N = 16384 tokens, N = 512..16384): "mha64" / "mha128": fp16, 12 heads, head_dim
+64 (GPT-2) and 128, plus one packed batch of 16 mixed lengths each (ours: one varlen launch; peers:
+one call per sequence ("looped") and, for the SDPA backends, right-padded to the longest
+("padded", wasted work counted as zero)); "gqa128": bf16, 32 query / 8 KV heads, head_dim 128
+(Llama-3-8B's attention), SDPA with enable_gqa=True (a backend that refuses it gets K/V expanded
+to 32 heads outside the timed region; its rows say gqa="expanded"). TFLOP/s = 2*B*H*N^2*D / time
+(H = query heads) for every impl (the causal count), so eager, which computes the full square,
+gets no credit for its wasted half.
 """
 
 from __future__ import annotations
@@ -31,26 +36,34 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.flash_prefill import _pick_config, flash_prefill  # noqa: E402
+from kernels.flash_prefill import PrefillConfig, _pick_config, _tma_ok, flash_prefill  # noqa: E402
 from kernels.reference import prefill_attention_ref  # noqa: E402
 
-HEADS = 12
 TOKENS = 16384
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
-HEAD_DIMS = [64, 128]
+# name -> (query heads, kv heads, head_dim, dtype)
+SHAPES = {"mha64": (12, 12, 64, torch.float16), "mha128": (12, 12, 128, torch.float16),
+          "gqa128": (32, 8, 128, torch.bfloat16)}
+HEADS, HEAD_DIMS = 12, [64, 128]  # the MHA shapes (older result files hold only these)
 MIXED = [4096, 3000, 2048, 1800, 1200, 1024, 900, 640, 500, 400, 300, 200, 130, 77, 40, 29]
 PEERS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_mem_efficient": "EFFICIENT_ATTENTION"}
 IMPLS = ["flashpage", *PEERS, "eager"]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim. Run 1 (N = 1024, 4096, 16384) also had
-# (128,64,4,2|3|4), (128,128,8,2|3), (128,32,4,3), (256,64,8,3) for d=64 and (128,64,8,2|4),
-# (128,128,8,2|3), (256,64,8,2), (64,64,4,2) for d=128: all slower than the table's picks.
-# 4-warp BLOCK_M=128 with BLOCK_N=128 (d=64) or with d=128 spills registers (cuobjdump -res-usage).
-SWEEP = {
-    64: [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 8, 3),
-         (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)],
-    128: [(64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (128, 32, 8, 3),
-          (128, 128, 8, 3)],
-}
+GQA_IMPLS = ["flashpage", *PEERS]  # eager's N^2 scores for 32 heads would not fit at 16k
+# Candidate PrefillConfigs (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack, tma, maxnreg) per
+# shape, around flash_prefill's picks (results: benchmarks/results/sweep_prefill_gqa_h100.json).
+# Earlier sweeps (sweep_prefill_h100.json) also had pointer tiles (128,64,4,*), (128,128,8,*),
+# (256,64,8,*), (64,32,4,*); the GQA sweep 2-stage TMA tiles without a register cap and 64-row
+# packed tiles: all slower. Triton 3.6's Hopper warp specialization (tl.range(warp_specialize=True),
+# Q/K/V descriptors, one loop) compiled but hung at run time, so it is not a candidate. Configs
+# that do not apply to a shape (pack > group) are skipped.
+_T, _R = (1, True), (1, True, 128)
+SWEEP = {"mha64": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, *_T), (128, 64, 8, 3, *_T), (128, 64, 8, 4, *_T),
+                   (128, 64, 8, 3, *_R)],
+         "mha128": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 3, *_T), (128, 128, 8, 3, *_T),
+                    (128, 32, 8, 3, *_R), (128, 64, 8, 2, *_R)],
+         "gqa128": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 3, 4), (128, 64, 8, 3, 4, True),
+                    (128, 128, 8, 3, 4, True), (128, 128, 8, 3, *_T), (128, 32, 8, 3, 4, True, 128),
+                    (128, 64, 8, 2, 4, True, 128)]}
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: dry-run of the script
 
 
@@ -74,7 +87,7 @@ def causal_flops(lens: list[int], heads: int, d: int) -> float:
 
 
 # ---------------------------------------------------------------- correctness on the GPU
-def _check_case(lens, prefix, heads, kv_heads, d, dtype, block_size, seed) -> float:
+def _check_case(lens, prefix, heads, kv_heads, d, dtype, block_size, seed, cfg=None) -> float:
     g = torch.Generator(device="cpu").manual_seed(seed)
     dev = DEV
     rnd = lambda *s: torch.randn(*s, generator=g).to(dev, dtype)  # noqa: E731
@@ -100,13 +113,13 @@ def _check_case(lens, prefix, heads, kv_heads, d, dtype, block_size, seed) -> fl
         cache = dict(k_cache=kc, v_cache=vc, block_tables=bt.to(dev),
                      prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev))
     out = torch.full_like(q, float("nan"))
-    flash_prefill(q, k, v, cu, max(lens), d**-0.5, out=out, **cache)
+    flash_prefill(q, k, v, cu, max(lens), d**-0.5, out=out, _config=cfg, **cache)
     ref = prefill_attention_ref(q, k, v, cu, d**-0.5, **cache)
     err = rel_err(out, ref)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     if torch.isnan(out).any() or not err < tol:
-        raise SystemExit(f"GPU CHECK FAILED lens={lens} prefix={prefix} d={d} {dtype}: err={err:.2e} "
-                         f"nan={bool(torch.isnan(out).any())}")
+        raise SystemExit(f"GPU CHECK FAILED lens={lens} prefix={prefix} h={heads}/{kv_heads} d={d} {dtype} cfg={cfg}: "
+                         f"err={err:.2e} nan={bool(torch.isnan(out).any())}")
     return err
 
 
@@ -121,19 +134,37 @@ def gpu_check() -> None:
         ([2048, 1], None, 16, 16, 128, torch.bfloat16, 16),
         ([700, 3], [90, 0], 2, 1, 256, torch.bfloat16, 32),
         ([1500, 64], [0, 129], 4, 2, 40, torch.float16, 128),
+        ([3000, 1, 77, 1200], None, 32, 8, 128, torch.bfloat16, 16),
+        ([1, 17, 300], [4000, 0, 33], 32, 8, 128, torch.bfloat16, 16),
+        ([5, 900, 64], [64, 3, 0], 16, 2, 64, torch.float16, 32),
+        ([2100, 2], None, 8, 1, 64, torch.bfloat16, 16),
     ]
     for i, c in enumerate(cases):
         err = _check_case(*c, seed=1000 + i)
         print(f"check ok  lens={c[0]} prefix={c[1]} h={c[2]}/{c[3]} d={c[4]} {c[5]} bs={c[6]}: rel err {err:.2e}")
+    # Every sweep candidate, forced, on a varlen GQA batch with and without a prefix.
+    for i, cfg in enumerate(dict.fromkeys(c for cs in SWEEP.values() for c in cs)):
+        for prefix in (None, [300, 0, 65, 1]):
+            cfg_ = PrefillConfig(*cfg)
+            err = _check_case([1, 1000, 130, 2049], prefix, 32, 8, 128, torch.bfloat16, 16, seed=2000 + i, cfg=cfg)
+            print(f"check ok  config {tuple(cfg_)} prefix={prefix is not None}: rel err {err:.2e}")
 
 
 # ---------------------------------------------------------------- implementations
-def make_inputs(lens: list[int], d: int, seed: int = 0):
+def make_inputs(lens: list[int], shape: tuple, seed: int = 0):
+    heads, kv_heads, d, dtype = shape
     g = torch.Generator(device=DEV).manual_seed(seed)
     total = sum(lens)
-    q, k, v = (torch.randn(total, HEADS, d, device=DEV, dtype=torch.float16, generator=g) for _ in range(3))
+    q = torch.randn(total, heads, d, device=DEV, dtype=dtype, generator=g)
+    k, v = (torch.randn(total, kv_heads, d, device=DEV, dtype=dtype, generator=g) for _ in range(2))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     return q, k, v, cu
+
+
+def _config_of(q, k, v, n) -> list:
+    """The PrefillConfig flash_prefill picks for this uniform batch (recorded with each row)."""
+    d = q.shape[2]
+    return list(_pick_config(max(16, d), n, q.device, q.shape[1] // k.shape[1], _tma_ok(q, k, v, d, max(16, d)), False))
 
 
 def _bhnd(t: torch.Tensor, batch: int, n: int) -> torch.Tensor:
@@ -181,39 +212,79 @@ def _time_all(cases: list, flops: float, base: dict, rows: list, label: str, rou
               f"{row.get('skipped', '')}", flush=True)
 
 
-def time_uniform(n: int, d: int, rows: list) -> None:
+def _peer_inputs(qb, kb, vb):
+    """{impl: (k, v, gqa)} for each SDPA backend: native GQA (enable_gqa=True) where the backend
+    takes it, else K/V expanded to the query heads (built here, outside the timed region)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    group = qb.shape[1] // kb.shape[1]
+    if group == 1:
+        return {impl: (kb, vb, None) for impl in PEERS}
+    got, expanded = {}, None
+    for impl, backend in PEERS.items():
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+            got[impl] = (kb, vb, "native")
+        except RuntimeError:
+            if expanded is None:
+                expanded = tuple(t.repeat_interleave(group, dim=1) for t in (kb, vb))
+            got[impl] = (*expanded, "expanded")
+    return got
+
+
+def _sdpa(qb, k, v, gqa, scale):
+    kw = dict(enable_gqa=True) if gqa == "native" else {}
+    return lambda: F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, **kw)
+
+
+def _uniform(n: int, shape: tuple):
+    """Inputs of one uniform batch of B = TOKENS / n sequences of n tokens, SDPA's views of them,
+    and SDPA flash's output (the numerical reference for ours)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads, d, dtype = shape
     batch, scale = TOKENS // n, d**-0.5
-    q, k, v, cu = make_inputs([n] * batch, d)
-    out = torch.empty_like(q)
+    q, k, v, cu = make_inputs([n] * batch, shape)
     qb, kb, vb = (_bhnd(t, batch, n) for t in (q, k, v))
+    peers = _peer_inputs(qb, kb, vb)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = _sdpa(qb, *peers["sdpa_flash"], scale)()
+    return q, k, v, cu, qb, peers, ref
+
+
+def time_uniform(n: int, name: str, rows: list) -> None:
+    heads, kv_heads, d, dtype = shape = SHAPES[name]
+    batch, scale = TOKENS // n, d**-0.5
+    q, k, v, cu, qb, peers, ref = _uniform(n, shape)
+    out = torch.empty_like(q)
     ours = lambda: flash_prefill(q, k, v, cu, n, scale, out=out)  # noqa: E731
     ours()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
     err = rel_err(_bhnd(out, batch, n), ref)
-    if not err < 2e-3 or torch.isnan(out).any():
-        raise SystemExit(f"flashpage disagrees with sdpa_flash at N={n} d={d}: rel err {err:.2e}")
-    sdpa = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)  # noqa: E731
-    mask = torch.ones(n, n, dtype=torch.bool, device=DEV).tril()
-    cases = [("flashpage", dict(config=list(_pick_config(d, n, q.device)), max_rel_err_vs_sdpa=round(err, 6)),
-              None, ours)]
-    cases += [(impl, {}, backend, sdpa) for impl, backend in PEERS.items()]
-    cases += [("eager", {}, None, lambda: eager_attention(qb, kb, vb, scale, mask))]
-    base = dict(N=n, batch=batch, heads=HEADS, head_dim=d, causal=True, dtype="float16")
-    _time_all(cases, causal_flops([n] * batch, HEADS, d), base, rows, f"N={n:6d} B={batch:3d} d={d:3d}")
+    if not err < (2e-3 if dtype == torch.float16 else 1e-2) or torch.isnan(out).any():
+        raise SystemExit(f"flashpage disagrees with sdpa_flash at N={n} {name}: rel err {err:.2e}")
+    cases = [("flashpage", dict(config=_config_of(q, k, v, n), max_rel_err_vs_sdpa=round(err, 6)), None, ours)]
+    for impl, backend in PEERS.items():
+        kx, vx, gqa = peers[impl]
+        cases.append((impl, dict(gqa=gqa) if gqa else {}, backend, _sdpa(qb, kx, vx, gqa, scale)))
+    if heads == kv_heads:
+        mask = torch.ones(n, n, dtype=torch.bool, device=DEV).tril()
+        kb, vb = peers["sdpa_flash"][:2]
+        cases += [("eager", {}, None, lambda: eager_attention(qb, kb, vb, scale, mask))]
+    base = dict(N=n, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, causal=True, dtype=str(dtype)[6:])
+    _time_all(cases, causal_flops([n] * batch, heads, d), base, rows, f"N={n:6d} B={batch:3d} {name}")
 
 
-def time_mixed(d: int, rows: list) -> None:
+def time_mixed(name: str, rows: list) -> None:
+    heads, kv_heads, d, dtype = shape = SHAPES[name]
     lens, scale, nmax = MIXED, d**-0.5, max(MIXED)
-    q, k, v, cu = make_inputs(lens, d, seed=1)
+    q, k, v, cu = make_inputs(lens, shape, seed=1)
     out = torch.empty_like(q)
     starts = [0] + torch.tensor(lens).cumsum(0).tolist()
     views = [tuple(_bhnd(t[a:b], 1, b - a) for t in (q, k, v)) for a, b in zip(starts, starts[1:])]
     padded = []
     for t in (q, k, v):
-        p = torch.zeros(len(lens), nmax, HEADS, d, device=DEV, dtype=t.dtype)
+        p = torch.zeros(len(lens), nmax, *t.shape[1:], device=DEV, dtype=t.dtype)
         for i, (a, b) in enumerate(zip(starts, starts[1:])):
             p[i, : b - a] = t[a:b]
         padded.append(p.transpose(1, 2))
@@ -224,14 +295,15 @@ def time_mixed(d: int, rows: list) -> None:
         raise SystemExit(f"flashpage mixed batch wrong: rel err {err:.2e}")
     masks = {n: torch.ones(n, n, dtype=torch.bool, device=DEV).tril() for n in set(lens)}
     sd = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale)  # noqa: E731
-    cases = [("flashpage", dict(varlen="packed", config=list(_pick_config(d, nmax, q.device))), None, ours)]
+    cases = [("flashpage", dict(varlen="packed", config=_config_of(q, k, v, nmax)), None, ours)]
     for impl, backend in PEERS.items():
         cases += [(impl, dict(varlen="looped"), backend, lambda: [sd(*qkv) for qkv in views]),
                   (impl, dict(varlen="padded"), backend, lambda: sd(*padded))]
     cases += [("eager", dict(varlen="looped"), None,
                lambda: [eager_attention(a, b, c, scale, masks[a.shape[2]]) for a, b, c in views])]
-    base = dict(N=nmax, batch=len(lens), heads=HEADS, head_dim=d, causal=True, dtype="float16", lengths=lens)
-    _time_all(cases, causal_flops(lens, HEADS, d), base, rows, f"mixed d={d:3d}")
+    base = dict(N=nmax, batch=len(lens), heads=heads, kv_heads=kv_heads, head_dim=d, causal=True,
+                dtype=str(dtype)[6:], lengths=lens)
+    _time_all(cases, causal_flops(lens, heads, d), base, rows, f"mixed {name}")
 
 
 def ceilings(rows: list) -> None:
@@ -247,28 +319,51 @@ def ceilings(rows: list) -> None:
     print(f"ceilings: copy {rows[-2]['tb_per_s']} TB/s (read+write), fp16 matmul {rows[-1]['tflops']} TFLOP/s")
 
 
-def sweep(rows: list, seq_lens: list[int]) -> None:
-    for d in HEAD_DIMS:
+def sweep(rows: list, seq_lens: list[int], names: list[str], save) -> None:
+    """Every candidate config of each shape at each N, with sdpa_cudnn and sdpa_flash timed in
+    the same process (one do_bench median each); save() after each N keeps what a cut-off run got."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name in names:
+        heads, kv_heads, d, dtype = shape = SHAPES[name]
         for n in seq_lens:
-            batch = TOKENS // n
-            q, k, v, cu = make_inputs([n] * batch, d)
-            qb, kb, vb = (_bhnd(t, batch, n) for t in (q, k, v))
-            ref = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=d**-0.5)
-            flops = causal_flops([n] * batch, HEADS, d)
-            for cfg in SWEEP[d]:
+            batch, scale = TOKENS // n, d**-0.5
+            q, k, v, cu, qb, peers, ref = _uniform(n, shape)
+            flops = causal_flops([n] * batch, heads, d)
+            base = dict(N=n, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=str(dtype)[6:])
+            for impl in ("sdpa_cudnn", "sdpa_flash"):
                 try:
-                    out = flash_prefill(q, k, v, cu, n, d**-0.5, _config=cfg)
+                    with sdpa_kernel(getattr(SDPBackend, PEERS[impl])):
+                        ms = bench(_sdpa(qb, *peers[impl], scale))
+                except RuntimeError as e:
+                    print(f"sweep {name} N={n} {impl}: {str(e)[:160]}")
+                    continue
+                rows.append(dict(impl=impl, **base, ms=ms, tflops=flops / ms / 1e9, gqa=peers[impl][2]))
+                print(f"sweep {name} N={n:6d} {impl}: {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+            for cfg in SWEEP[name]:
+                if heads // kv_heads % PrefillConfig(*cfg).pack:
+                    continue
+                try:
+                    out = flash_prefill(q, k, v, cu, n, scale, _config=cfg)
                     err = rel_err(_bhnd(out, batch, n), ref)
-                    ms = bench(lambda: flash_prefill(q, k, v, cu, n, d**-0.5, out=out, _config=cfg)) if err < 2e-3 else None
+                    ok = err < (2e-3 if dtype == torch.float16 else 1e-2)
+                    ms = bench(lambda: flash_prefill(q, k, v, cu, n, scale, out=out, _config=cfg)) if ok else None
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is data
                     err, ms = float("nan"), None
-                    print(f"sweep d={d} N={n} {cfg}: {type(e).__name__} {str(e)[:120]}")
+                    print(f"sweep {name} N={n} {cfg}: {type(e).__name__} {str(e)[:160]}")
                 tf = flops / ms / 1e9 if ms else None
-                rows.append(dict(impl="sweep", N=n, head_dim=d, config=list(cfg), ms=ms, tflops=tf, err=err))
-                print(f"sweep d={d:3d} N={n:6d} cfg={cfg}: {tf or float('nan'):7.1f} TFLOP/s err={err:.1e}", flush=True)
+                rows.append(dict(impl="sweep", **base, config=list(PrefillConfig(*cfg)), ms=ms, tflops=tf, err=err))
+                print(f"sweep {name} N={n:6d} cfg={cfg}: {tf or float('nan'):7.1f} TFLOP/s err={err:.1e}", flush=True)
+            torch.cuda.empty_cache()
+            save()
 
 
 # ---------------------------------------------------------------- outputs
+def _shape_of(r: dict) -> tuple:
+    """(heads, kv_heads, head_dim) of a row; rows of older files carry no kv_heads: MHA, 12 heads."""
+    return r.get("heads", HEADS), r.get("kv_heads", r.get("heads", HEADS)), r["head_dim"]
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -283,17 +378,19 @@ def plot(result: dict, path: str) -> None:
     ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k-", lw=1.5,
             label=f"roofline: copy {bw / 1e12:.2f} TB/s, fp16 matmul {peak / 1e12:.0f} TFLOP/s (measured)")
     colors = dict(zip(IMPLS, ["C3", "C0", "C2", "C1", "C7"]))
-    for impl in IMPLS:
-        for d, marker in ((64, "o"), (128, "s")):
-            pts = [(r["N"] / 4, r["tflops"]) for r in rows if r["impl"] == impl and r.get("head_dim") == d
-                   and r.get("tflops") and "lengths" not in r]  # intensity 2HN^2D / (8NHD) = N/4
+    for (h, kvh, d, dt), marker, ls in (((12, 12, 64, "fp16"), "o", "-"), ((12, 12, 128, "fp16"), "s", "--"),
+                                        ((32, 8, 128, "bf16"), "^", ":")):
+        for impl in IMPLS:
+            # Intensity 2HN^2D / (2ND(2H + 2KV)) = N*H / (2(H + KV)): N/4 for MHA, N*32/80 for 32/8 GQA.
+            pts = [(r["N"] * h / (2 * (h + kvh)), r["tflops"]) for r in rows if r["impl"] == impl
+                   and "head_dim" in r and _shape_of(r) == (h, kvh, d) and r.get("tflops") and "lengths" not in r]
             if pts:
-                ax.plot(*zip(*pts), marker=marker, ls="-" if d == 64 else "--", color=colors[impl],
-                        label=f"{impl} d={d}", ms=5)
+                ax.plot(*zip(*pts), marker=marker, ls=ls, color=colors[impl], ms=5,
+                        label=f"{impl} {h}/{kvh} heads d={d} {dt}")
     # Every impl sits at the same intensity: minimal bytes, not what each one moves (eager also
     # writes and rereads the N^2 scores).
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity, FLOP / byte (q,k,v read + o written; = N/4)",
-           ylabel="TFLOP/s (causal count)", title=f"Causal prefill attention, fp16, 12 heads - {result['device']}")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity, FLOP / byte (q,k,v read + o written once)",
+           ylabel="TFLOP/s (causal count)", title=f"Causal prefill attention - {result['device']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
@@ -304,9 +401,11 @@ def report(result: dict) -> str:
     """README markdown for one result file: TFLOP/s per impl per config, ratios, roofline link.
     Called by benchmarks/make_report.py for every benchmarks/results/prefill_*.json."""
     rows, slug = result["rows"], gpu_slug(result["device"])
-    tf = {(r["impl"], r["N"], r["head_dim"], r.get("varlen")): r.get("tflops") for r in rows if "head_dim" in r and "N" in r}
+    tf = {(r["impl"], r["N"], _shape_of(r), r.get("varlen")): r.get("tflops")
+          for r in rows if "head_dim" in r and "N" in r}
     fmt = lambda x: f"{x:.0f}" if x else "-"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+    ours = sorted((r for r in rows if r["impl"] == "flashpage" and "lengths" not in r), key=lambda r: r["N"])
     # make_report.py prints the section title and the device/versions/command line above this.
     lines = [
         f"Causal, fp16, {HEADS} heads, B·N = {TOKENS} tokens; TFLOP/s = 2·B·H·N²·D / time, the causal "
@@ -318,15 +417,28 @@ def report(result: dict) -> str:
         "|---:|---:|---:|" + "---:|" * (len(IMPLS) + 3),
     ]
     for d in HEAD_DIMS:
-        for r in sorted((r for r in rows if r["impl"] == "flashpage" and r["head_dim"] == d and "lengths" not in r),
-                        key=lambda r: r["N"]):
-            vals = [tf.get((i, r["N"], d, None)) for i in IMPLS]
+        for r in (r for r in ours if _shape_of(r) == (HEADS, HEADS, d)):
+            vals = [tf.get((i, r["N"], _shape_of(r), None)) for i in IMPLS]
             lines.append(f"| {r['N']} | {r['batch']} | {d} | " + " | ".join(fmt(x) for x in vals)
                          + f" | {ratio(vals[0], vals[1])} | {ratio(vals[0], vals[2])} | {ratio(vals[0], vals[-1])} |")
+    gqa = [r for r in ours if _shape_of(r)[0] != _shape_of(r)[1]]
+    if gqa:
+        h, kvh, d = _shape_of(gqa[0])
+        expanded = sorted({r["impl"] for r in rows if r.get("gqa") == "expanded"})
+        lines += ["", f"Grouped-query attention: causal, {gqa[0]['dtype']}, {h} query / {kvh} KV heads, head_dim {d}, "
+                  f"B·N = {TOKENS} tokens, TFLOP/s counted over the query heads; SDPA with `enable_gqa=True`"
+                  + (f" ({', '.join(expanded)}: refused it, timed on K/V expanded to {h} heads)" if expanded else "")
+                  + ".", "",
+                  "| N | batch | " + " | ".join(GQA_IMPLS) + " | ours / sdpa_flash | ours / sdpa_cudnn |",
+                  "|---:|---:|" + "---:|" * (len(GQA_IMPLS) + 2)]
+        for r in gqa:
+            vals = [tf.get((i, r["N"], _shape_of(r), None)) for i in GQA_IMPLS]
+            lines.append(f"| {r['N']} | {r['batch']} | " + " | ".join(fmt(x) for x in vals)
+                         + f" | {ratio(vals[0], vals[1])} | {ratio(vals[0], vals[2])} |")
     skipped = [r for r in rows if r.get("skipped")]
     if skipped:
-        lines += [""] + [f"- {r['impl']} N={r['N']} d={r['head_dim']} {r.get('varlen', '')}: not measured "
-                         f"({r['skipped'][:120]})" for r in skipped]
+        lines += [""] + [f"- {r['impl']} N={r['N']} heads {'/'.join(map(str, _shape_of(r)[:2]))} d={r['head_dim']} "
+                         f"{r.get('varlen', '')}: not measured ({r['skipped'][:120]})" for r in skipped]
     mixed = [r for r in rows if r["impl"] == "flashpage" and "lengths" in r]
     if mixed:
         lines += ["", f"Mixed lengths, one packed batch of {len(mixed[0]['lengths'])} sequences "
@@ -335,11 +447,10 @@ def report(result: dict) -> str:
                   "(padded); TFLOP/s counts only the useful causal work.", "",
                   "| head_dim | impl | looped | padded | packed |", "|---:|---|---:|---:|---:|"]
         for r in mixed:
-            d = r["head_dim"]
             for i in IMPLS:
-                vals = [tf.get((i, r["N"], d, m)) for m in ("looped", "padded", "packed")]
+                vals = [tf.get((i, r["N"], _shape_of(r), m)) for m in ("looped", "padded", "packed")]
                 if any(vals):
-                    lines.append(f"| {d} | {i} | " + " | ".join(fmt(x) for x in vals) + " |")
+                    lines.append(f"| {r['head_dim']} | {i} | " + " | ".join(fmt(x) for x in vals) + " |")
     cp = [r for r in rows if r["impl"] == "copy"]
     mm = [r for r in rows if r["impl"] == "matmul"]
     if cp and mm:
@@ -353,14 +464,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--check", action="store_true", help="only the GPU correctness check")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--sweep", default="", metavar="N,N,..",
-                    help="also time every candidate kernel config at these N (to sweep_prefill_<gpu>.json)")
+                    help="instead time every candidate kernel config at these N (to sweep_prefill_<gpu>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     import triton
 
-    gpu_check()
+    names = args.shapes.split(",")
+    if not args.sweep:  # a sweep checks each config against SDPA itself
+        gpu_check()
     if args.check:
         return
     name = torch.cuda.get_device_name()
@@ -370,15 +484,19 @@ def main() -> None:
                 date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
     if args.sweep:
         sweep_rows: list = []
-        sweep(sweep_rows, [int(x) for x in args.sweep.split(",")])
-        # Not prefill_*.json: make_report.py renders every such file with report().
-        with open(os.path.join(args.out_dir, f"sweep_prefill_{gpu_slug(name)}.json"), "w") as f:
-            json.dump(dict(meta, rows=sweep_rows), f, indent=1)
+
+        def save() -> None:  # not prefill_*.json: make_report.py renders every such file with report()
+            with open(os.path.join(args.out_dir, f"sweep_prefill_{gpu_slug(name)}.json"), "w") as f:
+                json.dump(dict(meta, rows=sweep_rows), f, indent=1)
+
+        sweep(sweep_rows, [int(x) for x in args.sweep.split(",")], names, save)
+        return
     rows: list = []
-    for d in HEAD_DIMS:
+    for shape in names:
         for n in SEQ_LENS:
-            time_uniform(n, d, rows)
-        time_mixed(d, rows)
+            time_uniform(n, shape, rows)
+        if SHAPES[shape][0] == SHAPES[shape][1]:
+            time_mixed(shape, rows)
     # Ceilings last: in one run the first kernel timed right after them came out ~30% slower than
     # the same kernel timed earlier in the run (cause not pinned down; clocks suspected).
     ceilings(rows)

@@ -8,9 +8,14 @@ Same N requests (random token ids, random input/output lengths, ignore_eos) thro
 and decode steps of our engine at several batch sizes against the floor
 (weight bytes + K/V bytes read) / measured copy bandwidth. `--family` picks the model: GPT-2 small
 (float16) or a Llama-family model at its published shape (bf16), random weights either way.
+`--protocol nano-vllm` runs nano-vllm's published benchmark instead (its bench.py: 256 requests,
+prompts of 100-1024 token ids below 10,000, 100-1024 output tokens each, temperature 0.6,
+ignore_eos; output tokens over wall time), our engine only, so readers can place us beside the
+figures published for it.
 
   python benchmarks/bench_throughput.py --out-dir benchmarks/results
   python benchmarks/bench_throughput.py --family llama-3.2-1b --out-dir benchmarks/results
+  python benchmarks/bench_throughput.py --family qwen3-0.6b --protocol nano-vllm --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ def workload(n: int, in_range, out_range, vocab: int, seed: int):
     return prompts, outs
 
 
-def run_engine(engine: LLMEngine, prompts, outs) -> tuple[float, int, dict]:
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+def run_engine(engine: LLMEngine, prompts, outs, temperature: float = 0.0) -> tuple[float, int, dict]:
+    params = [SamplingParams(max_tokens=o, temperature=temperature, ignore_eos=True) for o in outs]
     engine.generate(prompts[:4], params[:4])  # warm-up (prefill shapes, sampling)
     # Where the time goes: host time launching steps (scheduling excluded), time blocked waiting
     # for the device, and everything else on the host (scheduling, detokenization, stop checks).
@@ -173,8 +178,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", nargs="*", default=None,
                     choices=["flashpage", "flashpage_eager", "hf_eager", "hf_sdpa", "steps"],
                     help="(default: none for GPT-2, flashpage_eager for the Llama family)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-token-id", type=int, default=None, help="prompt ids below this (default: the vocabulary)")
+    ap.add_argument("--protocol", choices=["nano-vllm"], default=None,
+                    help="nano-vllm's benchmark: sets the workload and sampling flags above, our engine only")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
+    if args.protocol == "nano-vllm":  # nano-vllm's bench.py, as published
+        args.num_requests, args.input_len, args.output_len = 256, [100, 1024], [100, 1024]
+        args.temperature, args.max_token_id = 0.6, 10_000
+        args.skip = ["flashpage_eager", "hf_eager", "hf_sdpa", "steps"]
 
     gpt2 = args.family == "gpt2-small"
     skip = args.skip if args.skip is not None else ([] if gpt2 else ["flashpage_eager"])
@@ -188,7 +201,8 @@ def main(argv=None) -> dict:
     vocab = spec.vocab_size
     # The workload's longest request, with room: Llama-family contexts (128k) would size graphs for nothing.
     max_model_len = min(spec.max_position_embeddings, 4096)
-    prompts, outs = workload(args.num_requests, args.input_len, args.output_len, vocab, seed=0)
+    prompts, outs = workload(args.num_requests, args.input_len, args.output_len,
+                             min(vocab, args.max_token_id or vocab), seed=0)
     copy_tbps = copy_bandwidth()
     print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
     rows = [dict(impl="copy", tbps=round(copy_tbps, 3))]
@@ -204,7 +218,8 @@ def main(argv=None) -> dict:
         gc.freeze()  # as `python -m server` does after start-up: no full collection walks the start-up heap
         # One run is about a second of host-bound work, whose time varies by +-10% from run to run on
         # the same machine: the figure is the median of --repeats runs (all of them kept).
-        runs = [run_engine(engine, prompts, outs) for _ in range(args.repeats if impl == "flashpage" else 1)]
+        runs = [run_engine(engine, prompts, outs, args.temperature)
+                for _ in range(args.repeats if impl == "flashpage" else 1)]
         dt, tokens, split = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
                          output_tokens_per_s=round(tokens / dt, 1), time_split=split,
@@ -228,22 +243,32 @@ def main(argv=None) -> dict:
 
     result = dict(gpu_run_info("bench_throughput.py", argv),
                   workload=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                                temperature=args.temperature, protocol=args.protocol,
                                 model=args.model or ("random-initialised GPT-2 small (124M), float16" if gpt2 else
                                                      f"random-initialised {args.family} shape ({spec.num_layers} layers, "
                                                      f"{spec.num_heads}/{spec.num_kv_heads} heads x {spec.head_dim}, "
                                                      f"vocab {spec.vocab_size}), bfloat16")),
                   rows=rows)
-    write_result(result, args.out_dir, "throughput" if gpt2 else f"throughput_{args.family}")
+    name = "throughput" if gpt2 else f"throughput_{args.family}"
+    write_result(result, args.out_dir, f"nanovllm_{args.family}" if args.protocol else name)
     print(report(result))
     return result
+
+
+# nano-vllm's README, for placement only (other hardware): Qwen3-0.6B on an RTX 4070 Laptop GPU
+# (8 GB), 133,966 output tokens.
+NANO_VLLM_PUBLISHED = "nano-vllm 1,434 output tok/s and vLLM 1,362 (Qwen3-0.6B, RTX 4070 Laptop GPU, 8 GB)"
 
 
 def report(result: dict) -> str:
     rows = result["rows"]
     tput = {r["impl"]: r for r in rows if "output_tokens_per_s" in r}
-    lines = [f"Offline throughput, {result['workload']['num_requests']} requests, inputs "
+    protocol = result["workload"].get("protocol")
+    lines = [f"Offline throughput{f' ({protocol} protocol)' if protocol else ''}, "
+             f"{result['workload']['num_requests']} requests, inputs "
              f"{result['workload']['input_len'][0]}–{result['workload']['input_len'][1]}, outputs "
              f"{result['workload']['output_len'][0]}–{result['workload']['output_len'][1]} tokens, "
+             f"temperature {result['workload'].get('temperature', 0.0)}, "
              f"{result['workload']['model']}, {result['device']}:", "",
              "| engine | output tokens/s | vs hf_eager | runs (tokens/s) |", "|---|---:|---:|---|"]
     base = tput.get("hf_eager", {}).get("output_tokens_per_s")
@@ -254,6 +279,8 @@ def report(result: dict) -> str:
             spread = f"median of {len(runs)}: {min(runs):,.0f}–{max(runs):,.0f}" if len(runs) > 1 else ""
             lines.append(f"| {impl} | {v:,.0f} | {v / base:.1f}× | {spread} |" if base else
                          f"| {impl} | {v:,.0f} | | {spread} |")
+    if protocol == "nano-vllm":
+        lines += ["", f"Published with this protocol on other hardware, for placement only: {NANO_VLLM_PUBLISHED}."]
     steps = [r for r in rows if r["impl"] == "flashpage_step"]
     if steps:
         lines += ["", "Decode step against the floor (weights + K/V read) / copy bandwidth. *graph*: the "

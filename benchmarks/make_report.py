@@ -23,6 +23,7 @@ SECTIONS = [
     ("prefill_", "benchmarks.bench_prefill", "Flash prefill kernel"),
     ("decode_", "benchmarks.bench_decode", "Paged decode kernel"),
     ("throughput_", "benchmarks.bench_throughput", "Engine throughput (offline)"),
+    ("nanovllm_", "benchmarks.bench_throughput", "Engine throughput, nano-vllm's benchmark protocol"),
     ("ab_throughput_", "benchmarks.ab_commits", "Engine throughput, two commits side by side"),
     ("load_", "benchmarks.compare", "HTTP load test"),
     ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),

@@ -14,6 +14,7 @@ import triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_SPLITS = 64  # also bounds the fused merge's [splits, d] tile (registers)
+MERGE_REGS = 64  # fp32 registers a thread the fused merge's tile of partials may take
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,24 +37,68 @@ def split_count(pairs: int, max_ctx: int, block_n: int, slots: int, min_tiles: i
     return max(1, min(slots // pairs, max_tiles // min_tiles, MAX_SPLITS))
 
 
-def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int) -> dict:
+def merge_heads(group: int, splits_pad: int, head_dim_pad: int, num_warps: int) -> int:
+    """Query heads the fused merge combines per round (a power of two): as many as fit their
+    [heads, splits, d] fp32 partials in MERGE_REGS registers a thread. The merge runs after the main
+    loop, whose registers are free by then; each round is a dependent load at the kernel's tail."""
+    fit = max(1, MERGE_REGS * 32 * num_warps // (splits_pad * head_dim_pad))
+    return min(triton.next_power_of_2(group), 1 << (fit.bit_length() - 1))
+
+
+def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
+                  head_dim: int = 64) -> dict:
     """Tile / warps / stages / split count, from shapes only (never from tensor values)."""
-    pairs = num_seqs * num_kv_heads
     if _INTERPRET:  # one fixed small config; programs run one by one, so few splits
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1, "PREFETCH": 2,
-                "num_splits": split_count(pairs, max_ctx, 32, 4 * sm_count, min_tiles=1)}
+                "num_splits": split_count(num_seqs * num_kv_heads, max_ctx, 32, 4 * sm_count, min_tiles=1)}
+    return choose_gpu_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
+
+
+def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
+                      head_dim: int = 64) -> dict:
+    """The config on a GPU (choose_config outside the interpreter). Tuned on an H100, Triton 3.6."""
+    pairs = num_seqs * num_kv_heads
     if group == 1:
-        # Tuned on H100 (benchmarks/results/decode_sweep_h100.txt): the lane-wise path with 32-token
-        # tiles and K/V loaded one tile ahead was within noise of the best config at every large
-        # shape. It takes 64-72 registers a thread (Triton 3.6); counting 6 programs of 4 warps
-        # per SM keeps every split program in one wave (the sweep's best split counts).
+        # The lane-wise path with 32-token tiles and K/V loaded one tile ahead was within noise of
+        # the best config at every large shape. It takes 64-72 registers a thread (Triton 3.6);
+        # counting 6 programs of 4 warps per SM keeps every split program in one wave.
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": 2}
-        per_sm = 6
         if max_ctx <= 128 and pairs <= 4 * sm_count:
             # few short sequences: latency-bound, so one tile per program (fewest round trips)
             cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
-    else:  # tensor-core path; Triton pipelines its loads with cp.async (3 stages of shared memory)
-        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PREFETCH": 0}
-        per_sm = 4
-    cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], per_sm * sm_count)
-    return cfg
+        cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], 6 * sm_count)
+        return cfg
+    # GQA: the tensor-core path, its loads pipelined by Triton with cp.async. num_stages 3 gives
+    # K/V one shared-memory buffer (the next tile's loads start after this tile's math); 5 gives
+    # two, the next tile in flight during the math: the block-table load that K/V addresses come
+    # from takes stages of its own. Two buffers cost occupancy, so they pay only on small grids.
+    # Splits stop where the fused merge would take a second round (each round a dependent load
+    # at the kernel's tail, ~2 us), 16 at least: past that, fewer deeper-pipelined programs were
+    # faster (one sequence of 64K tokens, 32/8 heads x 128: 110 us at 16 splits, 115 at 49).
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    cap = max(16, merge_split_cap(group, d_pad))
+    if d_pad > 64:
+        # BLOCK_N 64: 128 registers with 3 stages (4 programs per SM), ~140 and 72 KB of shared
+        # memory with 5 (3 per SM). Splits fill 3 per SM, measured ~1% faster than 4.
+        splits = min(cap, split_count(pairs, max_ctx, 64, 3 * sm_count))
+        deep = pairs * splits < 2 * sm_count
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+    # head_dim <= 64, BLOCK_N 32: 64-80 registers and 20 KB with 5 stages (~7 programs per SM),
+    # fewer with 3 (8 per SM): two buffers pay while the grid fits one wave.
+    splits = min(cap, split_count(pairs, max_ctx, 32, 4 * sm_count))
+    deep = pairs * splits <= 6 * sm_count
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+
+
+def stage_variants(group: int) -> tuple[int, ...]:
+    """Every num_stages the config can pick for this group size, whatever the batch: what a
+    warm-up must compile so that no batch shape compiles a variant mid-serving."""
+    if _INTERPRET:
+        return (1,)
+    return (1,) if group == 1 else (3, 5)
+
+
+def merge_split_cap(group: int, head_dim_pad: int, num_warps: int = 4) -> int:
+    """The most splits (a power of two) whose fused merge takes one round for the whole group."""
+    fit = max(1, MERGE_REGS * 32 * num_warps // (triton.next_power_of_2(group) * head_dim_pad))
+    return 1 << (fit.bit_length() - 1)

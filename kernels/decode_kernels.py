@@ -39,7 +39,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -175,11 +175,13 @@ def _decode_kernel(
             pair = seq * tl.num_programs(1) + kvh
             done = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
-                for g in tl.static_range(GROUP):
+                # MERGE_HEADS query heads per round trip: this merge is the kernel's tail, and each
+                # round is a dependent load latency (registers bound a round: decode_config.merge_heads).
+                for g in tl.static_range(0, GROUP, MERGE_HEADS):
                     head = kvh * GROUP + g
-                    _merge_row(po_ptr, plse_ptr, (seq.to(tl.int64) * num_heads + head) * num_splits, num_splits,
-                               out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh,
-                               HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, ".cg")
+                    _merge_heads(po_ptr, plse_ptr, (seq.to(tl.int64) * num_heads + head) * num_splits, num_splits,
+                                 out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, stride_oh, GROUP - g,
+                                 HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_HEADS)
                 tl.store(cnt_ptr + pair, 0)  # reset for the next launch (self-cleaning counters)
     else:
         orow = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh
@@ -205,6 +207,31 @@ def _merge_row(po_ptr, plse_ptr, row0, num_splits, orow_ptr,
     den = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(orow_ptr + offs_d, res.to(orow_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _merge_heads(po_ptr, plse_ptr, row0, num_splits, orow_ptr, stride_oh, heads_left,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr):
+    """_merge_row for min(HEADS, heads_left) consecutive heads at once, as one [HEADS, splits, d]
+    tile (a head's partials follow the previous head's). HEADS a power of two."""
+    offs_h = tl.arange(0, HEADS)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    h_ok = offs_h < heads_left
+    d_ok = offs_d < HEAD_DIM
+    ok = h_ok[:, None] & (offs_s < num_splits)[None, :]
+    prow = row0 + offs_h[:, None] * num_splits + offs_s[None, :]  # [HEADS, SPLITS_PAD]
+    lse = tl.load(plse_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (context_len 0): weights all 0
+    w = tl.exp2(lse - m[:, None])
+    o = tl.load(po_ptr + prow[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+    o = tl.where(w[:, :, None] > 0, o, 0.0)  # an empty split's partial never contributes
+    den = tl.sum(w, axis=1)
+    res = tl.sum(o * w[:, :, None], axis=1) / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(orow_ptr + offs_h[:, None] * stride_oh + offs_d[None, :], res.to(orow_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.runtime import driver
 
-from kernels.decode_config import MAX_SPLITS
+from kernels.decode_config import MAX_SPLITS, merge_heads
 from kernels.decode_kernels import _decode_kernel, _merge_kernel
 from kernels.scratch import scratch
 
@@ -87,6 +87,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
         FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
+        MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,

@@ -18,21 +18,35 @@ attends to every cached position [0, prefix_lens[s]) (read through block_tables[
 in block block_tables[s, i // block_size] at offset i % block_size) and causally to the new tokens
 up to and including itself. num_kv_heads divides num_heads; query head h reads kv head
 h // (num_heads // num_kv_heads). head_dim may be anything up to 256 (padded to a power of two with
-masked loads). Scores are never materialised: one program owns BLOCK_M queries of one head of one
-sequence and streams K/V tiles with an online softmax in fp32 (exp2, log2(e) folded into the
-scale): first the cached prefix, then the new keys below the diagonal (no mask), then the diagonal
-tiles (causal mask); tiles above the diagonal are never visited. Grid: (query tiles of the longest
-run, heads, sequences); programs past their sequence's end exit at once.
+masked loads). Scores are never materialised: one program owns a tile of BLOCK_M rows and streams
+K/V tiles with an online softmax in fp32 (exp2, log2(e) folded into the scale): first the cached
+prefix, then the new keys before the tile's first position (no mask), then the diagonal tiles
+(causal mask); tiles after its last position are never visited.
+
+Grouped-query attention: a tile's rows are (position, query head) pairs of one sequence, PACK query
+heads of one GQA group x BLOCK_M / PACK positions (PackGQA), so each K/V tile is loaded once for
+the PACK heads; the causal mask compares each row's own position. PACK (1 for MHA) and the tile
+shapes are picked per launch from host shapes only (head_dim, max_seqlen, group, prefix or not),
+never from tensor values. Grid: (head groups, query tiles of the longest run, sequences), the
+heaviest tiles first; programs past their sequence's end do no work and write nothing.
 
 Masking: cache slots past prefix_lens[s] (and block-table entries past the last used block) are
 never read: those loads are masked with other=0 *and* their scores set to -inf, so NaN or garbage
-in unowned slots cannot reach the output. Rows past a sequence's end are neither read nor written.
-Cache addressing is int64. The launch path does no host sync (.item()/.tolist()).
+in unowned slots cannot reach the output. Output rows past a sequence's end are never written.
+New-token K/V: with pointer loads, rows past a sequence's end are not read. Where k and v allow
+it (head_dim a power of two >= 16, heads contiguous within a token, 16-byte aligned base and token
+stride; on the GPU and under the interpreter) their tiles are TMA loads through 2-D descriptors
+[tokens, kv_heads * head_dim] instead, and a diagonal tile then also reads the next sequence's
+(or padding) rows: their scores are masked and their V rows zeroed, so even NaN there cannot reach
+the output; rows past the last token load as 0. Cache addressing is int64. The launch path does
+no host sync (.item()/.tolist()).
 
 Tile map (for CUDA graphs, whose grid cannot follow the batch): with ``tiles=(tile_seq, tile_start)``,
-two int32 [num_tiles] device tensors, the grid is (num_tiles, heads) and program i serves rows
-tile_start[i] .. + BLOCK_M of sequence tile_seq[i] (-1: no work); ``tile_map()`` builds it for a
-batch, ``block_m()`` gives the BLOCK_M it must use. max_seqlen then only picks the tile config.
+two int32 [num_tiles] device tensors, the grid is (head groups, num_tiles) and program (g, i) serves
+positions tile_start[i] .. + block_m() - 1 of sequence tile_seq[i] (-1: no work) for its heads;
+``tile_map()`` builds it for a batch, ``block_m()`` gives the positions per tile it must use (a
+function of head_dim and the token bound alone, whatever the GQA group). max_seqlen then only
+picks the tile config.
 
 Returns out [total_tokens, num_heads, head_dim] in q's dtype (written into ``out`` if given).
 """
@@ -41,189 +55,20 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
-import triton.language as tl
+
+from kernels.flash_prefill_kernels import _flash_prefill_kernel, _range_probe_kernel
+
+try:  # host-side TMA descriptors (Triton >= 3.4); without them every load goes through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr):
-    """One K/V tile: fold scores q·kT into the running (max, sum, acc). No NaN guard needed: the
-    first tile a program visits always holds a key every row may see (cached position 0, new key
-    0, or the diagonal's first key), so m_i is finite before any fully masked row-tile can occur."""
-    if UPCAST_DOT:
-        qk = tl.dot(q.to(tl.float32), kT.to(tl.float32))
-    else:
-        qk = tl.dot(q, kT)
-    if APPLY_MASK:
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if UPCAST_DOT:
-        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
-                 stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
-    every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
-    and block-table entries past the last used block from being read."""
-    pos = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    n_ok = pos < prefix_len
-    blk = tl.load(bt_row + pos // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
-    within = (pos % CACHE_BLOCK).to(tl.int64)
-    k_off = blk * stride_kcb + within * stride_kct
-    v_off = blk * stride_vcb + within * stride_vct
-    kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    return _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale, n_ok[None, :],
-                                True, UPCAST_DOT)
-
-
-@triton.jit
-def _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, seq_len, qk_scale,
-                 DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr):
-    """New-token keys [start_n, start_n + BLOCK_N). Off the diagonal they are below it for every
-    row and inside the sequence: no causal or bound mask, only head_dim padding (resolved at
-    compile time). On the diagonal the causal mask alone suffices for rows we store (key <= row <
-    seq_len); keys past the end load as 0, so rows we don't store stay finite."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    kT_ptrs += start_n * stride_kt
-    v_ptrs += start_n * stride_vt
-    if DIAGONAL:
-        pos = start_n + tl.arange(0, BLOCK_N)
-        n_ok = pos < seq_len
-        kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        vv = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        keep = pos[None, :] <= offs_m[:, None]
-    elif BLOCK_D == HEAD_DIM:
-        kT = tl.load(kT_ptrs)
-        vv = tl.load(v_ptrs)
-        keep = None
-    else:
-        kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
-        vv = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        keep = None
-    return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
-
-
-# The block-table row stride is the widest page table of the batch: it changes from step to step,
-# and Triton would otherwise compile a variant for each of its value classes (1, multiple of 16,
-# other) the first time one shows up, stalling a live server for a second each time.
-@triton.jit(do_not_specialize=["stride_bts"])
-def _flash_prefill_kernel(
-    Q, K, V, O, CU_SEQLENS,
-    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START,
-    qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_bts,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr,
-):
-    head = tl.program_id(1)
-    if TILE_MAP:  # the host listed (sequence, first row) per query tile; seq -1 = an idle program
-        seq = tl.load(TILE_SEQ + tl.program_id(0))
-        if seq < 0:
-            return
-        start_m = tl.load(TILE_START + tl.program_id(0))
-    else:
-        # Heaviest (last, longest-causal-row) query tiles are launched first: better tail balance.
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-        seq = tl.program_id(2)
-    seq_start = tl.load(CU_SEQLENS + seq)
-    seq_len = tl.load(CU_SEQLENS + seq + 1) - seq_start
-    if start_m >= seq_len:
-        return
-    kv_head = head // GROUP
-    # One int64 base per sequence keeps packed offsets safe; in-sequence offsets stay int32.
-    tok0 = seq_start.to(tl.int64)
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m_ok = offs_m < seq_len
-
-    q_ptrs = Q + tok0 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # Each loop appears twice: `for` (what the GPU compiles and software-pipelines) and `while`
-    # for Triton interpreters that cannot turn a device scalar into a Python range bound (3.6
-    # with NumPy >= 2.4); WHILE_LOOPS is decided by a probe, see _interpreter_needs_while().
-    if HAS_PREFIX:
-        prefix_len = tl.load(PREFIX_LENS + seq)
-        bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
-        kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
-        vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
-        if WHILE_LOOPS:
-            start_n = 0
-            while start_n < prefix_len:
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
-                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
-                start_n += BLOCK_N
-        else:
-            for start_n in range(0, prefix_len, BLOCK_N):
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
-                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
-
-    kT_ptrs = K + tok0 * stride_kt + kv_head * stride_kh + offs_n[None, :] * stride_kt + offs_d[:, None]
-    v_ptrs = V + tok0 * stride_vt + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
-    # Off-diagonal keys [0, start_m), then the diagonal [start_m, start_m + BLOCK_M) clipped to the
-    # sequence; tiles above the diagonal are never visited. Key start_m is visible to every row,
-    # so every row has a finite running max once the first diagonal tile is in.
-    hi = tl.minimum(start_m + BLOCK_M, seq_len)
-    if WHILE_LOOPS:
-        start_n = 0
-        while start_n < start_m:
-            acc, l_i, m_i = _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                         seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-            start_n += BLOCK_N
-        while start_n < hi:
-            acc, l_i, m_i = _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                         seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(0, start_m, BLOCK_N):
-            acc, l_i, m_i = _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                         seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-        for start_n in range(start_m, hi, BLOCK_N):
-            acc, l_i, m_i = _packed_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                         seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-
-    acc = acc / l_i[:, None]
-    o_ptrs = O + tok0 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _range_probe_kernel(X):
-    for i in range(0, tl.load(X), 1):
-        tl.store(X + 1, i)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,29 +85,114 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Padded head_dim -> (max_seqlen threshold, config at or below it, config above it), each config
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); picked from sweeps on an H100 with triton 3.6
-# (benchmarks/bench_prefill.py --sweep; numbers in benchmarks/results/sweep_prefill_h100.json).
-# Short runs prefer 64-row tiles (twice the programs, less of each diagonal tile wasted); long runs
-# 128x64 with 8 warps (two warpgroups, two programs per SM). A fixed table rather than
-# triton.autotune: a live server must not stall to compile and time a dozen variants whenever a
-# new shape arrives, and the choice should not change between runs.
-_GPU_CONFIGS: dict[int, tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]]] = {
-    64: (2048, (64, 64, 4, 3), (128, 64, 8, 3)),
-    128: (1024, (64, 64, 4, 3), (128, 64, 8, 3)),
-    256: (0, (64, 32, 8, 2), (64, 32, 8, 2)),  # untimed: the largest tiles that compile without spills
+class PrefillConfig(NamedTuple):
+    """One launch configuration. block_m counts tile rows: block_m // pack query positions of
+    `pack` query heads of one GQA group. tma: new-token K/V through tensor descriptors. maxnreg
+    caps registers per thread (Triton's launch option): at 128 two 8-warp programs share an SM."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    pack: int = 1
+    tma: bool = False
+    maxnreg: int | None = None
+
+
+# Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/bench_prefill.py --sweep; numbers
+# in benchmarks/results/sweep_prefill_gqa_h100.json, pointer-only MHA tiles in
+# sweep_prefill_h100.json). Fixed tables rather than triton.autotune: a live server must not
+# stall to compile and time a dozen variants whenever a new shape arrives, and the choice should
+# not change between runs.
+#
+# Query positions per tile for MHA and for tile maps, by padded head_dim: (max_seqlen threshold,
+# positions at or below it, above it). Short runs prefer 64-position tiles (twice the programs,
+# less of each diagonal tile wasted). Independent of the GQA group on purpose: block_m() reports
+# it for tile maps, and its callers know only head_dim and the token bound.
+_POSITIONS = {64: (2048, 64, 128), 128: (1024, 64, 128), 256: (1 << 62, 64, 64)}
+# GQA without a tile map: 128-row tiles of up to _MAX_PACK heads (4 measured; 32 positions).
+_GQA_ROWS, _MAX_PACK = 128, 4
+_INF = 1 << 62
+# (padded head_dim, rows) -> [(max_seqlen bound, (BLOCK_N, num_warps, num_stages, tma, maxnreg))],
+# the first bound >= max_seqlen wins. Head 128, 128 rows (GQA at 32/8 heads; MHA at N > 1024):
+# up to 1k, 128x32 tiles at 128 registers (two programs per SM, 3 stages); at 2k 128x64, 2
+# stages, 128 registers; longer, 128x128 tiles, 3 TMA stages (one program per SM, 225 KB of
+# shared memory): 0.94-1.02x cuDNN at 4k-16k (GQA and MHA, benchmarks/results/prefill_h100.json).
+_TILES = {
+    (64, 64): [(1024, (64, 4, 3, False, None)), (_INF, (64, 4, 3, True, None))],
+    (64, 128): [(_INF, (64, 8, 3, True, None))],
+    (128, 64): [(_INF, (64, 4, 3, False, None))],
+    (128, 128): [(1024, (32, 8, 3, True, 128)), (2048, (64, 8, 2, True, 128)), (_INF, (128, 8, 3, True, None))],
+    (256, 64): [(_INF, (32, 8, 2, False, None))],  # untimed: the largest tiles that compile without spills
 }
-# Interpreter: small tiles, BLOCK_N < BLOCK_M so the multi-tile diagonal path is exercised.
-_INTERPRET_CONFIG = (64, 32, 4, 1)
+# With a paged prefix (K/V gathered through pointers) the 128-wide and 128-register tiles spill
+# hundreds of bytes: 128 rows then take 128x64 tiles, 3 stages, TMA for the new tokens only.
+_PREFIX_TILE = (64, 8, 3, True, None)
+# Tensors a descriptor cannot cover (padded head_dim, strided heads): pointer loads.
+_POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
+# Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
+# descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
+_INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32
+_INTERPRET_TMA = True
 
 
-def _pick_config(block_d: int, max_seqlen: int, device: torch.device) -> tuple[int, int, int, int]:
+def _bucket(block_d: int) -> int:
+    if block_d > 256:
+        raise ValueError(f"head_dim up to 256 supported, got padded {block_d}")
+    return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+
+
+def _positions(block_d: int, max_seqlen: int, device: torch.device) -> int:
     if _interpreting() or device.type != "cuda":
-        return _INTERPRET_CONFIG
-    for d, (threshold, short, long) in sorted(_GPU_CONFIGS.items()):
-        if block_d <= d:
-            return short if max_seqlen <= threshold else long
-    raise ValueError(f"head_dim up to 256 supported, got padded {block_d}")
+        return _INTERPRET_POSITIONS
+    threshold, short, long = _POSITIONS[_bucket(block_d)]
+    return short if max_seqlen <= threshold else long
+
+
+def _pack(group: int, limit: int) -> int:
+    """Query heads per tile: the largest power of two dividing the group, at most `limit`."""
+    pack = 1
+    while group % (2 * pack) == 0 and 2 * pack <= limit:
+        pack *= 2
+    return pack
+
+
+def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int = 1, tma_ok: bool = False,
+                 has_prefix: bool = True, positions: int | None = None) -> PrefillConfig:
+    """The launch config for these shapes (host values only: a CUDA graph replays it). With a
+    tile map, `positions` is block_m()'s and only the heads per tile adapt to the group."""
+    d = _bucket(block_d)
+    max_rows = 64 if d == 256 else _GQA_ROWS
+    if positions is None and group > 1 and d < 256:
+        pack = _pack(group, _MAX_PACK)
+        positions = _GQA_ROWS // pack
+    else:
+        positions = positions or _positions(block_d, max_seqlen, device)
+        pack = _pack(group, min(_MAX_PACK, max_rows // positions))
+    rows = positions * pack
+    if _interpreting() or device.type != "cuda":
+        return PrefillConfig(rows, _INTERPRET_BLOCK_N, 4, 1, pack, tma_ok and _INTERPRET_TMA)
+    tile = next(t for bound, t in _TILES[d, rows] if max_seqlen <= bound)
+    if has_prefix and rows == 128:
+        tile = _PREFIX_TILE
+    if tile[3] and not tma_ok:
+        tile = _POINTER_TILE[d]
+    return PrefillConfig(rows, *tile[:3], pack, *tile[3:])
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, block_d: int) -> bool:
+    """Can new-token K/V go through 2-D descriptors [tokens, kv_heads * head_dim]? Needs heads
+    contiguous within a token, no head_dim padding, 16-byte aligned bases and token strides."""
+    if TensorDescriptor is None or head_dim != block_d or not (q.is_cuda or _interpreting()):
+        return False
+    return all(t.stride(1) == head_dim and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """t [tokens, heads, head_dim] as a 2-D [tokens, heads * head_dim] descriptor of one head's
+    rows x head_dim tiles (the kernel picks the head by the column offset)."""
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, t.shape[2]])
 
 
 def flash_prefill(
@@ -279,10 +209,10 @@ def flash_prefill(
     prefix_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
-    _config: tuple[int, int, int, int] | None = None,
+    _config: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed new tokens (+ optional paged prefix). See module docstring.
-    ``_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the table (benchmark sweeps)."""
+    ``_config`` (a PrefillConfig or its leading fields) overrides the table (benchmark sweeps)."""
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -321,40 +251,55 @@ def flash_prefill(
         k_cache = v_cache = block_tables = prefix_lens = cu_seqlens
         cache_block, kc_strides, vc_strides, bt_stride = 1, (0, 0, 0), (0, 0, 0), 0
 
+    group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = _config or _pick_config(block_d, max_seqlen, q.device)
-    if block_m % block_n:
-        raise ValueError("BLOCK_N must divide BLOCK_M (the off-diagonal loop stops at a BLOCK_M edge)")
+    tma_ok = _tma_ok(q, k, v, head_dim, block_d)
+    map_positions = block_m(head_dim, max_seqlen, q.device) if tiles is not None else None
+    if _config is not None:
+        cfg = PrefillConfig(*_config)
+    else:
+        cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions)
+    positions = cfg.block_m // cfg.pack
+    if cfg.block_m % cfg.pack or group % cfg.pack or positions < 1:
+        raise ValueError(f"{cfg}: pack must divide block_m and the GQA group {group}")
+    if cfg.tma and not tma_ok:
+        raise ValueError(f"{cfg}: these k/v cannot be read through descriptors")
     if tiles is not None:
+        if positions != map_positions:
+            raise ValueError("a tile map needs the positions per tile that block_m() reports")
         tile_seq, tile_start = tiles
         if tile_seq.shape != tile_start.shape or tile_seq.dtype != torch.int32 or tile_start.dtype != torch.int32:
             raise ValueError("tiles: two int32 tensors of one shape [num_tiles]")
-        grid = (tile_seq.numel(), num_heads, 1)
+        grid = (num_heads // cfg.pack, tile_seq.numel(), 1)
     else:
         tile_seq = tile_start = cu_seqlens  # never read (TILE_MAP is a compile-time False)
-        grid = (triton.cdiv(max_seqlen, block_m), num_heads, num_seqs)
+        grid = (num_heads // cfg.pack, triton.cdiv(max_seqlen, positions), num_seqs)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"grid {grid} too large: at most 65535 query tiles and sequences per launch")
+    descs = (_descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n)) if cfg.tma else (None, None)
     _flash_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens,
+        q, k, v, out, cu_seqlens, *descs,
         k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         *kc_strides, *vc_strides, bt_stride,
-        HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, CACHE_BLOCK=cache_block,
-        HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, GROUP=group, PACK=cfg.pack, CACHE_BLOCK=cache_block,
+        HAS_PREFIX=has_prefix, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         # Triton's interpreter (seen in 3.6 and 3.9) multiplies bf16 dot operands as raw uint16 bit patterns;
         # under it we feed the dots fp32 copies of the same bf16 values instead.
         UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
-        TILE_MAP=tiles is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        TILE_MAP=tiles is not None, USE_TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out
 
 
 def block_m(head_dim: int, max_seqlen: int, device: torch.device) -> int:
-    """The BLOCK_M flash_prefill uses for these shapes (what a tile map must be built with)."""
-    return _pick_config(max(16, triton.next_power_of_2(head_dim)), max_seqlen, device)[0]
+    """Query positions per tile that flash_prefill uses for these shapes, whatever the GQA group
+    (what a tile map must be built with; a packed tile holds them for several heads)."""
+    return _positions(max(16, triton.next_power_of_2(head_dim)), max_seqlen, device)
 
 
 def tile_map(lens: np.ndarray, prefix_lens: np.ndarray, block_m: int, num_tiles: int) -> tuple[np.ndarray, np.ndarray]:

@@ -46,7 +46,7 @@ import torch
 from triton import knobs
 
 from kernels import decode_launch
-from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count  # noqa: F401 (re-exported)
+from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count, stage_variants  # noqa: F401 (re-exported)
 # This file: the contract and the public entry points. The Triton programs are in
 # kernels/decode_kernels.py, the launch machinery in kernels/decode_launch.py (imports point
 # paged_decode -> decode_launch -> decode_kernels). _launch and _PLANS stay importable from here
@@ -117,7 +117,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     max_ctx = block_tables.shape[1] * block_size
-    cfg = choose_config(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, _num_sms(q.device))
+    cfg = choose_config(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, _num_sms(q.device), head_dim)
     if _config is not None:
         cfg.update(_config)
     if num_splits is not None:
@@ -131,7 +131,8 @@ def paged_decode(
 
 def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
     """Compile the decode kernel for every split padding a batch can select (2, 4, .. MAX_SPLITS),
-    with and without the fused KV write, so that a server never compiles one mid-serving. Reads the
+    with and without the fused KV write, at every pipelining depth the config picks for this group
+    size (decode_config.stage_variants), so that a server never compiles one mid-serving. Reads the
     cache; writes nothing to it."""
     block_size = k_cache.shape[1]
     width = max(1, min(k_cache.shape[0], 4 * MAX_SPLITS * 32 // block_size))
@@ -140,9 +141,12 @@ def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
     ctx = torch.full((1,), width * block_size, dtype=torch.int32, device=k_cache.device)
     kv = torch.zeros(1, *k_cache.shape[2:], dtype=dtype, device=k_cache.device)
     slot = torch.full((1,), -1, dtype=torch.int32, device=k_cache.device)  # nothing is written
-    splits = 2
-    while splits <= MAX_SPLITS:
-        paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits)
-        paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv, slot_mapping=slot)
-        splits *= 2
+    for stages in stage_variants(num_heads // k_cache.shape[2]):
+        cfg = {"num_stages": stages}
+        splits = 2
+        while splits <= MAX_SPLITS:
+            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, _config=cfg)
+            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv,
+                         slot_mapping=slot, _config=cfg)
+            splits *= 2
 

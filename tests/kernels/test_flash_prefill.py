@@ -4,6 +4,9 @@ Every case draws fresh random inputs, fills every cache slot no sequence owns wi
 the tail of each sequence's last prefix block and whole blocks that unused block-table entries
 point at), poisons the output with NaN before the call, and checks the result both as a whole
 (relative Frobenius error) and token by token (so one wrong row cannot hide in a long sequence).
+GQA cases run both new-token load paths (descriptor/TMA and pointers, the `path` fixture) and
+packed tiles (several query heads of a group per tile) with the positions per tile below,
+equal to and above BLOCK_N.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import zlib
 import pytest
 import torch
 
-from kernels.flash_prefill import block_m, flash_prefill, tile_map
+import kernels.flash_prefill as fp
+from kernels.flash_prefill import PrefillConfig, block_m, flash_prefill, tile_map
 from kernels.reference import prefill_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,6 +29,14 @@ def gen(request) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(zlib.crc32(request.node.name.encode()))
     return g
+
+
+@pytest.fixture(params=["tma", "pointers"])
+def path(request, monkeypatch) -> str:
+    """New-token K/V through tensor descriptors or through pointers (the interpreter's default
+    is the descriptor wherever the tensors allow it, as on the GPU)."""
+    monkeypatch.setattr(fp, "_INTERPRET_TMA", request.param == "tma")
+    return request.param
 
 
 def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +67,7 @@ def _paged_prefix(g, prefix_lens, block_size, kv_heads, head_dim, dtype, spare_b
     return dev(k_cache), dev(v_cache), dev(tables), dev(torch.tensor(prefix_lens, dtype=torch.int32))
 
 
-def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block_size=16):
+def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block_size=16, config=None):
     total = sum(lens)
     q = _randn(g, total, heads, head_dim, dtype=dtype)
     k = _randn(g, total, kv_heads, head_dim, dtype=dtype)
@@ -67,7 +79,7 @@ def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block
         cache = dict(k_cache=kc, v_cache=vc, block_tables=bt, prefix_lens=pl)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    got = flash_prefill(q, k, v, cu, max(lens), scale, out=out, **cache)
+    got = flash_prefill(q, k, v, cu, max(lens), scale, out=out, _config=config, **cache)
     assert got.data_ptr() == out.data_ptr()
     ref = prefill_attention_ref(q, k, v, cu, scale, **cache)
     _check(out, ref, dtype)
@@ -90,9 +102,32 @@ def test_single_sequence(gen, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mixed_lengths_gqa(gen, dtype):
+def test_mixed_lengths_gqa(gen, dtype, path):
     # A zero-length sequence in the middle too: cu_seqlens repeats a value.
     _run_case(gen, [1, 65, 300, 0, 2, 64, 129], heads=2, kv_heads=1, head_dim=64, dtype=dtype)
+
+
+# Groups 2, 4 and 8 (MQA, one kv head, at 4 and 8 query heads); head_dim 64 and 128.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (8, 2, 128), (4, 1, 128), (8, 1, 64)])
+def test_gqa_packing(gen, path, heads, kv_heads, head_dim):
+    """Tiles of several query heads of one group (PackGQA): lengths of 1, off every block size,
+    and a paged prefix with NaN in every unowned slot."""
+    lens, prefix = [1, 37, 130, 2, 64], [0, 19, 300, 1, 64]
+    _run_case(gen, lens, heads, kv_heads, head_dim, torch.bfloat16, prefix_lens=prefix)
+    _run_case(gen, lens, heads, kv_heads, head_dim, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefillConfig(32, 32, 4, 1, pack=4),  # 8 positions per tile < BLOCK_N: one diagonal tile
+        PrefillConfig(64, 16, 4, 1, pack=2, tma=True),  # 32 positions, BLOCK_N 16: two diagonal tiles
+        PrefillConfig(128, 32, 8, 3, pack=4, tma=True, maxnreg=128),  # a GPU pick (register cap ignored here)
+        PrefillConfig(16, 16, 4, 1),  # 16 positions of one head
+    ],
+)
+def test_forced_configs(gen, config):
+    _run_case(gen, [1, 40, 9, 75], 8, 2, 64, torch.bfloat16, prefix_lens=[3, 0, 64, 17], config=config)
 
 
 @pytest.mark.parametrize("head_dim", [128, 80, 96])
@@ -118,17 +153,23 @@ def test_paged_prefix(gen, block_size, dtype, head_dim, heads, kv_heads):
     _run_case(gen, lens, heads, kv_heads, head_dim, dtype, prefix_lens=prefix, block_size=block_size)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tile_map_over_padded_batch(gen, dtype):
+@pytest.mark.parametrize("dtype,heads,kv_heads",
+                         [(torch.float16, 2, 2), (torch.bfloat16, 2, 2), (torch.bfloat16, 8, 2)])
+def test_tile_map_over_padded_batch(gen, path, dtype, heads, kv_heads):
     """The CUDA-graph form: rows and sequences padded to a fixed size, a grid of fixed size with
     idle tiles, max_seqlen only a bound. Real rows match the reference; padding rows and padding
-    sequences are never written (they stay NaN)."""
-    lens, prefix, heads, d, bs = [1, 70, 33, 128, 5], [0, 17, 40, 0, 3], 2, 64, 16
+    sequences are never written (they stay NaN). The padding rows' q/k/v are NaN: the last
+    sequence's diagonal tile reads them through a descriptor, and they must not leak. With GQA the
+    tile map's positions per tile stay block_m()'s and a tile packs heads of one group."""
+    lens, prefix, d, bs = [1, 70, 33, 128, 5], [0, 17, 40, 0, 3], 64, 16
     total, pad_rows, pad_seqs = sum(lens), 9, 2
-    kc, vc, bt, pl = _paged_prefix(gen, prefix, bs, heads, d, dtype)
-    q = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
-    k = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
-    v = _randn(gen, total + pad_rows, heads, d, dtype=dtype)
+    kc, vc, bt, pl = _paged_prefix(gen, prefix, bs, kv_heads, d, dtype)
+    def nan_pad(t):
+        return torch.cat([t, torch.full((pad_rows, *t.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)])
+
+    q = nan_pad(_randn(gen, total, heads, d, dtype=dtype))
+    k = nan_pad(_randn(gen, total, kv_heads, d, dtype=dtype))
+    v = nan_pad(_randn(gen, total, kv_heads, d, dtype=dtype))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [total] * pad_seqs, dtype=torch.int32, device=DEVICE)
     bt_pad = torch.cat([bt, bt[:1].expand(pad_seqs, -1)])
     pl_pad = torch.cat([pl, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
@@ -142,6 +183,7 @@ def test_tile_map_over_padded_batch(gen, dtype):
     out = torch.full_like(q, float("nan"))
     flash_prefill(q, k, v, cu, bound, d**-0.5, k_cache=kc, v_cache=vc, block_tables=bt_pad, prefix_lens=pl_pad,
                   out=out, tiles=tiles)
+    assert block_m(d, bound, q.device) == bm  # whatever the group
     cu_real = cu[: len(lens) + 1]
     ref = prefill_attention_ref(q[:total], k[:total], v[:total], cu_real, d**-0.5, k_cache=kc, v_cache=vc,
                                 block_tables=bt, prefix_lens=pl)

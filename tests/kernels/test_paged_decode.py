@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from kernels.decode_config import MAX_SPLITS, choose_gpu_config, merge_heads, merge_split_cap
 from kernels.paged_decode import choose_config, paged_decode
 from kernels.reference import kv_write_ref, paged_decode_ref
 
@@ -148,36 +149,110 @@ def test_split_count_from_shapes_only() -> None:
     assert choose_config(1, 12, 1, 16, 132)["num_splits"] == 1, "a one-tile context has nothing to split"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
-def test_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype) -> None:
+def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: int, lens: list[int],
+                          splits: tuple, config: dict | None = None) -> None:
     """k_new/v_new/slot_mapping: this step's K/V (the last token of each sequence) are written by
     the kernel and attended to from registers. Their slots hold NaN before the call, so reading
-    one from the cache would poison the output; a row with slot -1 writes nothing."""
+    one from the cache would poison the output; the last row (slot -1) writes nothing."""
     num_heads, num_kv_heads = heads
-    lens = [1, 16, 17, 300, 5]
-    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, extra_table_cols=3)
+    n = len(lens)
+    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, head_dim=head_dim, extra_table_cols=3)
     g = torch.Generator().manual_seed(seed)
-    big = torch.randn(len(lens), 3, num_kv_heads, 64, generator=g).to(dtype).to(DEVICE)
+    big = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     k_new, v_new = big[:, 1], big[:, 2]  # strided views, as from the fused qkv projection
     last = ctx.long() - 1
-    slots = bt.long()[torch.arange(len(lens), device=DEVICE), last // 16] * 16 + last % 16
-    flat = (-1, num_kv_heads, 64)
-    kc.view(flat)[slots[:4]] = float("nan")  # not yet written: must not be read
-    vc.view(flat)[slots[:4]] = float("nan")
-    slots[4] = -1  # padding: attends to its new token (not the cache's), writes nothing
+    slots = bt.long()[torch.arange(n, device=DEVICE), last // 16] * 16 + last % 16
+    flat = (-1, num_kv_heads, head_dim)
+    kc.view(flat)[slots[:-1]] = float("nan")  # not yet written: must not be read
+    vc.view(flat)[slots[:-1]] = float("nan")
+    pad_slot = int(slots[-1])
+    slots[-1] = -1  # padding: attends to its new token (not the cache's), writes nothing
     ref_kc, ref_vc = kc.clone(), vc.clone()
     kv_write_ref(k_new, v_new, ref_kc, ref_vc, slots)
     # The reference attends over a cache that holds every new token, the padding row's included.
     att_kc, att_vc = ref_kc.clone(), ref_vc.clone()
-    kv_write_ref(k_new[4:], v_new[4:], att_kc, att_vc, torch.tensor([int(bt[4, 0]) * 16 + 4], device=DEVICE))
-    ref = paged_decode_ref(q, att_kc, att_vc, bt, ctx, 0.125)
-    for ns in (1, 4, 16):
+    kv_write_ref(k_new[-1:], v_new[-1:], att_kc, att_vc, torch.tensor([pad_slot], device=DEVICE))
+    ref = paged_decode_ref(q, att_kc, att_vc, bt, ctx, head_dim**-0.5)
+    for ns in splits:
         kc_t, vc_t = kc.clone(), vc.clone()
         out = torch.full_like(q, float("nan"))
-        paged_decode(q, kc_t, vc_t, bt, ctx, 0.125, num_splits=ns, out=out, k_new=k_new, v_new=v_new,
-                     slot_mapping=slots.to(torch.int32))
+        paged_decode(q, kc_t, vc_t, bt, ctx, head_dim**-0.5, num_splits=ns, out=out, k_new=k_new, v_new=v_new,
+                     slot_mapping=slots.to(torch.int32), _config=config)
         assert not torch.isnan(out).any(), f"seed={seed} num_splits={ns}: NaN output"
-        _close(out, ref, dtype, f"seed={seed} heads={heads} num_splits={ns}")
+        _close(out, ref, dtype, f"seed={seed} heads={heads} d={head_dim} num_splits={ns} config={config}")
         for cache, want in ((kc_t, ref_kc), (vc_t, ref_vc)):  # written where asked, nowhere else
             assert torch.equal(cache.view(flat).nan_to_num(7.0), want.view(flat).nan_to_num(7.0)), f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    _check_fused_kv_write(heads, dtype, 64, [1, 16, 17, 300, 5], (1, 4, 16))
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,dtype",
+    [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (4, 64, torch.float16),
+     (8, 64, torch.bfloat16)],
+)
+def test_gqa_llama_shapes(group: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Group sizes 2/4/8 at head 64 and 128 (the Llama family), with the tile config the GPU uses
+    for that geometry as well as the interpreter's: contexts of 1 and off the block and tile
+    sizes, unowned slots NaN, split (with a multi-head merge) vs unsplit, and the fused K/V write."""
+    kvh = 2 if group < 8 else 1
+    lens = [1, 15, 17, 70]
+    random.shuffle(lens)
+    seed, q, kc, vc, bt, ctx = _make(lens, group * kvh, kvh, 16, dtype, head_dim=head_dim, extra_table_cols=2)
+    ref = paged_decode_ref(q, kc, vc, bt, ctx, head_dim**-0.5)
+    gpu = choose_gpu_config(len(lens), kvh, group, bt.shape[1] * 16, 132, head_dim)
+    gpu_tile = {k: gpu[k] for k in ("BLOCK_N", "PREFETCH")}  # the interpreter ignores warps and stages
+    outs = {}
+    for cfg in (None, gpu_tile):
+        for ns in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            paged_decode(q, kc, vc, bt, ctx, head_dim**-0.5, num_splits=ns, out=out, _config=cfg)
+            assert not torch.isnan(out).any(), f"seed={seed} splits={ns} config={cfg}: unwritten or NaN output"
+            _close(out, ref, dtype, f"seed={seed} lens={lens} group={group} d={head_dim} splits={ns} config={cfg}")
+            outs[ns, repr(cfg)] = out
+    _close(outs[3, repr(gpu_tile)], outs[1, repr(gpu_tile)], dtype, f"seed={seed} split vs unsplit")
+    _check_fused_kv_write((group * kvh, kvh), dtype, head_dim, [17, 1, 70], (1, 3), gpu_tile)
+
+
+def test_merge_heads_per_round() -> None:
+    """The fused merge combines as many query heads per round as fit its register budget."""
+    assert merge_heads(4, 64, 128, 4) == 1  # [64 splits, 128] fp32 already fills 64 registers a thread
+    assert merge_heads(4, 16, 128, 4) == 4  # one round for the whole group
+    assert merge_heads(8, 8, 64, 4) == 8
+    assert merge_heads(3, 4, 64, 1) == 4  # a group of 3 as a masked tile of 4
+    assert merge_heads(1, 64, 64, 4) == 1
+
+
+@pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 128), (8, 128), (2, 64), (4, 64), (8, 64)])
+def test_gqa_gpu_config(group: int, head_dim: int) -> None:
+    """The GPU's GQA configs (from shapes only): splits within bounds and, where the cap allows,
+    merged in one round; one long sequence double-buffered, a large batch not."""
+    for batch in (1, 2, 4, 16, 64, 256):
+        for ctx in (16, 1024, 65536):
+            cfg = choose_gpu_config(batch, 8, group, ctx, 132, head_dim)
+            ns = cfg["num_splits"]
+            assert 1 <= ns <= MAX_SPLITS and cfg["num_stages"] in (3, 5), cfg
+            if merge_split_cap(group, head_dim) >= 16:
+                assert merge_heads(group, 1 << (ns - 1).bit_length(), head_dim, cfg["num_warps"]) >= group, cfg
+    assert choose_gpu_config(1, 8, group, 65536, 132, head_dim)["num_stages"] == 5
+    assert choose_gpu_config(256, 8, group, 1024, 132, head_dim) == dict(
+        choose_gpu_config(256, 8, group, 1024, 132, head_dim), num_stages=3, num_splits=1)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+def test_warmup_covers_every_stage_count_the_gpu_config_picks(group: int, monkeypatch) -> None:
+    """warmup_split_variants compiles each num_stages in stage_variants(group): every config the
+    GPU path can choose for any batch must use one of them, or a batch shape would compile a
+    kernel variant mid-serving."""
+    import kernels.decode_config as dc
+
+    monkeypatch.setattr(dc, "_INTERPRET", False)
+    warmed = set(dc.stage_variants(group))
+    picked = {choose_gpu_config(batch, kv, group, ctx, sms, d)["num_stages"]
+              for batch in (1, 3, 16, 64, 256, 1024) for kv in (1, 2, 8) for ctx in (16, 512, 4096, 131072)
+              for sms in (108, 132) for d in (64, 80, 128)}
+    assert picked <= warmed, f"group {group}: configs pick stages {picked}, warm-up compiles {warmed}"

@@ -1,0 +1,246 @@
+"""Device code of the flash prefill kernel; the contract, the launch path and the tile configs live
+in kernels/flash_prefill.py (imports point one way: flash_prefill -> this module).
+
+One program owns a query tile of BLOCK_M rows. Row r is query position start_m + r // PACK of query
+head head0 + r % PACK, where head0 = PACK * program_id(0): PACK = 1 is the plain layout (BLOCK_M
+positions of one head); PACK > 1 packs heads of one GQA group into the tile ("PackGQA", as in
+FlashAttention-3), so every K/V tile the program streams is loaded once for PACK query heads, and
+the causal mask compares each row's own position. The tile covers P = BLOCK_M // PACK positions.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr):
+    """One K/V tile: fold scores q·kT into the running (max, sum, acc). No NaN guard needed: the
+    first tile a program visits always holds a key every row may see (cached position 0, new key
+    0, or a key before the tile's first position), so m_i is finite before any fully masked
+    row-tile can occur."""
+    if UPCAST_DOT:
+        qk = tl.dot(q.to(tl.float32), kT.to(tl.float32))
+    else:
+        qk = tl.dot(q, kT)
+    if APPLY_MASK:
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST_DOT:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
+                 stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
+    every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
+    and block-table entries past the last used block from being read."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_ok = pos < prefix_len
+    blk = tl.load(bt_row + pos // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    within = (pos % CACHE_BLOCK).to(tl.int64)
+    k_off = blk * stride_kcb + within * stride_kct
+    v_off = blk * stride_vcb + within * stride_vct
+    kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    return _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale, n_ok[None, :],
+                                True, UPCAST_DOT)
+
+
+@triton.jit
+def _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, seq_len, qk_scale,
+              DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+              UPCAST_DOT: tl.constexpr):
+    """New-token keys [start_n, start_n + BLOCK_N) through pointers. Off the diagonal they are
+    before every row's position and inside the sequence: no causal or bound mask, only head_dim
+    padding (resolved at compile time). On the diagonal the causal mask alone suffices for rows we
+    store (key <= row < seq_len); keys past the end load as 0, so rows we don't store stay finite."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kT_ptrs += start_n * stride_kt
+    v_ptrs += start_n * stride_vt
+    if DIAGONAL:
+        pos = start_n + tl.arange(0, BLOCK_N)
+        n_ok = pos < seq_len
+        kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        vv = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        keep = pos[None, :] <= offs_m[:, None]
+    elif BLOCK_D == HEAD_DIM:
+        kT = tl.load(kT_ptrs)
+        vv = tl.load(v_ptrs)
+        keep = None
+    else:
+        kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+        vv = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        keep = None
+    return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
+
+
+@triton.jit
+def _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc, v_desc, row0, col0, offs_m, seq_len, qk_scale,
+                  DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """New-token keys [start_n, start_n + BLOCK_N) through tensor descriptors (TMA on Hopper).
+    The descriptor spans every packed token, so a diagonal tile may hold rows of the next
+    sequence (or padding): the causal test masks their scores and their V rows are zeroed, so
+    that not even NaN there can reach a stored row (p = 0 times NaN is NaN). Rows past the last
+    packed token load as 0."""
+    k = k_desc.load([row0 + start_n, col0])
+    vv = v_desc.load([row0 + start_n, col0])
+    if DIAGONAL:
+        pos = start_n + tl.arange(0, BLOCK_N)
+        vv = tl.where((pos < seq_len)[:, None], vv, 0.0)
+        keep = pos[None, :] <= offs_m[:, None]
+    else:
+        keep = None
+    return _online_softmax_step(acc, l_i, m_i, q, k.T, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
+
+
+# The block-table row stride is the widest page table of the batch: it changes from step to step,
+# and Triton would otherwise compile a variant for each of its value classes (1, multiple of 16,
+# other) the first time one shows up, stalling a live server for a second each time.
+@triton.jit(do_not_specialize=["stride_bts"])
+def _flash_prefill_kernel(
+    Q, K, V, O, CU_SEQLENS, K_DESC, V_DESC,
+    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START,
+    qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_bts,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
+    # Grid axis 0 is the head group, the fastest-varying one: programs launched together take the
+    # same query tile of every head, so the heaviest tiles of all heads run first (tail balance) and
+    # the heads sharing a kv head stream the same K/V at about the same time (L2 hits).
+    head0 = tl.program_id(0) * PACK
+    # No early return for programs without work (idle tile-map entries, tiles past their
+    # sequence's end): they run empty loops and a fully masked store instead. Measured that way
+    # on the H100; it also keeps the kernel free of the branches Triton's Hopper warp
+    # specialization rejects.
+    if TILE_MAP:  # the host listed (sequence, first position) per query tile; seq -1 = an idle program
+        seq = tl.load(TILE_SEQ + tl.program_id(1))
+        start_m = tl.load(TILE_START + tl.program_id(1))
+        busy = seq >= 0
+        seq = tl.maximum(seq, 0)
+    else:
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * P  # heaviest (last) tiles first
+        seq = tl.program_id(2)
+        busy = True
+    seq_start = tl.load(CU_SEQLENS + seq)
+    seq_len = tl.where(busy, tl.load(CU_SEQLENS + seq + 1) - seq_start, 0)
+    live = start_m < seq_len
+    kv_head = head0 // GROUP  # PACK divides GROUP: the tile's heads share this kv head
+    # One int64 base per sequence keeps packed offsets safe; in-sequence offsets stay int32.
+    tok0 = seq_start.to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)
+    if PACK == 1:
+        offs_m = start_m + rows
+        q_head = head0 + tl.zeros([BLOCK_M], dtype=tl.int32)
+    else:
+        offs_m = start_m + rows // PACK  # each row's own position: what the causal mask compares
+        q_head = head0 + rows % PACK
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < seq_len
+    row_off = offs_m[:, None] * stride_qt + q_head[:, None] * stride_qh
+    q = tl.load(Q + tok0 * stride_qt + row_off + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Each loop appears twice: `for` (what the GPU compiles and software-pipelines) and `while`
+    # for Triton interpreters that cannot turn a device scalar into a Python range bound (3.6
+    # with NumPy >= 2.4); WHILE_LOOPS is decided by a probe, see _interpreter_needs_while().
+    if HAS_PREFIX:
+        prefix_len = tl.where(live, tl.load(PREFIX_LENS + seq), 0)
+        bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
+        kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
+        vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
+        if WHILE_LOOPS:
+            start_n = 0
+            while start_n < prefix_len:
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
+                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+                start_n += BLOCK_N
+        else:
+            for start_n in range(0, prefix_len, BLOCK_N):
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
+                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+
+    # Off-diagonal keys [0, lo): before every row's position (lo <= start_m), no mask; then the
+    # diagonal [lo, start_m + P) clipped to the sequence, masked; keys after the tile's last
+    # position are never visited. lo is start_m rounded down to BLOCK_N, so P need not be a
+    # multiple of BLOCK_N. Key lo <= start_m is visible to every row, so every row has a finite
+    # running max once the first diagonal tile is in.
+    hi = tl.where(live, tl.minimum(start_m + P, seq_len), 0)
+    lo = tl.minimum((start_m // BLOCK_N) * BLOCK_N, hi)
+    if USE_TMA:
+        col0 = kv_head * HEAD_DIM  # descriptors view k, v as [tokens, kv_heads * head_dim]
+        row0 = seq_start
+        if WHILE_LOOPS:
+            start_n = 0
+            while start_n < lo:
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
+                                              qk_scale, False, BLOCK_N, UPCAST_DOT)
+                start_n += BLOCK_N
+            while start_n < hi:
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
+                                              qk_scale, True, BLOCK_N, UPCAST_DOT)
+                start_n += BLOCK_N
+        else:
+            for start_n in range(0, lo, BLOCK_N):
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
+                                              qk_scale, False, BLOCK_N, UPCAST_DOT)
+            for start_n in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
+                                              qk_scale, True, BLOCK_N, UPCAST_DOT)
+    else:
+        kT_ptrs = K + tok0 * stride_kt + kv_head * stride_kh + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = V + tok0 * stride_vt + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if WHILE_LOOPS:
+            start_n = 0
+            while start_n < lo:
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+                start_n += BLOCK_N
+            while start_n < hi:
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+                start_n += BLOCK_N
+        else:
+            for start_n in range(0, lo, BLOCK_N):
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+            for start_n in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+
+    acc = acc / tl.where(m_ok, l_i, 1.0)[:, None]  # rows not stored may have seen no key at all
+    o_ptrs = O + tok0 * stride_ot + offs_m[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _range_probe_kernel(X):
+    for i in range(0, tl.load(X), 1):
+        tl.store(X + 1, i)
