@@ -5,41 +5,66 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
+import re
 import sys
 import time
 
 from server.api.chat_template import read_chat_template
-from server.api.guards import ServerLimits, add_arguments, parse_bytes
+from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
 from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, EngineConfig
 
 
+def device(text: str) -> str:
+    """--device: cpu, cuda or cuda:N (checked here, so that a typo stops the server before it loads)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda or cuda:N")
+    return text
+
+
+def name(text: str) -> str:
+    """A non-empty name: an empty one would silently mean the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out for the default)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = EngineConfig()  # every engine flag's default comes from here
+    # Every engine flag's default comes from EngineConfig, and every number is checked against its
+    # range (Bound) as it is parsed: a setting the server cannot run with exits 2 naming the flag.
+    # A count or size of 0 is refused rather than read as "the default" (leave the flag out for that).
+    d = EngineConfig()
     p = argparse.ArgumentParser(prog="python -m server", description="flashpage: serve a language model over HTTP.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=d.model, help="local Hugging Face model directory or hub id (default: the embedded model)")
-    p.add_argument("--served-model-name", default=d.served_model_name, help="name reported by the API (default: --model)")
+    p.add_argument("--model", type=name, default=d.model,
+                   help="local Hugging Face model directory or hub id (default: the embedded model)")
+    p.add_argument("--served-model-name", type=name, default=d.served_model_name,
+                   help="name reported by the API (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=Bound(int, 0, 65535), default=8000)
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
                    help="auto = on CUDA the checkpoint's float16/bfloat16 (else float16), on CPU float32")
-    p.add_argument("--device", default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--device", type=device, default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks to allocate (overrides the memory budget)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory, help="KV cache budget, e.g. 512MiB or 2GiB")
-    p.add_argument("--cpu-kv-cache-memory", type=parse_bytes, default=d.cpu_kv_cache_memory,
+    p.add_argument("--block-size", type=Bound(int, 1, 256, power_of_two=True), default=d.block_size,
+                   help="tokens per KV block")
+    p.add_argument("--num-blocks", type=Bound(int, 1), default=d.num_blocks,
+                   help="KV blocks to allocate (default: as many as the memory budget holds)")
+    p.add_argument("--kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.kv_cache_memory,
+                   help="KV cache budget, e.g. 512MiB or 2GiB")
+    p.add_argument("--cpu-kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.cpu_kv_cache_memory,
                    help="on the CPU, the KV cache's size in bytes unless --num-blocks or --kv-cache-memory say otherwise")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+    p.add_argument("--gpu-memory-utilization", type=Bound(float, above=0, high=1), default=d.gpu_memory_utilization,
                    help="on CUDA, the fraction of GPU memory the process may use, KV cache included")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget of one step")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+    p.add_argument("--max-num-seqs", type=Bound(int, 1), default=d.max_num_seqs, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=Bound(int, 1), default=d.max_num_batched_tokens,
+                   help="token budget of one step")
+    p.add_argument("--max-model-len", type=Bound(int, 1), default=d.max_model_len,
                    help="context limit (default: the model's max_position_embeddings)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
-    p.add_argument("--max-admit-delay", type=int, default=d.max_admit_delay,
+    p.add_argument("--max-admit-delay", type=Bound(int, 0), default=d.max_admit_delay,
                    help="steps a waiting request may be held back while many others decode, so that "
                         "prompts arriving together share one prefill (0 = admit at once)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager, help="no CUDA graphs")
@@ -48,16 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, so that HTTP streaming never slows its steps "
                         "(--no-engine-process: a thread of the server process)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=Bound(int, 0, 2**63 - 1), default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object per line (with request_id where known)")
-    p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
+    p.add_argument("--log-stats-interval", type=Bound(float, 0), default=d.log_stats_interval,
                    help="seconds between engine summary lines while busy (0 = off)")
     p.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
                    help="Jinja chat template for /v1/chat/completions, in place of the tokenizer's own "
                         "(needed when the model has none)")
-    add_arguments(p)  # request limits, queue bound, deadline, shutdown grace, API key (server/api/guards.py)
+    add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)
     return p
 
 
@@ -67,10 +92,20 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    env_key = os.environ.get("FLASHPAGE_API_KEY")
+    if args.api_key is None and env_key:  # the key's other spelling gets the flag's check
+        try:
+            api_key(env_key)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"FLASHPAGE_API_KEY {e}")
+    limits = ServerLimits.from_args(args)
+    from server.api.connections import raise_fd_limit
     from server.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
+    raise_fd_limit(limits.max_connections)  # before the model loads: a cap the process cannot hold stops it here
     import torch
 
     from server.api.app import create_app
@@ -87,7 +122,6 @@ def main(argv: list[str] | None = None) -> None:
     engine = EngineClient(config, args.log_level, args.log_format) if args.engine_process else LLMEngine(config)
     log.info("engine ready in %.1f s: serving %r (context %d tokens) on http://%s:%d", time.perf_counter() - t0,
              engine.model_name, engine.max_model_len, args.host, args.port)
-    limits = ServerLimits.from_args(args)
     aengine = AsyncEngine(engine, max_waiting=limits.max_waiting_requests, request_timeout=limits.request_timeout)
     app = create_app(aengine, limits)
     # Start-up leaves millions of long-lived objects (torch, transformers, the tokenizer); each full
@@ -98,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     # middleware writes the access lines, so uvicorn's own are off.
     # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1 (server/api/lifecycle.py).
     try:
-        code = serve(app, aengine, limits.shutdown_grace, host=args.host, port=args.port, log_level=args.log_level,
+        code = serve(app, aengine, limits, host=args.host, port=args.port, log_level=args.log_level,
                      log_config=None, access_log=False)
     finally:
         gc.unfreeze()  # frozen objects are never freed: triton's bindings would report them leaked at exit

@@ -6,6 +6,11 @@
 - `setup_logging(level, "text" | "json")` installs one stderr handler on the root logger. Text:
   `2026-01-01 12:00:00,123 INFO flashpage.api [3f2a...]: message`. JSON: one object per line,
   `{"ts", "level", "logger", "message", "request_id"?, ...extra fields}`.
+- One record, one line, of bounded length, whatever a client sends (issue 23: a newline in the
+  OpenAI `user` field forged a whole log line, a 1 MB `user` wrote a 1 MB line). `clip(value)` is
+  how a client-supplied string goes into a message: escaped and cut to CLIENT_VALUE_CHARS. Both
+  formatters also cut every message to MAX_MESSAGE_CHARS, and the text formatter escapes line
+  breaks and control characters in it (JSON escapes them itself); tracebacks keep their lines.
 """
 
 from __future__ import annotations
@@ -17,6 +22,27 @@ from contextvars import ContextVar
 from datetime import datetime, timezone
 
 request_id_var: ContextVar[str | None] = ContextVar("flashpage_request_id", default=None)
+
+CLIENT_VALUE_CHARS = 200  # of one client-supplied string in a log message
+MAX_MESSAGE_CHARS = 4096  # of a whole log message (a traceback after it is not counted)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...(+{len(text) - limit} chars)"
+
+
+def _escaped(text: str) -> str:
+    """`text` with line breaks and other non-printable characters as escapes (repr's), so that it
+    stays on one line and cannot carry terminal control sequences."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
+def clip(value: object, limit: int = CLIENT_VALUE_CHARS) -> str:
+    """A client-supplied string as a log message may carry it: at most `limit` characters of it
+    (and how many more there were), escaped."""
+    text = str(value)
+    return _escaped(text[:limit]) + (f"...(+{len(text) - limit} chars)" if len(text) > limit else "")
+
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is emitted as a field.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
@@ -41,11 +67,16 @@ class TextFormatter(logging.Formatter):
         record.rid = f" [{rid}]" if rid else ""
         return super().format(record)
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _escaped(_cut(record.message, MAX_MESSAGE_CHARS))
+        return super().formatMessage(record)
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {"ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+               "level": record.levelname, "logger": record.name,
+               "message": _cut(record.getMessage(), MAX_MESSAGE_CHARS)}
         rid = getattr(record, "request_id", None)
         if rid:
             out["request_id"] = rid

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS). Sampling divides the fp32 logits by
+# the temperature: at 1e-38 and below that overflows to inf, the softmax of the row is NaN and its
+# "sample" is token 0; well before that the distribution is a one-hot of the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -24,4 +29,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -33,7 +33,8 @@ from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
-from server.sampling_params import SamplingParams
+from server.api.tokenize import encode
+from server.sampling_params import GREEDY_BELOW, SamplingParams
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
@@ -53,7 +54,9 @@ class GenerateRequest(BaseModel):
                                                                  "most --max-prompt-tokens of them.")
     max_tokens: int = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
                                                                         "max_tokens must fit the context).")
-    temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0, description="0 = greedy.")
+    temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0,
+                               description=f"0 = greedy, and so is anything below {GREEDY_BELOW:g} (dividing the "
+                                           "logits by less would overflow).")
     top_p: float = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
     top_k: int = Field(DEFAULTS.top_k, ge=0, le=MAX_TOP_K, description="0 = no top-k filter.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Per-request seed: same seed, same tokens.")
@@ -184,7 +187,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         try:
             if body.prompt is not None:
                 check_prompt_chars(body.prompt, limits)  # before the tokenizer sees it
-                ids = tokenizer.encode(body.prompt)
+                [ids] = await encode(tokenizer, [body.prompt])
             else:
                 ids = body.prompt_token_ids
             check_prompt_tokens(len(ids), limits)

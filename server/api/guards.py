@@ -1,16 +1,20 @@
 """Request limits and HTTP guards: what a request may be, who may send it, and what happens when
 its client goes away.
 
-- `ServerLimits`: the bounds on a request (body bytes, prompt characters and tokens), the
-  admission bounds the engine applies (waiting-queue length, per-request deadline), the shutdown
-  grace period, the optional API key and the `--chat-template` override (its flag is in
-  server/cli.py); `add_arguments` puts the others on the CLI.
+- `ServerLimits`: the bounds on a request (body bytes, prompt characters and tokens), on a
+  connection (count, keep-alive, header and body timeouts, header bytes: enforced below HTTP
+  parsing by server/api/connections.py), the admission bounds the engine applies (waiting-queue
+  length, per-request deadline), the shutdown grace period, the optional API key and the
+  `--chat-template` override (its flag is in server/cli.py); `add_arguments` puts the others on the
+  CLI, each checked against its range by a `Bound`.
 - `GuardMiddleware` (pure ASGI, streaming-safe), in front of every route:
   1. bearer-token auth when an API key is set (`/health` stays open): 401 with `WWW-Authenticate`;
      the comparison is constant-time (`hmac.compare_digest`);
-  2. body size: a `Content-Length` over the limit is a 413 before a byte of the body is read; a
-     chunked body is read up to the limit and is a 413 past it;
-  3. a body that is not UTF-8 is a 400 that says where, before any JSON parsing.
+  2. body size: a `Content-Length` over the limit is a 413 before the body is parsed; a chunked
+     body is read up to the limit and is a 413 past it. The rest of an oversized body is read and
+     thrown away before the 413 goes out (see `_refuse_body`);
+  3. a body that is not UTF-8 is a 400 that says where, and JSON nested deeper than
+     MAX_JSON_DEPTH is a 400 that says how deep, both before any JSON parsing.
   The body is replayed to the app, then `receive` goes back to the client's, so handlers still see
   `http.disconnect`.
 - `check_prompt_chars` / `check_prompt_tokens`: the configurable prompt bounds (HTTP 400).
@@ -24,9 +28,13 @@ import argparse
 import asyncio
 import hmac
 import json
+import math
 import os
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 # Fixed bounds, part of the OpenAPI schema (server/api/app.py).
 MAX_STOP_STRINGS = 16
@@ -34,6 +42,11 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKENS_BOUND = 1 << 20  # schema cap on max_tokens; the model's context is the real limit (400)
 MAX_TOP_K = 1 << 20
+MAX_CHOICES = 1024  # prompts x n in one /v1 request
+# Arrays and objects inside each other in a request body (the deepest valid request nests 5).
+# Python's json parser gives up near its recursion limit (~1000, depending on the stack), which
+# FastAPI reports as "There was an error parsing the body"; this bound is checked on the raw bytes.
+MAX_JSON_DEPTH = 64
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -46,6 +59,61 @@ def parse_bytes(text: str) -> int:
     return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
 
 
+class Bound:
+    """An argparse `type`: the flag's text parsed by `parse`, then checked against a range, so that a
+    setting the server cannot run with stops it at start, before anything loads, with the flag's
+    name and the range (`argument --max-num-seqs: 0 is out of range: it must be an integer >= 1`).
+
+    `low` / `high` are inclusive, `above` an exclusive lower bound; NaN and infinities never pass;
+    `also` maps values outside the range that the flag still takes to what they mean (-1: no bound)."""
+
+    def __init__(self, parse: Callable = int, low: float | None = None, high: float | None = None, *,
+                 above: float | None = None, power_of_two: bool = False, also: dict | None = None,
+                 what: str | None = None) -> None:
+        self.parse, self.low, self.high, self.above = parse, low, high, above
+        self.power_of_two, self.also = power_of_two, also or {}
+        self.what = what or {int: "an integer", float: "a number"}.get(parse, "a value")
+
+    def describe(self) -> str:
+        if self.power_of_two:
+            text = f"a power of two from {self.low} to {self.high}"
+        elif self.low is not None and self.high is not None:
+            text = f"{self.what} from {self.low} to {self.high}"
+        else:
+            parts = ([f">= {self.low}"] if self.low is not None else []) + (
+                [f"> {self.above}"] if self.above is not None else []) + (
+                [f"<= {self.high}"] if self.high is not None else [])
+            text = " ".join([self.what, " and ".join(parts)]).strip()
+        return text + "".join(f", or {v} ({meaning})" for v, meaning in self.also.items())
+
+    def allows(self, value) -> bool:
+        if value in self.also:
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return ((self.low is None or value >= self.low) and (self.above is None or value > self.above)
+                and (self.high is None or value <= self.high)
+                and (not self.power_of_two or (value > 0 and value & (value - 1) == 0)))
+
+    def __call__(self, text: str):
+        try:
+            value = self.parse(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.describe()}") from None
+        if not self.allows(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {self.describe()}")
+        return value
+
+
+def api_key(text: str) -> str:
+    """--api-key: visible ASCII without spaces (a bearer token); empty is refused rather than taken
+    to mean "no key", since `--api-key "$KEY"` with KEY unset would otherwise turn auth off."""
+    if not text or not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("must be a non-empty token of visible ASCII characters without spaces "
+                                         "(leave the flag out to serve without a key)")
+    return text
+
+
 @dataclass
 class ServerLimits:
     max_body_bytes: int = 1 << 20
@@ -56,6 +124,12 @@ class ServerLimits:
     shutdown_grace: float = 30.0
     api_key: str | None = None
     chat_template: str | None = None  # --chat-template's text, in place of the tokenizer's own template
+    # Connections (server/api/connections.py). uvicorn bounds none of these with its httptools parser.
+    max_connections: int = 2048  # at the cap a new connection closes the longest-idle one
+    keep_alive_timeout: float = 5.0  # no byte of a request yet (new, or between requests): closed (uvicorn's default)
+    header_timeout: float = 10.0  # from a request's first byte to the end of its headers: else 408
+    body_timeout: float = 30.0  # from the end of the headers to the end of the body: else 408
+    max_header_bytes: int = 16 << 10  # request line and headers: else 431 (h11's default, uvicorn's with h11)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
@@ -64,27 +138,48 @@ class ServerLimits:
                    max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
                    request_timeout=args.request_timeout or None, shutdown_grace=args.shutdown_grace,
                    api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None,
-                   chat_template=getattr(args, "chat_template", None))
+                   chat_template=getattr(args, "chat_template", None), max_connections=args.max_connections,
+                   keep_alive_timeout=args.keep_alive_timeout, header_timeout=args.header_timeout,
+                   body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes)
+
+
+SIZE = "a size in bytes (e.g. 64KiB)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerLimits()
     g = p.add_argument_group("limits and reliability")
-    g.add_argument("--max-body-bytes", type=parse_bytes, default=d.max_body_bytes,
-                   help="largest request body (e.g. 1MiB); larger ones get 413 before they are read")
-    g.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+    g.add_argument("--max-body-bytes", type=Bound(parse_bytes, 64, what=SIZE), default=d.max_body_bytes,
+                   help="largest request body (e.g. 1MiB); larger ones get 413 before they are parsed")
+    g.add_argument("--max-prompt-chars", type=Bound(int, 1), default=d.max_prompt_chars,
                    help="longest text prompt in characters (checked before tokenizing)")
-    g.add_argument("--max-prompt-tokens", type=int, default=0,
+    g.add_argument("--max-prompt-tokens", type=Bound(int, 0), default=0,
                    help="longest prompt in tokens (0 = the model's context)")
-    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
-                   help="requests that may wait for a slot; beyond it 503 with Retry-After (-1 = unbounded)")
-    g.add_argument("--request-timeout", type=float, default=0.0,
+    g.add_argument("--max-waiting-requests", type=Bound(int, 1, also={-1: "no bound"}),
+                   default=d.max_waiting_requests,
+                   help="requests that may wait for a slot; beyond it 503 with Retry-After, and a request with "
+                        "more choices than this (prompts x n) is a 400 (-1 = unbounded)")
+    g.add_argument("--request-timeout", type=Bound(float, 0), default=0.0,
                    help="per-request deadline in seconds (0 = none); a request past it is aborted and "
                         "ends with finish_reason 'timeout' and the text generated so far")
-    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
+    g.add_argument("--shutdown-grace", type=Bound(float, 0), default=d.shutdown_grace,
                    help="on SIGTERM, seconds that running requests get to finish before they are aborted")
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", type=api_key, default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set FLASHPAGE_API_KEY)")
+    c = p.add_argument_group("connections (a fronting proxy may bound these too: README, Limits and reliability)")
+    c.add_argument("--max-connections", type=Bound(int, 1), default=d.max_connections,
+                   help="most open client connections; at the cap a new one closes the connection idle the "
+                        "longest, or gets 503 if every one is busy with a request")
+    c.add_argument("--keep-alive-timeout", type=Bound(float, above=0), default=d.keep_alive_timeout,
+                   help="seconds a connection may wait without sending a request (after connecting or between "
+                        "requests) before it is closed")
+    c.add_argument("--header-timeout", type=Bound(float, above=0), default=d.header_timeout,
+                   help="seconds from a request's first byte to the end of its headers; then 408, connection closed")
+    c.add_argument("--body-timeout", type=Bound(float, above=0), default=d.body_timeout,
+                   help="seconds from the end of a request's headers to the end of its body; then 408, connection "
+                        "closed")
+    c.add_argument("--max-header-bytes", type=Bound(parse_bytes, 1024, what=SIZE), default=d.max_header_bytes,
+                   help="largest request line plus headers (e.g. 16KiB); larger ones get 431, connection closed")
 
 
 class LimitError(ValueError):
@@ -113,6 +208,22 @@ def has_surrogates(text: str) -> bool:
         return True
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NESTING = np.zeros(256, dtype=np.int8)  # +1 for each byte that opens an array or object, -1 for a close
+_NESTING[list(b"[{")], _NESTING[list(b"]}")] = 1, -1
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep arrays and objects nest in the JSON `body` if deeper than `limit`, else 0. At C speed
+    (bytes.count, re, numpy), and exact only when needed: a body cannot nest deeper than it has
+    opening brackets; past that, brackets inside strings are dropped and a running sum gives the depth."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return 0
+    steps = _NESTING[np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)]
+    depth = int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+    return depth if depth > limit else 0
+
+
 # -- ASGI middleware ------------------------------------------------------------------------------
 async def _reply(send, status: int, message: str, kind: str, headers: list | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": kind}}).encode()
@@ -122,8 +233,30 @@ async def _reply(send, status: int, message: str, kind: str, headers: list | Non
     await send({"type": "http.response.body", "body": body})
 
 
+def _header(scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope["headers"] if k == name), None)
+
+
+async def _refuse_body(scope, receive, send, message: str, more_body: bool = True) -> None:
+    """413 for a body over the limit. A client still sending it must be allowed to finish: a socket
+    closed with unread data makes the kernel send a reset, which destroys the 413 the client has
+    not read yet (issue 23: 36 of 48 oversized posts under load lost their answer that way). So the
+    rest is read and thrown away first (the connection guard's --body-timeout bounds how long) and
+    the connection stays open. A client that waits for `100 Continue` has sent nothing: it is
+    answered at once and the connection closed, so that the body is never sent."""
+    if (_header(scope, b"expect") or b"").lower() == b"100-continue":
+        await _reply(send, 413, message, "invalid_request_error", [(b"connection", b"close")])
+        return
+    while more_body:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            return
+        more_body = m.get("more_body", False)
+    await _reply(send, 413, message, "invalid_request_error")
+
+
 class GuardMiddleware:
-    """Auth, body-size and UTF-8 checks in front of every route (see the module docstring)."""
+    """Auth, body-size, UTF-8 and JSON-depth checks in front of every route (see the module docstring)."""
 
     def __init__(self, app, limits: ServerLimits) -> None:
         self.app = app
@@ -131,7 +264,7 @@ class GuardMiddleware:
         self._key = limits.api_key.encode() if limits.api_key else None
 
     def _authorized(self, scope) -> bool:
-        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        auth = _header(scope, b"authorization") or b""
         scheme, _, token = auth.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
@@ -147,14 +280,14 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.limits.max_body_bytes
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        length = _header(scope, b"content-length")
         if length is not None:
             if not length.strip().isdigit():
                 await _reply(send, 400, "invalid Content-Length header", "invalid_request_error")
                 return
             if int(length) > limit:
-                await _reply(send, 413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
-                             "(--max-body-bytes)", "invalid_request_error", [(b"connection", b"close")])
+                await _refuse_body(scope, receive, send, f"request body of {int(length)} bytes exceeds the limit "
+                                   f"of {limit} bytes (--max-body-bytes)")
                 return
         chunks, size = [], 0
         while True:
@@ -164,8 +297,8 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _reply(send, 413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
-                             "invalid_request_error", [(b"connection", b"close")])
+                await _refuse_body(scope, receive, send, f"request body exceeds the limit of {limit} bytes "
+                                   "(--max-body-bytes)", message.get("more_body", False))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -175,6 +308,11 @@ class GuardMiddleware:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
             await _reply(send, 400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_request_error")
+            return
+        depth = json_too_deep(body)
+        if depth:
+            await _reply(send, 400, f"the JSON body nests arrays and objects {depth} levels deep; at most "
+                         f"{MAX_JSON_DEPTH} are allowed", "invalid_request_error")
             return
         replayed = False
 

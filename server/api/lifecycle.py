@@ -1,6 +1,8 @@
 """The server process's life: graceful drain on SIGTERM, a non-zero exit when the engine dies.
 
-`serve()` runs uvicorn with two changes to its signal and tick handling:
+`serve()` runs uvicorn with the connection guards of server/api/connections.py (timeouts, header
+size, connection cap) in place of its plain httptools protocol, and two changes to its signal and
+tick handling:
 
 - SIGTERM (or Ctrl+C): admission stops at once (new requests get 503 with Retry-After, /health
   503 so load balancers look elsewhere) while the server keeps listening; requests in flight get
@@ -19,6 +21,8 @@ import signal
 
 import uvicorn
 
+from server.api.connections import protocol_class
+from server.api.guards import ServerLimits
 from server.bridge.async_engine import AsyncEngine
 
 log = logging.getLogger("flashpage.lifecycle")
@@ -71,9 +75,12 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(app, engine: AsyncEngine, grace: float, **uvicorn_kwargs) -> int:
+def serve(app, engine: AsyncEngine, limits: ServerLimits, **uvicorn_kwargs) -> int:
     """Serve until SIGTERM (exit code 0, after draining) or engine death (1). Returns the exit code."""
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 5)
-    server = Server(uvicorn.Config(app, **uvicorn_kwargs), engine, grace)
+    # ws="none": no route speaks WebSocket, so an upgrade request is plain HTTP to the guards.
+    config = uvicorn.Config(app, http=protocol_class(limits), ws="none", timeout_keep_alive=limits.keep_alive_timeout,
+                            **uvicorn_kwargs)
+    server = Server(config, engine, limits.shutdown_grace)
     server.run()
     return server.exit_code

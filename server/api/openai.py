@@ -36,13 +36,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.guards import ServerLimits
-from server.api.openai_protocol import DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, validation_error
+from server.api.openai_protocol import (DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count,
+                                        validation_error)
 from server.api.openai_chat import chat_completions
-from server.api.openai_serving import ROUTE_ERRORS, Route, answer, begin, choice_params, respond
+from server.api.openai_serving import ROUTE_ERRORS, Route, admit_choices, answer, begin, choice_params, respond
+from server.logs import clip
 
 log = logging.getLogger("flashpage.openai")
 router = APIRouter(prefix="/v1")
-MAX_CHOICES = 1024  # prompts x n in one request
 COMPLETION = Route("completion", "cmpl-", "text_completion", "text_completion")
 
 
@@ -53,17 +54,15 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
-    prompts = parse_prompts(body.prompt, engine.tokenizer, limits)
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise OpenAIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} sequences per request",
-                          param="n")
+    admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
+    prompts = await parse_prompts(body.prompt, engine.tokenizer, limits)
     max_tokens = body.max_tokens or DEFAULTS.max_tokens
     choices: list[Choice] = []
     for text, ids in prompts:
         for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt"):
             choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer))
     log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(prompts), body.n, max_tokens,
-             body.stream, f", user={body.user}" if body.user else "")
+             body.stream, f", user={clip(body.user)}" if body.user else "")
     return await respond(request, COMPLETION, body, choices, sum(len(ids) for _, ids in prompts))
 
 

@@ -34,7 +34,8 @@ from server.api.chat_template import ChatTemplateError, render_chat
 from server.api.guards import LimitError, check_prompt_tokens
 from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
 from server.api.openai_protocol import OpenAIError
-from server.api.openai_serving import Route, answer, begin, choice_params, respond
+from server.api.openai_serving import Route, admit_choices, answer, begin, choice_params, respond
+from server.logs import clip
 
 log = logging.getLogger("flashpage.openai")
 CHAT = Route("chat completion", "chatcmpl-", "chat.completion", "chat.completion.chunk")
@@ -47,6 +48,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def _chat_completions(body: ChatCompletionRequest, request: Request):
     engine, limits = begin(body, request)
+    admit_choices(request, 1, body.n)  # before rendering and tokenizing
     limit, top_n = body.completion_limit(), body.top_n()
     messages = body.conversation(limits)
     try:
@@ -58,5 +60,6 @@ async def _chat_completions(body: ChatCompletionRequest, request: Request):
     choices = [ChatChoice(j, ids, params, engine.tokenizer)
                for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]
     log.info("chat completion: %d message(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s%s",
-             len(messages), len(ids), body.n, max_tokens, body.stream, f", user={body.user}" if body.user else "")
+             len(messages), len(ids), body.n, max_tokens, body.stream,
+             f", user={clip(body.user)}" if body.user else "")
     return await respond(request, CHAT, body, choices, len(ids))

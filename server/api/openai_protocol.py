@@ -15,7 +15,8 @@ from server.bridge.async_engine import EngineDeadError
 from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            LimitError, ServerLimits, check_prompt_chars, check_prompt_tokens, has_surrogates)
-from server.sampling_params import SamplingParams
+from server.api.tokenize import encode
+from server.sampling_params import GREEDY_BELOW, SamplingParams
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
@@ -35,7 +36,8 @@ class SamplingRequest(BaseModel):
     model_config = STRICT
 
     model: str
-    temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0)
+    temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0,
+                                      description=f"0 = greedy, and so is anything below {GREEDY_BELOW:g}.")
     top_p: float | None = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -117,27 +119,33 @@ def check_request(body: SamplingRequest) -> None:
         raise OpenAIError(400, "'stop' holds a lone UTF-16 surrogate, which is not text", param="stop")
 
 
-def parse_prompts(prompt, tokenizer, limits: ServerLimits) -> list[tuple[str | None, list[int]]]:
-    """[(text or None, token ids)] per prompt, within the server's prompt limits."""
+def prompt_count(prompt) -> int:
+    """How many prompts `prompt` holds, found without looking at each (caps come before any work)."""
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+
+
+async def parse_prompts(prompt, tokenizer, limits: ServerLimits) -> list[tuple[str | None, list[int]]]:
+    """[(text or None, token ids)] per prompt, within the server's prompt limits; text is checked
+    before it is tokenized, and tokenized off the event loop (server/api/tokenize.py)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
         raise OpenAIError(400, "'prompt' is empty", param="prompt")
     elif isinstance(prompt[0], int):
         prompt = [prompt]
-    out = []
-    for p in prompt:
-        try:
+    try:
+        for p in prompt:
             if isinstance(p, str):
                 if has_surrogates(p):
                     raise LimitError("'prompt' holds a lone UTF-16 surrogate, which is not text")
-                check_prompt_chars(p, limits)  # before the tokenizer sees it
-                out.append((p, tokenizer.encode(p)))
-            else:
-                out.append((None, list(p)))
-            check_prompt_tokens(len(out[-1][1]), limits)
-        except LimitError as e:
-            raise OpenAIError(400, str(e), param="prompt") from None
+                check_prompt_chars(p, limits)
+        texts = [p for p in prompt if isinstance(p, str)]
+        encoded = iter(await encode(tokenizer, texts))
+        out = [(p, next(encoded)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+        for _, ids in out:
+            check_prompt_tokens(len(ids), limits)
+    except LimitError as e:
+        raise OpenAIError(400, str(e), param="prompt") from None
     return out
 
 

@@ -1,6 +1,7 @@
 """What /v1/completions and /v1/chat/completions do alike once a body is parsed: the model check,
-each choice's SamplingParams (checked against the engine before anything runs), one engine request
-per choice, and the response: one JSON object, or SSE chunks then `data: [DONE]`.
+the caps on a request's sequences (prompts x n: `admit_choices`, before any per-prompt work), each
+choice's SamplingParams (checked against the engine before anything runs), one engine request per
+choice, admitted together, and the response: one JSON object, or SSE chunks then `data: [DONE]`.
 
 - Engine errors before the response starts keep their status code (a stream waits for the first
   output before it answers 200); a failure mid-stream is a last `data: {"error": ...}` chunk.
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.api.guards import ServerLimits, wait_disconnect
+from server.api.guards import MAX_CHOICES, ServerLimits, wait_disconnect
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
                                         usage_dict)
+from server.bridge.async_engine import AsyncEngine, ServiceUnavailableError
 from server.engine import RequestError
 from server.logs import request_id_var
 from server.sampling_params import SamplingParams
@@ -61,22 +63,38 @@ def begin(body: SamplingRequest, request: Request) -> tuple[object, ServerLimits
     return engine, getattr(request.app.state, "limits", None) or ServerLimits()
 
 
+def _admit(aengine: AsyncEngine, count: int) -> None:
+    try:
+        aengine.admit(count)
+    except RequestError as e:  # more than may ever wait: a 400, which clients do not retry
+        raise OpenAIError(400, str(e), param="n") from None
+    except ServiceUnavailableError as e:  # the queue is full now: 503 with Retry-After
+        raise from_engine_error(e) from None
+
+
+def admit_choices(request: Request, prompts: int, n: int) -> None:
+    """Caps on the sequences a request asks for, checked before any per-prompt work (tokenizing,
+    rendering): at most MAX_CHOICES, and no more than may wait for the batch (400 if they never
+    could, 503 if the queue is full now; `respond` checks the queue again once they are built)."""
+    if prompts * n > MAX_CHOICES:
+        raise OpenAIError(400, f"{prompts} prompt(s) x n={n} = {prompts * n} sequences; at most {MAX_CHOICES} are "
+                          "allowed per request", param="n")
+    _admit(request.app.state.engine, prompts * n)
+
+
 def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,
                   param: str) -> list[SamplingParams]:
-    """The parameters of the `body.n` choices of one prompt, each validated as the engine will."""
+    """The parameters of the `body.n` choices of one prompt, validated as the engine will."""
     if len(ids) + max_tokens > engine.max_model_len:
         raise OpenAIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, however "
                           f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in your prompt; "
                           f"{max_tokens} for the completion). Please reduce your prompt or completion length.",
                           param=param, code="context_length_exceeded")
-    out = []
-    for j in range(body.n):
-        params = body.sampling_params(max_tokens, logprobs, j)
-        try:
-            engine.validate(ids, params)
-        except RequestError as e:
-            raise OpenAIError(400, str(e), param=param) from None
-        out.append(params)
+    out = [body.sampling_params(max_tokens, logprobs, j) for j in range(body.n)]
+    try:
+        engine.validate(ids, out[0])  # choices differ only in their seeds, which validation does not read
+    except RequestError as e:
+        raise OpenAIError(400, str(e), param=param) from None
     return out
 
 
@@ -91,7 +109,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
     tag = uuid.uuid4().hex[:8]  # engine ids stay unique even when a client reuses its X-Request-ID
 
     async def pump(c: ChoiceBase) -> None:
-        stream = aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True)
+        stream = aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True, admitted=True)
         try:
             async for out in stream:
                 queue.put_nowait((c, out))
@@ -100,6 +118,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
         finally:
             await stream.aclose()
 
+    _admit(aengine, len(choices))  # all of them or none: a request half admitted could only fail
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
 
     async def cancel() -> None:

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 
-from server.logs import request_id_var
+from server.logs import clip, request_id_var
 
 access_log = logging.getLogger("flashpage.http")
 
@@ -66,5 +66,6 @@ class RequestIdMiddleware:
         finally:
             path = scope.get("path", "")
             level = logging.DEBUG if path in ("/health", "/metrics") else logging.INFO
-            access_log.log(level, "%s %s %s %.3fs", scope.get("method"), path, status, time.perf_counter() - t0)
+            # The path is the client's (percent-decoded: %0A is a newline), hence clipped.
+            access_log.log(level, "%s %s %s %.3fs", scope.get("method"), clip(path), status, time.perf_counter() - t0)
             request_id_var.reset(token)

@@ -121,9 +121,24 @@ class AsyncEngine:
     def in_use(self, request_id: str) -> bool:
         return request_id in self._streams  # an abort reaches the engine before any later add
 
+    def admit(self, count: int = 1) -> None:
+        """Check that `count` more requests (the choices of one HTTP request, admitted together) may
+        wait for a place in the batch. Raises RequestError (400) if they never can, being more than
+        the waiting-queue bound; a client that retried would spin forever (the OpenAI SDK retries
+        503s). Raises ServiceUnavailableError (503 + Retry-After) if the queue is too full now."""
+        if self.max_waiting is None:
+            return
+        if count > self.max_waiting:
+            raise RequestError(f"this request runs {count} sequences (prompts x n) but at most {self.max_waiting} may "
+                               "wait for the batch (--max-waiting-requests): it could never be admitted; send "
+                               "fewer prompts or a smaller n")
+        if self.num_waiting + count > self.max_waiting:
+            raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
+                                          f"{self.max_waiting}); retry later")
+
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       validated: bool = False) -> AsyncIterator[RequestOutput]:
+                       validated: bool = False, admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come (merged when the consumer is behind); abort the request if
         the consumer stops early.
 
@@ -131,7 +146,8 @@ class AsyncEngine:
         full), EngineDeadError (503), RequestFailedError (500: the step that ran it failed). A
         request past its deadline is ended by the engine with finish_reason "timeout"; one cut off by
         shutdown ends with "abort"; both keep the text generated so far. `validated`: the caller
-        already ran engine.validate on exactly these arguments."""
+        already ran engine.validate on exactly these arguments; `admitted`: the caller already ran
+        `admit` for this request together with the others of its HTTP request."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
         if self.draining:
@@ -140,9 +156,8 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not validated:  # the one check per request (read-only, safe off the engine thread); the
             self.engine.validate(prompt_token_ids, params)  # OpenAI route checks every choice up front
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise ServiceUnavailableError(f"{self.num_waiting} requests are already waiting (the limit is "
-                                          f"{self.max_waiting}); retry later")
+        if not admitted:
+            self.admit()
         stream = self._streams[request_id] = _Collector()
         deadline, backstop = None, None
         if self.request_timeout is not None:

@@ -35,11 +35,13 @@ def sample(
     n = logits.shape[0]
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, p in enumerate(params) if not p.greedy]  # greedy: temperature < GREEDY_BELOW
     if not rows:
         return out, logprobs
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
+    # Sampled rows have temperature >= GREEDY_BELOW (the rest are greedy, above), so the division
+    # below stays finite for any finite logits a model produces.
     temp = torch.tensor([params[i].temperature for i in rows], device=dev)
     scaled = logits[idx] / temp[:, None]
     # The filter sorts every row over the whole vocabulary (milliseconds a step at 256 rows of a

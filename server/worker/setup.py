@@ -47,7 +47,9 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     log.info("loading weights from %s (%s, attention=%s, device=%s)", path, dtype, attention, device)
     model = load_model(path, dtype, device, attention)
     spec = model.spec
-    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    max_model_len = spec.max_position_embeddings
+    if config.max_model_len is not None:  # never 0 for "the default": the CLI refuses 0
+        max_model_len = min(config.max_model_len, max_model_len)
     if spec.sliding_window is not None and max_model_len > spec.sliding_window:
         # Within its window a sliding-window model attends like any other; past it, it must not see
         # the oldest tokens, which our kernels do not implement.
@@ -84,10 +86,10 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
     """KV blocks to allocate: --num-blocks, else --kv-cache-memory, else (CUDA) what is left under
     --gpu-memory-utilization after the weights and the largest step's activations, else (CPU)
     --cpu-kv-cache-memory."""
-    if config.num_blocks:
-        return config.num_blocks
-    if config.kv_cache_memory:
-        return cache_spec.blocks_for_budget(config.kv_cache_memory)
+    if config.num_blocks is not None:
+        return _at_least_one(config.num_blocks, cache_spec, "--num-blocks")
+    if config.kv_cache_memory is not None:
+        return _at_least_one(cache_spec.blocks_for_budget(config.kv_cache_memory), cache_spec, "--kv-cache-memory")
     if device.type == "cuda":
         # Size from what is left under the utilisation cap after weights and the activations of
         # the largest possible step (measured by running it), as vLLM does.
@@ -98,5 +100,13 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
         budget = config.gpu_memory_utilization * total - peak - in_use_elsewhere
         log.info("memory: %.2f GiB total, peak step %.2f GiB, other processes %.2f GiB -> KV budget %.2f GiB",
                  total / 2**30, peak / 2**30, in_use_elsewhere / 2**30, budget / 2**30)
-        return cache_spec.blocks_for_budget(int(budget))
-    return cache_spec.blocks_for_budget(config.cpu_kv_cache_memory)
+        return _at_least_one(cache_spec.blocks_for_budget(int(budget)), cache_spec, "--gpu-memory-utilization")
+    return _at_least_one(cache_spec.blocks_for_budget(config.cpu_kv_cache_memory), cache_spec, "--cpu-kv-cache-memory")
+
+
+def _at_least_one(num_blocks: int, cache_spec: CacheSpec, flag: str) -> int:
+    """A budget that holds no block would start a server that refuses every request: stop instead."""
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache ({flag}) holds no block of {cache_spec.bytes_per_block} bytes: "
+                         f"raise {flag}" + (", or give --num-blocks" if flag != "--num-blocks" else ""))
+    return num_blocks

@@ -125,3 +125,19 @@ def test_plain_temperature_skips_the_filter_and_keeps_the_distribution(monkeypat
     torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
     with pytest.raises(AssertionError, match="filter ran"):
         draw(logits, [SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_k=2)] * 2000)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-20, 1e-6])
+def test_sub_epsilon_temperatures_are_greedy_never_nan(temperature):
+    """Issue 23, case 1: logits / 1e-40 overflowed fp32, the row became NaN and its "sample" token 0.
+    Temperatures below GREEDY_BELOW are greedy; the smallest sampled one keeps every row finite."""
+    from server.sampling_params import GREEDY_BELOW
+
+    logits = random_logits(6) * 10
+    logits[:, 0] = -50.0  # token 0 is never the argmax: a NaN row would show as 0
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    ids, _ = draw(logits, params, want_logprobs=True)
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    ids, _ = draw(logits, [SamplingParams(temperature=GREEDY_BELOW)] * 6)  # the smallest that samples
+    assert ids.tolist() == logits.argmax(-1).tolist()

@@ -24,3 +24,20 @@ def test_dtype_auto_is_float16_on_cuda_for_full_precision_or_unnamed_checkpoints
 
 def test_dtype_auto_is_float32_on_the_cpu(tmp_path):
     assert auto_dtype(_config(tmp_path, dtype="bfloat16"), on_cuda=False) == torch.float32
+
+
+def test_a_kv_budget_that_holds_no_block_stops_the_start_naming_the_flag():
+    """Issue 23, case 8: a cache of 0 blocks started a server that refused every request."""
+    import pytest
+
+    from kvcache import CacheSpec
+    from server.config import EngineConfig
+    from server.worker.setup import kv_cache_blocks
+
+    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="--cpu-kv-cache-memory"):
+        kv_cache_blocks(EngineConfig(cpu_kv_cache_memory=spec.bytes_per_block), spec, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        kv_cache_blocks(EngineConfig(kv_cache_memory=100), spec, None, torch.device("cpu"))
+    assert kv_cache_blocks(EngineConfig(cpu_kv_cache_memory=3 * spec.bytes_per_block), spec, None,
+                           torch.device("cpu")) == 2  # one block of the budget pays for the scratch block

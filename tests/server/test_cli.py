@@ -1,0 +1,110 @@
+"""Issue 23, case 8: a setting the server cannot run with stops it at start, before anything loads,
+with a message naming the flag and its allowed range (server/cli.py; `Bound` in server/api/guards.py).
+Before: --max-num-seqs 0 and --max-num-batched-tokens 0 started a healthy server that hung every
+request, --block-size 0 crashed with ZeroDivisionError, --num-blocks 0 and --max-model-len 0 meant
+"the default"."""
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server.api.connections import FD_RESERVE, raise_fd_limit
+from server.cli import build_parser
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-num-seqs", "0"], ["0 is out of range", "an integer >= 1"]),
+    (["--max-num-batched-tokens", "0"], ["an integer >= 1"]),
+    (["--block-size", "0"], ["a power of two from 1 to 256"]),
+    (["--block-size", "12"], ["a power of two"]),
+    (["--block-size", "512"], ["a power of two"]),
+    (["--num-blocks", "0"], [">= 1"]),  # not "the default": leave the flag out for that
+    (["--max-model-len", "0"], [">= 1"]),
+    (["--max-model-len", "-5"], [">= 1"]),
+    (["--kv-cache-memory", "0"], ["a size in bytes", ">= 1"]),
+    (["--cpu-kv-cache-memory", "0MiB"], [">= 1"]),
+    (["--gpu-memory-utilization", "0"], ["a number > 0 and <= 1"]),
+    (["--gpu-memory-utilization", "1.5"], ["> 0 and <= 1"]),
+    (["--gpu-memory-utilization", "nan"], ["> 0 and <= 1"]),
+    (["--max-admit-delay", "-1"], [">= 0"]),
+    (["--seed", "-1"], ["from 0 to"]),
+    (["--port", "70000"], ["from 0 to 65535"]),
+    (["--port", "http"], ["'http' is not an integer"]),
+    (["--log-stats-interval", "inf"], [">= 0"]),
+    (["--max-body-bytes", "10"], [">= 64"]),
+    (["--max-body-bytes", "lots"], ["'lots' is not a size in bytes"]),
+    (["--max-prompt-chars", "0"], [">= 1"]),
+    (["--max-prompt-tokens", "-1"], [">= 0"]),
+    (["--max-waiting-requests", "0"], [">= 1, or -1 (no bound)"]),  # nothing could ever wait
+    (["--max-waiting-requests", "-2"], [">= 1, or -1 (no bound)"]),
+    (["--request-timeout", "-1"], [">= 0"]),
+    (["--shutdown-grace", "nan"], [">= 0"]),
+    (["--max-connections", "0"], [">= 1"]),
+    (["--keep-alive-timeout", "0"], ["> 0"]),
+    (["--header-timeout", "-1"], ["> 0"]),
+    (["--body-timeout", "0"], ["> 0"]),
+    (["--max-header-bytes", "100"], [">= 1024"]),
+    (["--device", "gpu"], ["cpu, cuda or cuda:N"]),
+    (["--api-key", ""], ["non-empty", "leave the flag out"]),  # `--api-key "$UNSET"` must not turn auth off
+    (["--api-key", "has space"], ["without spaces"]),
+    (["--served-model-name", ""], ["must not be empty"]),
+    (["--model", " "], ["must not be empty"]),
+])
+def test_impossible_settings_exit_2_naming_the_flag_and_its_range(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {argv[0]}" in err and all(w in err for w in words), err
+
+
+def test_every_setting_is_checked_as_it_is_parsed():
+    """Each option has a checked type, fixed choices or is a switch; --host is checked by the bind."""
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        checked = action.type is not None or action.choices or isinstance(action, argparse.BooleanOptionalAction)
+        assert checked or action.dest == "host", action.dest
+
+
+def test_the_ends_of_each_range_are_accepted():
+    args = build_parser().parse_args([
+        "--max-num-seqs", "1", "--block-size", "1", "--num-blocks", "1", "--max-model-len", "1",
+        "--gpu-memory-utilization", "1", "--max-waiting-requests", "-1", "--port", "0", "--kv-cache-memory", "512MiB",
+        "--max-admit-delay", "0", "--request-timeout", "0", "--max-prompt-tokens", "0", "--max-header-bytes", "1KiB",
+        "--device", "cuda:1", "--api-key", "sk-abc_123.XYZ="])
+    assert (args.block_size, args.num_blocks, args.max_waiting_requests, args.kv_cache_memory) == (1, 1, -1, 512 << 20)
+    assert args.max_header_bytes == 1024 and args.gpu_memory_utilization == 1.0
+    defaults = build_parser().parse_args([])
+    assert defaults.num_blocks is None and defaults.max_model_len is None  # left out: sized from the budget / model
+
+
+def test_the_server_stops_before_loading_anything():
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "server", "--max-num-seqs", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "argument --max-num-seqs: 0 is out of range" in out.stderr
+    assert time.monotonic() - t0 < 20  # argparse's exit, not a model load
+
+
+def test_a_connection_cap_over_the_descriptor_limit_stops_the_server():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    out = subprocess.run([sys.executable, "-m", "server", "--max-connections", str(hard)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and f"--max-connections {hard}" in out.stderr and "ulimit" in out.stderr
+
+
+def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
+    limits = {"now": (1024, 65536)}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda _, value: limits.update(now=value))
+    raise_fd_limit(2048)
+    assert limits["now"] == (2048 + FD_RESERVE, 65536)
+    raise_fd_limit(100)  # fits already: unchanged
+    assert limits["now"] == (2048 + FD_RESERVE, 65536)
