@@ -82,6 +82,18 @@ def make_llama_checkpoint(path, model_type="llama", num_hidden_layers=2, num_att
     return path
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of a transformers model after `prompt`, EOS ignored. The attention mask is
+    explicit: without one, generate masks every prompt token equal to pad_token_id."""
+    import torch
+
+    ids = torch.tensor([prompt], device=hf.device)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
 def bits(t):
     """The raw bits of a 16- or 32-bit float tensor, for bit-for-bit comparisons."""
     import torch

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from benchmarks.common import REPO_ROOT, ServerProcess, free_port
-from tests.helpers import sse_events
+from tests.helpers import hf_greedy, sse_events
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +25,10 @@ def naive(tiny_ckpt, tmp_path_factory):
     server.stop()
 
 
-def hf_greedy(ckpt, prompt: list[int], n: int) -> list[int]:
-    import torch
+def hf_greedy_eager(ckpt, prompt: list[int], n: int) -> list[int]:
     from transformers import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None  # ignore_eos
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="eager").eval(), prompt, n)
 
 
 def test_batch_of_two_lengths_matches_transformers(naive, tiny_ckpt):
@@ -52,7 +46,7 @@ def test_batch_of_two_lengths_matches_transformers(naive, tiny_ckpt):
     assert [r.headers["x-batch-size"] for r in rs] == ["2", "2"]  # one generate call, left-padded
     for r, p, n in zip(rs, prompts, lens):
         body = r.json()
-        assert body["token_ids"] == hf_greedy(tiny_ckpt, p, n)
+        assert body["token_ids"] == hf_greedy_eager(tiny_ckpt, p, n)
         assert body["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": len(p), "completion_tokens": n, "total_tokens": len(p) + n}
 

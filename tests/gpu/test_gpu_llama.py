@@ -90,12 +90,12 @@ def test_greedy_over_http_matches_transformers(http_servers, family):
     """The CPU exchange of tests/models/test_families_http.py (concurrent mixed lengths, preemption,
     chunked prefill, prefix hits) against the Triton backend: greedy tokens as transformers' fp32
     model gives them, except at bf16 near-ties (each parting checked to be one)."""
-    from tests.models.test_families_http import assert_exercised, exchange, hf_greedy
+    from tests.models.test_families_http import assert_exercised, exchange, hf_greedy_all
 
     path, url = http_servers[family]
     # Longer outputs than on the CPU: a GPU step takes a millisecond, so 24-token requests can finish
     # before the last of a wave arrives over HTTP, and nothing would need preempting.
     prompts, got, metrics = exchange(url, max_tokens=96)
-    ref = hf_greedy(path, prompts, max_tokens=96, device="cuda")
+    ref = hf_greedy_all(path, prompts, max_tokens=96, device="cuda")
     _assert_same_greedy(path, prompts, got, ref, "bfloat16")
     assert_exercised(metrics)

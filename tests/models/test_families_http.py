@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import ServerProcess
-from tests.helpers import make_llama_checkpoint
+from tests.helpers import hf_greedy, make_llama_checkpoint
 
 FAMILIES = {  # model_type -> config overrides: each family's own parts, at tiny sizes
     "llama": dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128),  # GQA 4:1
@@ -61,18 +61,12 @@ def scrape(url: str) -> dict[str, float]:
             if set(s.labels) <= {"model"}}
 
 
-def hf_greedy(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, device: str = "cpu") -> list[list[int]]:
+def hf_greedy_all(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, device: str = "cpu"
+                  ) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
+    return [hf_greedy(hf, prompt, max_tokens) for prompt in prompts]
 
 
 def exchange(url: str, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[int]], dict[str, float]]:
@@ -112,7 +106,7 @@ def servers(checkpoints):
 @pytest.fixture(scope="module")
 def references(checkpoints):
     first, second = wave_prompts()
-    return {family: hf_greedy(path, first + second) for family, path in checkpoints.items()}
+    return {family: hf_greedy_all(path, first + second) for family, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("attention", ATTENTION)

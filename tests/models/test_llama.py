@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tests.helpers import make_llama_checkpoint, prefill_logits
+from tests.helpers import hf_greedy, make_llama_checkpoint, prefill_logits
 from transformers import AutoModelForCausalLM
 
 from models import eos_token_ids, load_model
@@ -47,14 +47,6 @@ def test_logits_match_transformers(ckpt, attention):
     torch.testing.assert_close(prefill_logits(ours, ids), ref, atol=2e-4, rtol=2e-4)
 
 
-def _hf_greedy(hf, prompt, n):
-    # An explicit mask: without one, generate masks every prompt token equal to pad_token_id.
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_greedy_tokens_match_transformers_under_batching_chunks_prefix_hits_and_preemption(ckpt, attention):
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -67,7 +59,7 @@ def test_greedy_tokens_match_transformers_under_batching_chunks_prefix_hits_and_
                                  max_num_batched_tokens=32))
     outs = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf, p, 20)
+        assert o.token_ids == hf_greedy(hf, p, 20)
     assert eng.scheduler.num_preemptions > 0 and eng.block_manager.allocator.stats.hits > 0
     assert eng.block_manager.check_all_free()
 

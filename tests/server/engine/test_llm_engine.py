@@ -4,12 +4,12 @@ chunked prefill, sampling, stop conditions, and no leaked blocks."""
 import random
 
 import pytest
-import torch
 from transformers import GPT2LMHeadModel as HFModel
 
 from server.config import EngineConfig
 from server.engine import LLMEngine, RequestError
 from server.sampling_params import SamplingParams
+from tests.helpers import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -29,19 +29,13 @@ def hf_tiny(tiny_ckpt):
     return HFModel.from_pretrained(tiny_ckpt).eval()
 
 
-def _hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_greedy_matches_transformers_batched(tiny_ckpt, hf_tiny, attention):
     prompts = _prompts(512, [1, 5, 17, 40, 3])
     eng = _engine(tiny_ckpt, attention=attention)
     outs = eng.generate(prompts, GREEDY)  # all five batched together
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf_tiny, p, GREEDY.max_tokens)
+        assert o.token_ids == hf_greedy(hf_tiny, p, GREEDY.max_tokens)
         assert o.finish_reason == "length"
     assert eng.block_manager.check_all_free()
 
@@ -54,7 +48,7 @@ def test_preemption_under_tiny_cache_gives_same_tokens(tiny_ckpt, hf_tiny):
     outs = eng.generate(prompts, params)
     assert eng.scheduler.num_preemptions > 0
     for p, o in zip(prompts, outs):
-        assert o.token_ids == _hf_greedy(hf_tiny, p, 30)
+        assert o.token_ids == hf_greedy(hf_tiny, p, 30)
     assert eng.block_manager.check_all_free()
 
 
