@@ -93,9 +93,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
         self.scale = spec.head_dim**-0.5
         self.attn = backend
-        self.rotary: Rotary | None = None  # shared by every layer; set at load (needs the device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
@@ -105,7 +104,6 @@ class LlamaAttention(nn.Module):
                 rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        rope = Rope(positions, self.rotary.cos, self.rotary.sin)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope)
         return self.o_proj(out.reshape(n, -1))
 
@@ -136,11 +134,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, h: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata,
                 next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; h = input_layernorm(x). Returns the new residual stream and
         next_norm of it (the next layer's input norm, or the final norm)."""
-        x, h = _add_norm(x, self.self_attn(h, positions, kv_cache, meta), self.post_attention_layernorm)
+        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm)
         return _add_norm(x, self.mlp(h), next_norm)
 
 
@@ -171,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.rotary: Rotary | None = None  # cos/sin tables, shared by every layer; set at load (needs the device)
         if not self.tied:
             self.lm_head_weight = nn.Parameter(torch.empty(_pad64(config.vocab_size), config.hidden_size))
 
@@ -178,12 +177,12 @@ class LlamaForCausalLM(nn.Module):
                 sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after the
         last norm). Placeholder ids are resolved by the shared rule (models/base.py)."""
-        positions = positions.long()
+        rope = Rope(positions.long(), self.rotary.cos, self.rotary.sin)  # one per step, shared by the layers
         x = self.embed_tokens(resolve_placeholders(input_ids, sampled_ids))
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, norm in zip(self.layers, kv_caches, norms):
-            x, h = layer(x, h, positions, kv_cache, meta, norm)
+            x, h = layer(x, h, rope, kv_cache, meta, norm)
         return h
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -220,9 +219,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         device = self.embed_tokens.weight.device
-        rotary = Rotary(self.config, self.spec.head_dim, device)
-        for layer in self.layers:
-            layer.self_attn.rotary = rotary
+        self.rotary = Rotary(self.config, self.spec.head_dim, device)
 
     def _copy(self, own: dict, name: str, t: torch.Tensor) -> None:
         if name not in own:
