@@ -1,6 +1,7 @@
 """Paged-decode benchmark (GPU): flashpage's Triton kernel against SDPA flash and an eager gather.
 
-One process, medians of ``triton.testing.do_bench`` (L2 flushed between runs):
+One process, medians of ``triton.testing.do_bench`` (L2 evicted between runs by reading 256 MB, not
+by do_bench's zero-fill, whose dirty lines are written back during the timed kernel: see _bench):
   copy                   large device-to-device copy; bytes read + written (the card's ceiling)
   flashpage              kernels.paged_decode over a scattered paged cache (random block permutation)
   sdpa_flash_contiguous  torch SDPA, flash backend forced, same K/V stored [batch, kv_heads, ctx, d]
@@ -63,10 +64,23 @@ def _shapes(quick: bool) -> list[tuple]:
 # ----------------------------------------------------------------------------- GPU-only below
 
 
-def _bench(fn, rep: int = 100, warmup: int = 25) -> float:
+def _bench(fn, rep: int = 100, warmup: int = 25, flush: str = "read") -> float:
+    """do_bench's median, L2 evicted before every call. do_bench evicts it by zero-filling 256 MB
+    (flush="zero"): that leaves the L2's dirty zeros to be written back while the timed kernel
+    streams its K/V, ~10 us charged to every kernel reading 128 MB or more (H100, measured both
+    ways in one run: ms and ms_zero_flush of decode_h100.json). flush="read" (the
+    default, for every impl and the copy ceiling alike) evicts by reading the same buffer instead,
+    so the timed call starts from a cold L2 of clean lines."""
+    from triton import runtime
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    drv = runtime.driver.active
+    if flush == "read":
+        drv.clear_cache = lambda cache: cache.sum()  # shadows the driver's zero_() for this call
+    try:
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    finally:
+        vars(drv).pop("clear_cache", None)
 
 
 def _compile_job(job) -> None:
@@ -135,6 +149,7 @@ def measure(shape: tuple, copy_tbps: float, rows: list, skipped: list, fails: li
     scale, qs, gqa = d**-0.5, q.unsqueeze(2), kvh != heads
     ours = paged_decode(q, kc, vc, bt, ctx, scale)
     t = {"flashpage": _bench(lambda: paged_decode(q, kc, vc, bt, ctx, scale))}
+    zero_flush_ms = _bench(lambda: paged_decode(q, kc, vc, bt, ctx, scale), flush="zero")
     ref = None
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -163,11 +178,13 @@ def measure(shape: tuple, copy_tbps: float, rows: list, skipped: list, fails: li
         fails.append(f"{heads}/{kvh}x{d} b={b} n={n}: flashpage vs {'sdpa' if 'sdpa_flash_contiguous' in t else 'eager'}"
                      f" rel err {err:.2e}")
     for impl, ms in t.items():
-        rows.append(dict(impl=impl, **cfg, ms=ms, tbps=kv_bytes / ms / 1e9))
+        rows.append(dict(impl=impl, **cfg, ms=ms, tbps=kv_bytes / ms / 1e9,
+                         **({"ms_zero_flush": zero_flush_ms} if impl == "flashpage" else {})))
     line = " ".join(f"{i}={kv_bytes / m / 1e9:.2f}" for i, m in t.items())
     eager = f" eager/ours={t['eager_paged'] / t['flashpage']:.1f}" if "eager_paged" in t else ""
     print(f"{heads:2d}/{kvh:2d}x{d:3d} b={b:3d} n={n:5d} {kv_bytes / 1e6:8.1f} MB {t['flashpage'] * 1e3:8.1f} us "
-          f"err={err:.1e} TB/s: {line} ours%copy={100 * kv_bytes / t['flashpage'] / 1e9 / copy_tbps:.0f}{eager}",
+          f"err={err:.1e} TB/s: {line} ours%copy={100 * kv_bytes / t['flashpage'] / 1e9 / copy_tbps:.0f} "
+          f"(zero-fill flush {100 * kv_bytes / zero_flush_ms / 1e9 / copy_tbps:.0f}){eager}",
           flush=True)
     del q, k, v, kc, vc, bt, ctx, qs, ref, ours
     torch.cuda.empty_cache()
@@ -319,7 +336,8 @@ def main() -> int:
     src = torch.randn(nbytes // 2, device="cuda", dtype=torch.float16)
     dst = torch.empty_like(src)
     ms = _bench(lambda: dst.copy_(src))
-    rows = [{"impl": "copy", "bytes": 2 * nbytes, "ms": ms, "tbps": 2 * nbytes / ms / 1e9}]
+    rows = [{"impl": "copy", "bytes": 2 * nbytes, "ms": ms, "tbps": 2 * nbytes / ms / 1e9, "flush": "read",
+             "ms_zero_flush": _bench(lambda: dst.copy_(src), flush="zero")}]
     copy_tbps = rows[0]["tbps"]
     print(f"copy: {copy_tbps:.3f} TB/s ({ms:.3f} ms for {2 * nbytes / 1e9:.2f} GB read+written)", flush=True)
     del src, dst

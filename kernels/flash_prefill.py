@@ -21,7 +21,8 @@ h // (num_heads // num_kv_heads). head_dim may be anything up to 256 (padded to 
 masked loads). Scores are never materialised: one program owns a tile of BLOCK_M rows and streams
 K/V tiles with an online softmax in fp32 (exp2, log2(e) folded into the scale): first the cached
 prefix, then the new keys before the tile's first position (no mask), then the diagonal tiles
-(causal mask); tiles after its last position are never visited.
+(causal mask; with PrefillConfig.diag in tiles as narrow as the query tile's positions); tiles
+after its last position are never visited.
 
 Grouped-query attention: a tile's rows are (position, query head) pairs of one sequence, PACK query
 heads of one GQA group x BLOCK_M / PACK positions (PackGQA), so each K/V tile is loaded once for
@@ -41,12 +42,14 @@ stride; on the GPU and under the interpreter) their tiles are TMA loads through 
 the output; rows past the last token load as 0. Cache addressing is int64. The launch path does
 no host sync (.item()/.tolist()).
 
-Tile map (for CUDA graphs, whose grid cannot follow the batch): with ``tiles=(tile_seq, tile_start)``,
-two int32 [num_tiles] device tensors, the grid is (head groups, num_tiles) and program (g, i) serves
-positions tile_start[i] .. + block_m() - 1 of sequence tile_seq[i] (-1: no work) for its heads;
-``tile_map()`` builds it for a batch, ``block_m()`` gives the positions per tile it must use (a
-function of head_dim and the token bound alone, whatever the GQA group). max_seqlen then only
-picks the tile config.
+Tile map: with ``tiles=(tile_seq, tile_start)``, two int32 [num_tiles] device tensors, the grid is
+(head groups, num_tiles) and program (g, i) serves positions tile_start[i] .. + block_m() - 1 of
+sequence tile_seq[i] (-1: no work) for its heads; ``tile_map()`` builds it on the host for a batch,
+``block_m()`` gives the positions per tile it must use (a function of head_dim, the token bound
+and the GQA group). max_seqlen then only picks the tile config. CUDA graphs need one (their grid
+cannot follow the batch); eager varlen batches use one too, so the grid holds no idle programs:
+without a map it is (query tiles of the longest run) x sequences, and the programs past a short
+sequence's end still cost a launch slot each (342 -> 282 TFLOP/s on the H100 for a mixed batch).
 
 Returns out [total_tokens, num_heads, head_dim] in q's dtype (written into ``out`` if given).
 """
@@ -88,7 +91,11 @@ def _interpreting() -> bool:
 class PrefillConfig(NamedTuple):
     """One launch configuration. block_m counts tile rows: block_m // pack query positions of
     `pack` query heads of one GQA group. tma: new-token K/V through tensor descriptors. maxnreg
-    caps registers per thread (Triton's launch option): at 128 two 8-warp programs share an SM."""
+    caps registers per thread (Triton's launch option): at 128 two 8-warp programs share an SM.
+    diag: 0 = an unmasked loop of BLOCK_N-key tiles up to start_m rounded down to BLOCK_N, then
+    the diagonal in masked BLOCK_N-key tiles; 1 = the same, but the diagonal loop steps
+    min(BLOCK_N, max(16, positions)) keys, so no key past the tile's last position is loaded (see
+    the key loops in kernels/flash_prefill_kernels.py)."""
 
     block_m: int
     block_n: int
@@ -97,6 +104,7 @@ class PrefillConfig(NamedTuple):
     pack: int = 1
     tma: bool = False
     maxnreg: int | None = None
+    diag: int = 0
 
 
 # Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/bench_prefill.py --sweep; numbers
@@ -105,12 +113,11 @@ class PrefillConfig(NamedTuple):
 # stall to compile and time a dozen variants whenever a new shape arrives, and the choice should
 # not change between runs.
 #
-# Query positions per tile for MHA and for tile maps, by padded head_dim: (max_seqlen threshold,
-# positions at or below it, above it). Short runs prefer 64-position tiles (twice the programs,
-# less of each diagonal tile wasted). Independent of the GQA group on purpose: block_m() reports
-# it for tile maps, and its callers know only head_dim and the token bound.
+# Query positions per tile for MHA, by padded head_dim: (max_seqlen threshold, positions at or
+# below it, above it). Short runs prefer 64-position tiles (twice the programs, less of each
+# diagonal tile wasted).
 _POSITIONS = {64: (2048, 64, 128), 128: (1024, 64, 128), 256: (1 << 62, 64, 64)}
-# GQA without a tile map: 128-row tiles of up to _MAX_PACK heads (4 measured; 32 positions).
+# GQA: 128-row tiles of up to _MAX_PACK heads (4 measured; 32 positions).
 _GQA_ROWS, _MAX_PACK = 128, 4
 _INF = 1 << 62
 # (padded head_dim, rows) -> [(max_seqlen bound, (BLOCK_N, num_warps, num_stages, tma, maxnreg))],
@@ -125,6 +132,12 @@ _TILES = {
     (128, 128): [(1024, (32, 8, 3, True, 128)), (2048, (64, 8, 2, True, 128)), (_INF, (128, 8, 3, True, None))],
     (256, 64): [(_INF, (32, 8, 2, False, None))],  # untimed: the largest tiles that compile without spills
 }
+# Packed GQA tiles (pack > 1), by padded head_dim, as _TILES; entries may add diag. Head 128: up to
+# 8k, 128x64 tiles, 2 stages, 128 registers, the diagonal in 32-key tiles (diag 1): 1-5% faster
+# than the same tile with 64-key diagonals at 1k, 2k and 8k, 7% at 4k, and 3-14% faster than the
+# MHA table's picks there; past 8k the 128x128 tile is still the fastest (H100, GQA 32/8, varlen
+# batch: benchmarks/results/sweep_prefill_gqa_h100.json, run c).
+_GQA_TILES = {128: [(8192, (64, 8, 2, True, 128, 1)), (_INF, (128, 8, 3, True, None))]}
 # With a paged prefix (K/V gathered through pointers) the 128-wide and 128-register tiles spill
 # hundreds of bytes: 128 rows then take 128x64 tiles, 3 stages, TMA for the new tokens only.
 _PREFIX_TILE = (64, 8, 3, True, None)
@@ -142,7 +155,11 @@ def _bucket(block_d: int) -> int:
     return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
 
 
-def _positions(block_d: int, max_seqlen: int, device: torch.device) -> int:
+def _positions(block_d: int, max_seqlen: int, device: torch.device, group: int = 1) -> int:
+    """Query positions per tile. GQA tiles (head_dim up to 128) hold _GQA_ROWS rows of as many
+    of the group's heads as fit (_MAX_PACK at most); MHA and head 256 tiles one head's positions."""
+    if group > 1 and _bucket(block_d) < 256:
+        return _GQA_ROWS // _pack(group, _MAX_PACK)
     if _interpreting() or device.type != "cuda":
         return _INTERPRET_POSITIONS
     threshold, short, long = _POSITIONS[_bucket(block_d)]
@@ -160,24 +177,29 @@ def _pack(group: int, limit: int) -> int:
 def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int = 1, tma_ok: bool = False,
                  has_prefix: bool = True, positions: int | None = None) -> PrefillConfig:
     """The launch config for these shapes (host values only: a CUDA graph replays it). With a
-    tile map, `positions` is block_m()'s and only the heads per tile adapt to the group."""
+    tile map, `positions` is the block_m() it was built with."""
     d = _bucket(block_d)
     max_rows = 64 if d == 256 else _GQA_ROWS
-    if positions is None and group > 1 and d < 256:
-        pack = _pack(group, _MAX_PACK)
-        positions = _GQA_ROWS // pack
-    else:
-        positions = positions or _positions(block_d, max_seqlen, device)
-        pack = _pack(group, min(_MAX_PACK, max_rows // positions))
+    positions = positions or _positions(block_d, max_seqlen, device, group)
+    pack = _pack(group, min(_MAX_PACK, max_rows // positions))
     rows = positions * pack
     if _interpreting() or device.type != "cuda":
         return PrefillConfig(rows, _INTERPRET_BLOCK_N, 4, 1, pack, tma_ok and _INTERPRET_TMA)
-    tile = next(t for bound, t in _TILES[d, rows] if max_seqlen <= bound)
+    table = _GQA_TILES[d] if pack > 1 and d in _GQA_TILES else _TILES[d, rows]
+    tile = next(t for bound, t in table if max_seqlen <= bound)
     if has_prefix and rows == 128:
         tile = _PREFIX_TILE
     if tile[3] and not tma_ok:
         tile = _POINTER_TILE[d]
     return PrefillConfig(rows, *tile[:3], pack, *tile[3:])
+
+
+def _diag_width(cfg: PrefillConfig) -> int:
+    """Keys per tile of the diagonal loop: BLOCK_N, or with diag=1 the tile's positions, at least
+    16 (tl.dot's smallest N) and at most BLOCK_N (a power of two dividing it)."""
+    if cfg.diag != 1:
+        return cfg.block_n
+    return min(cfg.block_n, max(16, cfg.block_m // cfg.pack))
 
 
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, block_d: int) -> bool:
@@ -254,7 +276,7 @@ def flash_prefill(
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     tma_ok = _tma_ok(q, k, v, head_dim, block_d)
-    map_positions = block_m(head_dim, max_seqlen, q.device) if tiles is not None else None
+    map_positions = block_m(head_dim, max_seqlen, q.device, group) if tiles is not None else None
     if _config is not None:
         cfg = PrefillConfig(*_config)
     else:
@@ -264,6 +286,8 @@ def flash_prefill(
         raise ValueError(f"{cfg}: pack must divide block_m and the GQA group {group}")
     if cfg.tma and not tma_ok:
         raise ValueError(f"{cfg}: these k/v cannot be read through descriptors")
+    if cfg.diag not in (0, 1):
+        raise ValueError(f"{cfg}: diag must be 0 or 1")
     if tiles is not None:
         if positions != map_positions:
             raise ValueError("a tile map needs the positions per tile that block_m() reports")
@@ -277,8 +301,10 @@ def flash_prefill(
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"grid {grid} too large: at most 65535 query tiles and sequences per launch")
     descs = (_descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n)) if cfg.tma else (None, None)
+    diag_n = _diag_width(cfg)
+    diag_descs = (_descriptor(k, diag_n), _descriptor(v, diag_n)) if cfg.tma and diag_n != cfg.block_n else (None, None)
     _flash_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens, *descs,
+        q, k, v, out, cu_seqlens, *descs, *diag_descs,
         k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -290,25 +316,37 @@ def flash_prefill(
         # under it we feed the dots fp32 copies of the same bf16 values instead.
         UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
-        TILE_MAP=tiles is not None, USE_TMA=cfg.tma,
+        TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out
 
 
-def block_m(head_dim: int, max_seqlen: int, device: torch.device) -> int:
-    """Query positions per tile that flash_prefill uses for these shapes, whatever the GQA group
-    (what a tile map must be built with; a packed tile holds them for several heads)."""
-    return _positions(max(16, triton.next_power_of_2(head_dim)), max_seqlen, device)
+def block_m(head_dim: int, max_seqlen: int, device: torch.device, group: int = 1) -> int:
+    """Query positions per tile that flash_prefill uses for these shapes and GQA group (what a
+    tile map must be built with; a packed tile holds them for several heads)."""
+    return _positions(max(16, triton.next_power_of_2(head_dim)), max_seqlen, device, group)
 
 
-def tile_map(lens: np.ndarray, prefix_lens: np.ndarray, block_m: int, num_tiles: int) -> tuple[np.ndarray, np.ndarray]:
+def config_bounds() -> list[int]:
+    """The max_seqlen values past which the tables pick another launch config (tile shape or
+    positions per tile): a warm-up that runs a chunk just past each (and a short one) compiles
+    every variant a batch can launch."""
+    bounds = {b for table in (*_TILES.values(), *_GQA_TILES.values()) for b, _ in table}
+    bounds |= {threshold for threshold, _, _ in _POSITIONS.values()}
+    return sorted(b for b in bounds if b < _INF)
+
+
+def tile_map(lens: np.ndarray, prefix_lens: np.ndarray, block_m: int, num_tiles: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """(tile_seq, tile_start), int32 [num_tiles]: every query tile of sequences with `lens` new
     tokens, the most work first (a tile's causal row reaches prefix + start + block_m keys: long
-    rows first balance the tail), then idle tiles (-1). Raises if the batch needs more tiles."""
+    rows first balance the tail), then idle tiles (-1). Raises if the batch needs more tiles.
+    num_tiles None: exactly as many as the batch needs (an eager launch, no idle program)."""
     lens = np.asarray(lens, dtype=np.int64)
     counts = -(-lens // block_m)
     need = int(counts.sum())
+    num_tiles = need if num_tiles is None else num_tiles
     if need > num_tiles:
         raise ValueError(f"batch needs {need} query tiles, the map holds {num_tiles}")
     seq = np.repeat(np.arange(len(lens)), counts)

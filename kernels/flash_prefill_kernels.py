@@ -63,50 +63,51 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
 
 @triton.jit
 def _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, seq_len, qk_scale,
-              DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-              UPCAST_DOT: tl.constexpr):
-    """New-token keys [start_n, start_n + BLOCK_N) through pointers. Off the diagonal they are
-    before every row's position and inside the sequence: no causal or bound mask, only head_dim
-    padding (resolved at compile time). On the diagonal the causal mask alone suffices for rows we
-    store (key <= row < seq_len); keys past the end load as 0, so rows we don't store stay finite."""
+              CAUSAL: tl.constexpr, BOUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              HEAD_DIM: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """New-token keys [start_n, start_n + BLOCK_N) through pointers (kT_ptrs / v_ptrs span BLOCK_N
+    keys). Off the diagonal they are before every row's position and inside the sequence: no causal
+    or bound mask, only head_dim padding (resolved at compile time). CAUSAL: mask keys after each
+    row's position; for rows we store (key <= row < seq_len) that alone suffices. BOUND: the tile
+    may pass the sequence's end: those keys load as 0, so rows we don't store stay finite."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     kT_ptrs += start_n * stride_kt
     v_ptrs += start_n * stride_vt
-    if DIAGONAL:
-        pos = start_n + tl.arange(0, BLOCK_N)
+    pos = start_n + tl.arange(0, BLOCK_N)
+    if BOUND:
         n_ok = pos < seq_len
         kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         vv = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        keep = pos[None, :] <= offs_m[:, None]
     elif BLOCK_D == HEAD_DIM:
         kT = tl.load(kT_ptrs)
         vv = tl.load(v_ptrs)
-        keep = None
     else:
         kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
         vv = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        keep = None
-    return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
+    keep = None
+    if CAUSAL:
+        keep = pos[None, :] <= offs_m[:, None]
+    return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, keep, CAUSAL, UPCAST_DOT)
 
 
 @triton.jit
 def _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc, v_desc, row0, col0, offs_m, seq_len, qk_scale,
-                  DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """New-token keys [start_n, start_n + BLOCK_N) through tensor descriptors (TMA on Hopper).
-    The descriptor spans every packed token, so a diagonal tile may hold rows of the next
-    sequence (or padding): the causal test masks their scores and their V rows are zeroed, so
-    that not even NaN there can reach a stored row (p = 0 times NaN is NaN). Rows past the last
-    packed token load as 0."""
+                  CAUSAL: tl.constexpr, BOUND: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """New-token keys [start_n, start_n + BLOCK_N) through tensor descriptors (TMA on Hopper) of
+    BLOCK_N-row blocks. The descriptor spans every packed token, so a tile that may pass the
+    sequence's end (BOUND) may hold rows of the next sequence (or padding): the causal test
+    (CAUSAL) masks their scores and their V rows are zeroed, so that not even NaN there can reach a
+    stored row (p = 0 times NaN is NaN). Rows past the last packed token load as 0."""
     k = k_desc.load([row0 + start_n, col0])
     vv = v_desc.load([row0 + start_n, col0])
-    if DIAGONAL:
-        pos = start_n + tl.arange(0, BLOCK_N)
+    pos = start_n + tl.arange(0, BLOCK_N)
+    if BOUND:
         vv = tl.where((pos < seq_len)[:, None], vv, 0.0)
+    keep = None
+    if CAUSAL:
         keep = pos[None, :] <= offs_m[:, None]
-    else:
-        keep = None
-    return _online_softmax_step(acc, l_i, m_i, q, k.T, vv, qk_scale, keep, DIAGONAL, UPCAST_DOT)
+    return _online_softmax_step(acc, l_i, m_i, q, k.T, vv, qk_scale, keep, CAUSAL, UPCAST_DOT)
 
 
 # The block-table row stride is the widest page table of the batch: it changes from step to step,
@@ -114,7 +115,7 @@ def _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc, v_desc, row0, col0, offs_m,
 # other) the first time one shows up, stalling a live server for a second each time.
 @triton.jit(do_not_specialize=["stride_bts"])
 def _flash_prefill_kernel(
-    Q, K, V, O, CU_SEQLENS, K_DESC, V_DESC,
+    Q, K, V, O, CU_SEQLENS, K_DESC, V_DESC, K_DESC_D, V_DESC_D,
     K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START,
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -122,6 +123,7 @@ def _flash_prefill_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
+    DIAG: tl.constexpr, DIAG_N: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
     # Grid axis 0 is the head group, the fastest-varying one: programs launched together take the
@@ -187,53 +189,75 @@ def _flash_prefill_kernel(
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                                              BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
 
-    # Off-diagonal keys [0, lo): before every row's position (lo <= start_m), no mask; then the
-    # diagonal [lo, start_m + P) clipped to the sequence, masked; keys after the tile's last
-    # position are never visited. lo is start_m rounded down to BLOCK_N, so P need not be a
-    # multiple of BLOCK_N. Key lo <= start_m is visible to every row, so every row has a finite
-    # running max once the first diagonal tile is in.
+    # Two key loops, [0, lo) in BLOCK_N tiles, then [lo, hi) in DIAG_N tiles (masked, and bounded
+    # by the sequence's end); keys after the tile's last position are never visited. The first
+    # tile is always [0, ...): key 0 is visible to every row, so every row has a finite running
+    # max from the first new-token tile on. DIAG (PrefillConfig.diag) picks where the loops split:
+    #  0: lo = start_m rounded down to BLOCK_N: off-diagonal tiles unmasked, then the diagonal in
+    #     BLOCK_N tiles (P need not be a multiple of BLOCK_N). With P < BLOCK_N (GQA at 2k: 32
+    #     positions, 64 keys) the diagonal loop is one tile whose K/V load nothing overlaps
+    #     (a loop of its own) and, when start_m is a multiple of BLOCK_N, half its keys lie past
+    #     every row.
+    #  1: the same split, but the diagonal loop steps DIAG_N = P keys (at least 16, tl.dot's
+    #     minimum; at most BLOCK_N, so P >= BLOCK_N is 0 again): no key past the tile's last
+    #     position is loaded or multiplied. The at most BLOCK_N / P - 1 unmasked P-wide tiles
+    #     between lo and start_m go through the masked loop too rather than a third one-trip loop
+    #     (a mask is cheaper than another exposed load, and two trips of one loop pipeline). The
+    #     diagonal's first load stays exposed, but it is half as large.
+    #     On the H100 (GQA 32/8, d128) 1 was 1-5% faster than 0 with 64-key tiles at 1k-8k
+    #     (sweep_prefill_gqa_h100.json); a third form, one loop masking every tile, was slower.
     hi = tl.where(live, tl.minimum(start_m + P, seq_len), 0)
     lo = tl.minimum((start_m // BLOCK_N) * BLOCK_N, hi)
     if USE_TMA:
         col0 = kv_head * HEAD_DIM  # descriptors view k, v as [tokens, kv_heads * head_dim]
         row0 = seq_start
+        k_desc_d, v_desc_d = K_DESC, V_DESC
+        if DIAG_N != BLOCK_N:  # the host built DIAG_N-row descriptors for the diagonal loop
+            k_desc_d, v_desc_d = K_DESC_D, V_DESC_D
         if WHILE_LOOPS:
             start_n = 0
             while start_n < lo:
                 acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
-                                              qk_scale, False, BLOCK_N, UPCAST_DOT)
+                                              qk_scale, False, False, BLOCK_N, UPCAST_DOT)
                 start_n += BLOCK_N
             while start_n < hi:
-                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
-                                              qk_scale, True, BLOCK_N, UPCAST_DOT)
-                start_n += BLOCK_N
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc_d, v_desc_d, row0, col0, offs_m,
+                                              seq_len, qk_scale, True, True, DIAG_N, UPCAST_DOT)
+                start_n += DIAG_N
         else:
             for start_n in range(0, lo, BLOCK_N):
                 acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
-                                              qk_scale, False, BLOCK_N, UPCAST_DOT)
-            for start_n in range(lo, hi, BLOCK_N):
-                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, K_DESC, V_DESC, row0, col0, offs_m, seq_len,
-                                              qk_scale, True, BLOCK_N, UPCAST_DOT)
+                                              qk_scale, False, False, BLOCK_N, UPCAST_DOT)
+            for start_n in range(lo, hi, DIAG_N):
+                acc, l_i, m_i = _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc_d, v_desc_d, row0, col0, offs_m,
+                                              seq_len, qk_scale, True, True, DIAG_N, UPCAST_DOT)
     else:
         kT_ptrs = K + tok0 * stride_kt + kv_head * stride_kh + offs_n[None, :] * stride_kt + offs_d[:, None]
         v_ptrs = V + tok0 * stride_vt + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+        kT_ptrs_d, v_ptrs_d = kT_ptrs, v_ptrs
+        if DIAG_N != BLOCK_N:
+            offs_w = tl.arange(0, DIAG_N)
+            kT_ptrs_d = K + tok0 * stride_kt + kv_head * stride_kh + offs_w[None, :] * stride_kt + offs_d[:, None]
+            v_ptrs_d = V + tok0 * stride_vt + kv_head * stride_vh + offs_w[:, None] * stride_vt + offs_d[None, :]
         if WHILE_LOOPS:
             start_n = 0
             while start_n < lo:
                 acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                          seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+                                          seq_len, qk_scale, False, False, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                          UPCAST_DOT)
                 start_n += BLOCK_N
             while start_n < hi:
-                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                          seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-                start_n += BLOCK_N
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs_d, v_ptrs_d, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, True, True, DIAG_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+                start_n += DIAG_N
         else:
             for start_n in range(0, lo, BLOCK_N):
                 acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                          seq_len, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
-            for start_n in range(lo, hi, BLOCK_N):
-                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m,
-                                          seq_len, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
+                                          seq_len, qk_scale, False, False, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                          UPCAST_DOT)
+            for start_n in range(lo, hi, DIAG_N):
+                acc, l_i, m_i = _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs_d, v_ptrs_d, stride_kt, stride_vt, offs_m,
+                                          seq_len, qk_scale, True, True, DIAG_N, BLOCK_D, HEAD_DIM, UPCAST_DOT)
 
     acc = acc / tl.where(m_ok, l_i, 1.0)[:, None]  # rows not stored may have seen no key at all
     o_ptrs = O + tok0 * stride_ot + offs_m[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]

@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.spec = ModelSpec.from_hf_config(config)
         rope_parameters(config)  # refuse an unsupported rope_type before any weight is read
-        self.attention = make_backend(attention, self.spec.head_dim)
+        self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads)
         self.vocab_size = config.vocab_size
         # Rows up to a multiple of 64 (zero past the vocabulary): the LM head's GEMM gets an aligned N.
         self.embed_tokens = nn.Embedding(_pad64(config.vocab_size), config.hidden_size)

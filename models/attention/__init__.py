@@ -11,11 +11,12 @@ from models.attention.base import AttentionBackend, AttentionMetadata, Rope, Ste
 BACKENDS = ("triton", "eager", "sdpa")
 
 
-def make_backend(kind: str, head_dim: int) -> AttentionBackend:
+def make_backend(kind: str, head_dim: int, group: int = 1) -> AttentionBackend:
+    """`group`: query heads per K/V head (1 without grouped-query attention)."""
     if kind == "triton":
         from models.attention.triton_backend import TritonAttention  # imports triton: only when asked for
 
-        return TritonAttention(head_dim)
+        return TritonAttention(head_dim, group)
     if kind in ("eager", "sdpa"):
         from models.attention.torch_backend import TorchAttention
 

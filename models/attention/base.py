@@ -5,7 +5,8 @@ to back, delimited by `cu_seqlens`, each chunk continuing a sequence whose first
 tokens are already in the cache), the rest are decode tokens, one per sequence. The worker packs
 the step into `StepRows` (device int32 views plus the host lists they came from); the model's
 backend turns those into its own `AttentionMetadata` once per step (`metadata`), and every layer
-calls `forward` with it. A backend also owns its start-up work (`warmup`) and what a captured
+calls `forward` with it; arrays of its own it wants uploaded with the step's come from
+`prefill_arrays`. A backend also owns its start-up work (`warmup`) and what a captured
 prefill graph needs of it (`graph_tiles`, `fill_graph_tiles`, `graph_metadata`): the worker
 captures graphs without knowing what a backend keeps in them.
 """
@@ -34,6 +35,8 @@ class StepRows:
     # decodes
     context_lens: torch.Tensor | None = None  # [num_decodes] int32, this step's token included
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    # what the backend's prefill_arrays() asked for, uploaded with the rest (device views, by name)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -51,8 +54,8 @@ class AttentionMetadata:
     has_prefix: bool = False  # any chunk continues cached tokens (triton)
     cu_seqlens_host: list[int] | None = None  # eager / sdpa loop over chunks on the host
     prefix_lens_host: list[int] | None = None
-    # (tile_seq, tile_start) int32: flash_prefill's tile map, in captured prefill graphs, whose grid
-    # cannot follow the batch (triton).
+    # (tile_seq, tile_start) int32: flash_prefill's tile map (triton): in captured prefill graphs,
+    # whose grid cannot follow the batch, and in eager steps, whose grid then holds no idle programs.
     prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -77,6 +80,11 @@ class AttentionBackend(Protocol):
 
     name: str
     prefill_graphs: bool  # can a prefill step be captured in a CUDA graph (no host values read per step)?
+
+    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
+                       ) -> dict[str, np.ndarray]:
+        """Host int32 arrays an eager step with these prefill chunks needs besides StepRows' own;
+        the worker uploads them in the step's one copy and hands them back in `StepRows.extra`."""
 
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's metadata, built once and handed to every layer."""

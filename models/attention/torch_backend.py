@@ -46,6 +46,9 @@ class TorchAttention:
         assert kind in ("eager", "sdpa")
         self.name = kind
 
+    def prefill_arrays(self, chunk_lens, chunk_prefix, device) -> dict[str, np.ndarray]:
+        return {}
+
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         meta = base_metadata(rows)
         if rows.num_prefill_tokens:

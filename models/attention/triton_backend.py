@@ -4,9 +4,10 @@ prefill with a paged prefix (kernels/flash_prefill.py), paged decode (kernels/pa
 Launches per layer call: in a step of decodes only, the decode kernel writes this step's K/V itself
 (after the query/key rotation, if any: 1 or 2 launches); in a step with prefill chunks one launch
 rotates q and k and writes K/V (rope_kv_write; kv_write without rotary positions), then the prefill
-kernel, then the decode kernel for the step's decode rows. Prefill steps can be captured in CUDA graphs: the flash prefill kernel then walks a tile
-map (which query tile of which chunk each program takes) built on the host for each replay, so its
-grid never changes; the map is this backend's to size and fill.
+kernel, then the decode kernel for the step's decode rows. The flash prefill kernel walks a tile map
+(which query tile of which chunk each program takes) built on the host each step: in an eager
+step it lists exactly the chunks' tiles (prefill_arrays), so no program idles; in a captured
+prefill graph, whose grid never changes, it fills a fixed number of slots, the rest idle.
 """
 
 from __future__ import annotations
@@ -25,15 +26,25 @@ class TritonAttention:
     name = "triton"
     prefill_graphs = True
 
-    def __init__(self, head_dim: int) -> None:
-        self.head_dim = head_dim
+    def __init__(self, head_dim: int, group: int = 1) -> None:
+        self.head_dim, self.group = head_dim, group
         self._block_m: dict[int, int] = {}  # captured token count -> flash_prefill's BLOCK_M for it
+
+    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
+                       ) -> dict[str, np.ndarray]:
+        """The flash prefill kernel's tile map for these chunks, exactly as many tiles as they
+        need: a grid over (longest chunk) x chunks would launch idle programs for the short ones."""
+        bm = block_m(self.head_dim, max(chunk_lens), device, self.group)
+        tile_seq, tile_start = tile_map(chunk_lens, chunk_prefix, bm)
+        return {"tile_seq": tile_seq, "tile_start": tile_start}
 
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         meta = base_metadata(rows)
         if rows.num_prefill_tokens:
             meta.max_seqlen = max(rows.chunk_lens)
             meta.has_prefix = any(rows.chunk_prefix)
+            if "tile_seq" in rows.extra:
+                meta.prefill_tiles = rows.extra["tile_seq"], rows.extra["tile_start"]
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -65,7 +76,7 @@ class TritonAttention:
 
     # -- captured prefill steps -----------------------------------------------------------------
     def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
-        bm = self._block_m[num_tokens] = block_m(self.head_dim, num_tokens, device)
+        bm = self._block_m[num_tokens] = block_m(self.head_dim, num_tokens, device, self.group)
         # sum(ceil(len / bm)) over <= max_chunks chunks of num_tokens tokens <= num_tokens / bm + max_chunks
         return -(-num_tokens // bm) + max_chunks
 

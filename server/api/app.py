@@ -30,6 +30,7 @@ from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            ClientDisconnected, GuardMiddleware, LimitError, ServerLimits, check_prompt_chars,
                            check_prompt_tokens, has_surrogates, until_disconnected)
+from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
@@ -42,11 +43,32 @@ DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
+class SGLangSampling(BaseModel):
+    """SGLang's `sampling_params` of a /generate body (what vllm-router forwards of one)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    max_new_tokens: int = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND)
+    temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0)
+    top_p: float = Field(DEFAULTS.top_p, gt=0.0, le=1.0)
+    top_k: int = Field(DEFAULTS.top_k, ge=-1, le=MAX_TOP_K, description="0 or -1 (SGLang's 'off') = no top-k filter.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool = False
+
+
+# The sampling fields of our own shape, which SGLang's nests in `sampling_params` (max_tokens there
+# is max_new_tokens).
+_TOP_LEVEL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
 class GenerateRequest(BaseModel):
     # strict: JSON types as the schema says ("5" is not 5, true is not 1); NaN and Infinity are refused.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
+    # extra="allow": unknown top-level keys are the route's to ignore or refuse (server/api/fields.py)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
         {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0},
-        {"prompt_token_ids": [464, 50, 51], "max_tokens": 4, "top_p": 0.9, "seed": 1, "stream": True}]})
+        {"prompt_token_ids": [464, 50, 51], "max_tokens": 4, "top_p": 0.9, "seed": 1, "stream": True},
+        {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}]})
 
     prompt: str | None = Field(None, description="Text prompt (give this or prompt_token_ids); at most "
                                                  "--max-prompt-chars characters.")
@@ -66,22 +88,45 @@ class GenerateRequest(BaseModel):
         None, description="Token ids that end generation (in the vocabulary).")
     ignore_eos: bool = False
     stream: bool = False
+    # SGLang's shape of the same request. Routers of the SGLang / vLLM ecosystem forward /generate
+    # bodies in it: vllm-router keeps `text`, `input_ids` and `sampling_params` and drops our
+    # top-level sampling fields, so a routed request must carry them here to keep them.
+    text: str | None = Field(None, description="SGLang's name for 'prompt'.")
+    input_ids: list[int] | None = Field(None, description="SGLang's name for 'prompt_token_ids'.")
+    sampling_params: SGLangSampling | None = Field(
+        None, description="SGLang's nesting of the sampling fields (max_new_tokens = max_tokens); give them here "
+                          "or at the top level, not both.")
 
     @model_validator(mode="after")
     def _one_prompt(self):
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        for name, text in [("prompt", self.prompt)] + [("stop", s) for s in stops]:
+        given = [name for name in ("prompt", "prompt_token_ids", "text", "input_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids' (or SGLang's 'text' or "
+                             f"'input_ids'){'; got ' + ', '.join(given) if given else ''}")
+        if self.sampling_params is not None and (both := self.model_fields_set.intersection(_TOP_LEVEL_SAMPLING)):
+            raise ValueError(f"give sampling fields at the top level or in 'sampling_params', not both "
+                             f"(top level: {', '.join(sorted(both))})")
+        if self.text is not None:
+            self.prompt = self.text
+        if self.input_ids is not None:
+            self.prompt_token_ids = self.input_ids
+        s = self.sampling_params or self
+        stops = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+        for name, text in [("prompt", self.prompt)] + [("stop", stop) for stop in stops]:
             if text is not None and has_surrogates(text):
                 raise ValueError(f"'{name}' holds a lone UTF-16 surrogate, which is not text")
         return self
 
-    def sampling_params(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=[s for s in stop if s],
-                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+    def engine_params(self) -> SamplingParams:
+        """The engine's SamplingParams, from the top-level fields or SGLang's sampling_params."""
+        if (s := self.sampling_params) is not None:
+            max_tokens, top_k = s.max_new_tokens, max(s.top_k, 0)
+        else:
+            s, max_tokens, top_k = self, self.max_tokens, self.top_k
+        stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+        return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=top_k,
+                              seed=s.seed, stop=[x for x in stop if x], stop_token_ids=list(s.stop_token_ids or []),
+                              ignore_eos=s.ignore_eos)
 
 
 class Usage(BaseModel):
@@ -160,6 +205,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
 
     app = FastAPI(title="flashpage", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+    app.state.ignored_fields = set()  # (route, field names) already warned about (server/api/fields.py)
     tokenizer = engine.engine.tokenizer
     app.add_exception_handler(RequestValidationError, _validation_error)
 
@@ -184,6 +230,10 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     async def generate(body: GenerateRequest, request: Request):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-ID": rid}
+        if extra := unknown_fields(body):
+            if limits.unknown_fields == "reject":
+                return await _validation_error(request, refusal(extra))
+            warn_ignored("/generate", extra, app.state.ignored_fields)
         try:
             if body.prompt is not None:
                 check_prompt_chars(body.prompt, limits)  # before the tokenizer sees it
@@ -193,7 +243,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
             check_prompt_tokens(len(ids), limits)
             # A client may reuse its X-Request-ID while the earlier request still runs.
             erid = rid if not engine.in_use(rid) else f"{rid}-{uuid.uuid4().hex[:8]}"
-            stream = engine.generate(erid, ids, body.sampling_params())
+            stream = engine.generate(erid, ids, body.engine_params())
             first = await anext(stream)  # surfaces validation errors before any response starts
         except (RequestError, LimitError) as e:
             return error(400, str(e), headers=headers)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.api.fields import UNKNOWN_FIELDS
+
 # Fixed bounds, part of the OpenAPI schema (server/api/app.py).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -124,6 +126,7 @@ class ServerLimits:
     shutdown_grace: float = 30.0
     api_key: str | None = None
     chat_template: str | None = None  # --chat-template's text, in place of the tokenizer's own template
+    unknown_fields: str = "ignore"  # top-level body fields no route knows: "ignore" (warned once) or "reject"
     # Connections (server/api/connections.py). uvicorn bounds none of these with its httptools parser.
     max_connections: int = 2048  # at the cap a new connection closes the longest-idle one
     keep_alive_timeout: float = 5.0  # no byte of a request yet (new, or between requests): closed (uvicorn's default)
@@ -140,7 +143,8 @@ class ServerLimits:
                    api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None,
                    chat_template=getattr(args, "chat_template", None), max_connections=args.max_connections,
                    keep_alive_timeout=args.keep_alive_timeout, header_timeout=args.header_timeout,
-                   body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes)
+                   body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes,
+                   unknown_fields=args.unknown_fields)
 
 
 SIZE = "a size in bytes (e.g. 64KiB)"
@@ -164,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ends with finish_reason 'timeout' and the text generated so far")
     g.add_argument("--shutdown-grace", type=Bound(float, 0), default=d.shutdown_grace,
                    help="on SIGTERM, seconds that running requests get to finish before they are aborted")
+    g.add_argument("--unknown-fields", choices=UNKNOWN_FIELDS, default=d.unknown_fields,
+                   help="top-level request fields the server does not know (routers and gateways add their own): "
+                        "'ignore' them with one warning per distinct set, as vLLM does, or 'reject' them "
+                        "(400 on /v1, 422 on /generate), as OpenAI does; known fields are validated either way")
     g.add_argument("--api-key", type=api_key, default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set FLASHPAGE_API_KEY)")
     c = p.add_argument_group("connections (a fronting proxy may bound these too: README, Limits and reliability)")

@@ -49,8 +49,8 @@ class _EngineCollector:
         total = s.kv_blocks_total
         used = total - s.kv_blocks_free
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=["model"])
+        def gauge(name, doc, value, label="model"):
+            g = GaugeMetricFamily(name, doc, labels=[label])
             g.add_metric(m, value)
             return g
 
@@ -72,6 +72,15 @@ class _EngineCollector:
         yield counter("flashpage_prompt_tokens", "Prompt tokens of requests that produced a first token.",
                       s.prompt_tokens)
         yield counter("flashpage_generation_tokens", "Tokens generated.", s.generation_tokens)
+        # The Gateway API Inference Extension's model-server protocol (TotalQueuedRequests,
+        # TotalRunningRequests, KVCacheUtilization) under the vLLM names its endpoint picker reads by
+        # default, with vLLM's label: the same three values again, so a gateway needs no mapping.
+        yield gauge("vllm:num_requests_waiting", "Alias of flashpage_requests_waiting (Gateway API Inference "
+                    "Extension: TotalQueuedRequests).", s.waiting, "model_name")
+        yield gauge("vllm:num_requests_running", "Alias of flashpage_requests_running (TotalRunningRequests).",
+                    s.running, "model_name")
+        yield gauge("vllm:kv_cache_usage_perc", "Alias of flashpage_kv_cache_usage_ratio, 0..1 (KVCacheUtilization).",
+                    used / total if total else 0.0, "model_name")
 
 
 def _hit_rate(s: dict) -> float:

@@ -21,6 +21,9 @@ from server.sampling_params import GREEDY_BELOW, SamplingParams
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as /generate: "5" is not 5, no NaN
+# A request body: strict as above, but unknown top-level keys are kept for the route to ignore or
+# refuse (--unknown-fields, server/api/fields.py).
+BODY = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
@@ -33,7 +36,7 @@ class SamplingRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share; `unsupported` lists the fields that
     are accepted only at their defaults (`check_request`)."""
 
-    model_config = STRICT
+    model_config = BODY
 
     model: str
     temperature: float | None = Field(DEFAULTS.temperature, ge=0.0, le=2.0,

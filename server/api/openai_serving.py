@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.guards import MAX_CHOICES, ServerLimits, wait_disconnect
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
-                                        usage_dict)
+                                        usage_dict, validation_error)
 from server.bridge.async_engine import AsyncEngine, ServiceUnavailableError
 from server.engine import RequestError
 from server.logs import request_id_var
@@ -54,13 +55,19 @@ async def answer(handling: Awaitable):
 
 
 def begin(body: SamplingRequest, request: Request) -> tuple[object, ServerLimits]:
-    """The checks every body gets first (the model, fields at their defaults); the engine and limits."""
+    """The checks every body gets first (unknown fields, the model, fields at their defaults); the
+    engine and limits."""
     engine = request.app.state.engine.engine
+    limits = getattr(request.app.state, "limits", None) or ServerLimits()
+    if extra := unknown_fields(body):
+        if limits.unknown_fields == "reject":
+            raise validation_error(refusal(extra))
+        warn_ignored(request.url.path, extra, request.app.state.ignored_fields)
     if body.model != engine.model_name:
         raise OpenAIError(404, f"The model '{body.model}' does not exist; this server serves '{engine.model_name}'",
                           param="model", code="model_not_found")
     check_request(body)
-    return engine, getattr(request.app.state, "limits", None) or ServerLimits()
+    return engine, limits
 
 
 def _admit(aengine: AsyncEngine, count: int) -> None:

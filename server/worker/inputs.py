@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcache import SeqBlocks, slot_of, slots_of
-from models import StepRows
+from models import AttentionBackend, StepRows
 from server.sampling_params import SamplingParams
 
 
@@ -163,8 +163,9 @@ class StepInputs:
 
 
 def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
-                 block_size: int) -> StepInputs:
-    """Flatten a step: prefill chunks first, then one token per decode."""
+                 block_size: int, attention: AttentionBackend | None = None) -> StepInputs:
+    """Flatten a step: prefill chunks first, then one token per decode; plus the arrays the
+    attention backend asks for (`prefill_arrays`), in the same upload."""
     pf = pack_prefills(prefills, block_size)
     ids, pos, slots = [], [], []
     offset = len(pf.ids)
@@ -177,15 +178,22 @@ def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[S
     ends = [offset + i for i, item in enumerate(decodes) if item.samples] + pf.ends
     arrays = dict(input_ids=np.concatenate([pf.ids, ids]), positions=np.concatenate([pf.positions, pos]),
                   slot_mapping=np.concatenate([pf.slots, slots]), ends=ends)
+    extra = {}
     if prefills:
         arrays.update(cu_seqlens=[0, *np.cumsum(pf.lens).tolist()], prefix_lens=pf.prefix,
                       prefill_block_tables=pad_rows(pf.tables, max(map(len, pf.tables))))
+        if attention is not None:
+            extra = attention.prefill_arrays(pf.lens, pf.prefix, packer.staging.dev.device)
     if decodes:
         tables = [s.seq.blocks.block_table for s in decodes]
         arrays.update(context_lens=[s.start + 1 for s in decodes],
                       decode_block_tables=pad_rows(tables, max(map(len, tables))))
+    if extra.keys() & arrays.keys():
+        raise ValueError(f"backend arrays {sorted(extra.keys() & arrays.keys())} clash with the step's own")
+    arrays.update(extra)
     v = packer.pack(**arrays)
     rows = StepRows(v["slot_mapping"], offset, cu_seqlens=v.get("cu_seqlens"), prefix_lens=v.get("prefix_lens"),
                     prefill_block_tables=v.get("prefill_block_tables"), chunk_lens=pf.lens, chunk_prefix=pf.prefix,
-                    context_lens=v.get("context_lens"), decode_block_tables=v.get("decode_block_tables"))
+                    context_lens=v.get("context_lens"), decode_block_tables=v.get("decode_block_tables"),
+                    extra={name: v[name] for name in extra})
     return StepInputs(v["input_ids"], v["positions"], rows, v["ends"])

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kernels.argmax import argmax_rows
+from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
@@ -56,7 +57,10 @@ class ModelRunner:
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // cache_spec.block_size)
         s = max_num_seqs
-        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 4 * 8, device)  # + alignment
+        # ids, positions, slots | cu_seqlens, prefix_lens, context_lens, ends | page tables | the
+        # backend's arrays (a tile map: two per query tile, at most one tile per token) | alignment
+        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 2 * (self.max_tokens + s) + 4 * 9,
+                             device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None
@@ -82,16 +86,25 @@ class ModelRunner:
         n, seqs = self.max_tokens, self.max_num_seqs
         per = -(-n // seqs)
         lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
-        v = self.packer.pack(
-            ids=np.zeros(n), pos=np.concatenate([np.arange(k) for k in lens]) % self.model.spec.max_position_embeddings,
-            slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]), prefix=np.zeros(len(lens)),
-            bt=np.zeros((len(lens), 1)))
-        rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, [0] * len(lens))
-        hidden = self._run(caches, v["ids"], v["pos"], rows)
+        pos = np.concatenate([np.arange(k) for k in lens]) % self.model.spec.max_position_embeddings
+        ids, pos, rows = self._prefill_rows(pos, lens, [0] * len(lens), np.zeros((len(lens), 1)))
+        hidden = self._run(caches, ids, pos, rows)
         sample(self.model.lm_head(hidden[:seqs])[:, : self.model.vocab_size].float(), [], [])
         torch.cuda.synchronize(self.device)
         del caches, hidden
         return torch.cuda.max_memory_allocated(self.device)
+
+    def _prefill_rows(self, positions: np.ndarray, lens: list[int], prefix: list[int], tables: np.ndarray
+                      ) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
+        """A start-up prefill step of these chunks that writes nothing (slots -1), packed as
+        prepare_step packs a real one, the backend's own arrays included, so that it launches (and
+        compiles) exactly the kernel variants serving will."""
+        n = len(positions)
+        extra = self.model.attention.prefill_arrays(lens, prefix, self.device)
+        v = self.packer.pack(ids=np.zeros(n), pos=positions, slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]),
+                             prefix=prefix, bt=tables, **extra)
+        rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, prefix, extra={k: v[k] for k in extra})
+        return v["ids"], v["pos"], rows
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device)
@@ -103,14 +116,15 @@ class ModelRunner:
         not in the middle of serving; then the backend's own warm-up. Nothing is written to the
         cache (slots are -1)."""
         bs, blocks = self.block_size, self.kv_caches[0][0].shape[0] - 1
-        for plen, new in ((0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)):
+        steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)]
+        if self.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
+            steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
+        for plen, new in steps:
             nb = -(-(plen + new) // bs)
-            if nb > min(blocks, self.max_blocks):
+            if nb > min(blocks, self.max_blocks) or new > self.max_tokens:
                 continue
-            v = self.packer.pack(ids=np.zeros(new), pos=np.arange(plen, plen + new), slots=np.full(new, -1),
-                                 cu=[0, new], prefix=[plen], bt=np.arange(nb)[None])
-            self._run(self.kv_caches, v["ids"], v["pos"], StepRows(v["slots"], new, v["cu"], v["prefix"], v["bt"],
-                                                                   [new], [plen]))
+            ids, pos, rows = self._prefill_rows(np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None])
+            self._run(self.kv_caches, ids, pos, rows)
         for nb in sorted({1, 2, 4, 8, self.max_blocks}):
             if nb > blocks:
                 continue
@@ -220,7 +234,7 @@ class ModelRunner:
     def _eager(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
         """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
-        step = prepare_step(self.packer, prefills, decodes, self.block_size)
+        step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
         hidden = self._run(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
         if not len(step.ends):
             return None

@@ -28,7 +28,7 @@ def compose(tool, tmp_path_factory, environment):
 
     def run(profiles=(), **variables):
         env = environment(**variables)
-        for name in ("MODEL", "PORT", "NGINX_PORT", "HF_TOKEN"):
+        for name in ("MODEL", "PORT", "NGINX_PORT", "HF_TOKEN", "ROUTER_PORT", "ROUTER_POLICY", "ROUTER_METRICS_PORT"):
             if name not in variables:
                 env.pop(name, None)
         cmd = [*base, "--env-file", str(empty), "--project-directory", str(REPO), "-f", str(COMPOSE)]
@@ -67,8 +67,8 @@ def test_variables_choose_model_port_and_pass_the_token(compose, model):
     assert any(int(p["published"]) == 9000 for p in _ports(svc))
 
 
-def test_scale_profile_pins_one_replica_per_gpu_behind_nginx(compose):
-    cfg = compose(profiles=["scale"], NGINX_PORT="8088")
+def test_scale_nginx_profile_pins_one_replica_per_gpu_behind_nginx(compose):
+    cfg = compose(profiles=["scale-nginx"], NGINX_PORT="8088")
     services = cfg["services"]
     nginx = services["nginx"]
     assert re.fullmatch(r"nginx:\d+\.\d+\.\d+(-alpine)?", nginx["image"])
@@ -94,11 +94,43 @@ def test_compose_file_and_nginx_conf_agree_without_compose():
     """The same consistency from the files alone (no compose tool needed)."""
     raw = yaml.safe_load(COMPOSE.read_text())
     upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", NGINX_CONF.read_text(), re.M)
-    scale = {n for n, s in raw["services"].items() if "scale" in s.get("profiles", [])}
+    scale = {n for n, s in raw["services"].items() if "scale-nginx" in s.get("profiles", [])}
     default = {n for n, s in raw["services"].items() if not s.get("profiles")}
     assert default == {"flashpage"}
     assert set(upstreams) == {"flashpage"} | (scale - {"nginx"})
     assert set(raw["services"]["nginx"]["depends_on"]) == set(upstreams)
+
+
+def test_scale_profile_puts_vllm_router_in_front_of_every_replica(compose):
+    """`--profile scale`: the router (its own pinned image) with the cache-aware policy unless
+    ROUTER_POLICY says otherwise, one worker URL per replica of the profile (the same replicas
+    nginx balances over), health checks on /health, retries, and its metrics port published."""
+    cfg = compose(profiles=["scale"], ROUTER_PORT="8090")
+    services = cfg["services"]
+    router = services["router"]  # (Debian's docker-compose 1.29 lists every profile's services)
+    assert router["build"]["dockerfile"] == "docker/router.Dockerfile"
+    cmd = router["command"]
+    urls = cmd[cmd.index("--worker-urls") + 1: cmd.index("--policy")]
+    replicas = {n for n in services if n.startswith("flashpage")}
+    assert {u.removeprefix("http://").removesuffix(":8000") for u in urls} == replicas == {"flashpage", "flashpage-gpu1"}
+    assert set(router["depends_on"]) == replicas
+    assert all(router["depends_on"][n]["condition"] == "service_healthy" for n in replicas)
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    assert cmd[cmd.index("--health-check-endpoint") + 1] == "/health" and "--retry-max-retries" in cmd
+    published = {int(p["target"]): int(p["published"]) for p in _ports(router)}
+    assert published == {8080: 8090, 29000: 29000}
+    assert compose(profiles=["scale"], ROUTER_POLICY="round_robin")["services"]["router"]["command"][
+        cmd.index("--policy") + 1] == "round_robin"
+    upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", NGINX_CONF.read_text(), re.M)
+    assert set(upstreams) == replicas, "nginx and the router must balance over the same replicas"
+
+
+def test_router_image_pins_the_router_the_tests_run():
+    import tomllib
+
+    pin = re.search(r"vllm-router==([\d.]+)", (REPO / "docker" / "router.Dockerfile").read_text()).group(1)
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert f"vllm-router=={pin}" in dev
 
 
 def _ports(svc):

@@ -69,14 +69,15 @@ def http_servers(tmp_path_factory):
 
     from benchmarks.common import ServerProcess
     from tests.helpers import make_llama_checkpoint
-    from tests.models.test_families_http import SERVER_ARGS
+    from tests.models.test_families_http import SERVER_ARGS, STEP_SLEEP_ENV
 
     paths = {family: make_llama_checkpoint(tmp_path_factory.mktemp(f"http-{family}"), family, num_hidden_layers=3,
                                            max_position_embeddings=1024, vocab_size=2048, initializer_range=0.05,
                                            **shape)
              for family, shape in HTTP_SHAPES.items()}
     started = {family: ServerProcess.python_server(["--model", str(path), "--device", "cuda", "--attention", "triton",
-                                                    "--dtype", "bfloat16", *SERVER_ARGS])
+                                                    "--dtype", "bfloat16", *SERVER_ARGS],
+                                                   extra_env=STEP_SLEEP_ENV)
                for family, path in paths.items()}
     try:
         yield {family: (paths[family], srv.wait_healthy(300).url) for family, srv in started.items()}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernels.flash_prefill as fp
-from kernels.flash_prefill import PrefillConfig, block_m, flash_prefill, tile_map
+from kernels.flash_prefill import PrefillConfig, _pick_config, block_m, config_bounds, flash_prefill, tile_map
 from kernels.reference import prefill_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,7 +160,11 @@ def test_tile_map_over_padded_batch(gen, path, dtype, heads, kv_heads):
     idle tiles, max_seqlen only a bound. Real rows match the reference; padding rows and padding
     sequences are never written (they stay NaN). The padding rows' q/k/v are NaN: the last
     sequence's diagonal tile reads them through a descriptor, and they must not leak. With GQA the
-    tile map's positions per tile stay block_m()'s and a tile packs heads of one group."""
+    tile map is built with block_m() for the group, and a tile packs heads of one group."""
+    _padded_tile_map_case(gen, dtype, heads, kv_heads)
+
+
+def _padded_tile_map_case(gen, dtype, heads, kv_heads, config=None):
     lens, prefix, d, bs = [1, 70, 33, 128, 5], [0, 17, 40, 0, 3], 64, 16
     total, pad_rows, pad_seqs = sum(lens), 9, 2
     kc, vc, bt, pl = _paged_prefix(gen, prefix, bs, kv_heads, d, dtype)
@@ -174,7 +178,7 @@ def test_tile_map_over_padded_batch(gen, path, dtype, heads, kv_heads):
     bt_pad = torch.cat([bt, bt[:1].expand(pad_seqs, -1)])
     pl_pad = torch.cat([pl, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
     bound = 256  # the graph's token bucket, not the longest run
-    bm = block_m(d, bound, q.device)
+    bm = block_m(d, bound, q.device, heads // kv_heads)
     need = sum(-(-n // bm) for n in lens)
     seqs, starts = tile_map(lens, prefix, bm, need + 7)
     assert (seqs[need:] == -1).all() and sorted(zip(seqs[:need], starts[:need])) == sorted(
@@ -182,13 +186,99 @@ def test_tile_map_over_padded_batch(gen, path, dtype, heads, kv_heads):
     tiles = (torch.from_numpy(seqs).to(DEVICE), torch.from_numpy(starts).to(DEVICE))
     out = torch.full_like(q, float("nan"))
     flash_prefill(q, k, v, cu, bound, d**-0.5, k_cache=kc, v_cache=vc, block_tables=bt_pad, prefix_lens=pl_pad,
-                  out=out, tiles=tiles)
-    assert block_m(d, bound, q.device) == bm  # whatever the group
+                  out=out, tiles=tiles, _config=config)
     cu_real = cu[: len(lens) + 1]
     ref = prefill_attention_ref(q[:total], k[:total], v[:total], cu_real, d**-0.5, k_cache=kc, v_cache=vc,
                                 block_tables=bt, prefix_lens=pl)
     _check(out[:total], ref, dtype)
     assert torch.isnan(out[total:]).all(), "a padding row was written"
+
+
+@pytest.fixture(params=["for", "while"])
+def loops(request, monkeypatch) -> str:
+    """Both forms of the kernel's loops: `for` (what the GPU compiles) and the `while` form of
+    interpreters that cannot take a loaded scalar as a range bound."""
+    monkeypatch.setattr(fp, "_interpreter_needs_while", lambda: request.param == "while")
+    return request.param
+
+
+# The narrow diagonal (PrefillConfig.diag 1; 0 runs everywhere else) on tiles of fewer positions
+# than BLOCK_N (where it narrows the diagonal loop), as many, and more.
+DIAG_CONFIGS = [
+    PrefillConfig(128, 64, 8, 2, pack=4, tma=True, maxnreg=128),  # the H100 GQA 2k tile: 32 positions, 64 keys
+    PrefillConfig(128, 128, 8, 3, pack=4, tma=True),  # GQA 4k: 32 positions, 128 keys (diagonal of 1-4 tiles)
+    PrefillConfig(32, 32, 4, 1, pack=4),  # 8 positions, pointers: a 16-key diagonal (tl.dot's minimum)
+    PrefillConfig(64, 16, 4, 1, pack=2, tma=True),  # 32 positions over 16 keys: several diagonal tiles
+    PrefillConfig(32, 64, 4, 1),  # MHA, 32 positions over 64 keys, pointers
+    PrefillConfig(64, 128, 4, 1, tma=True),  # MHA, 64 positions, 128 keys
+]
+
+
+@pytest.mark.parametrize("config", DIAG_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}p{c.pack}{'t' * c.tma}")
+@pytest.mark.parametrize("prefix", [None, [3, 0, 64, 17, 0, 40]], ids=["new", "prefix"])
+def test_diag_variants(gen, config, prefix):
+    """Lengths of 1, off every block size, exact multiples and several tiles; GQA (group 4) for
+    packed configs, MHA for pack 1; a paged prefix with NaN in every unowned slot or none. (The
+    tile-map test below runs the `while` form of the loops too.)"""
+    heads, kv_heads = (4, 1) if config.pack > 1 else (2, 2)
+    dtype = torch.bfloat16 if prefix else torch.float16
+    _run_case(gen, [1, 40, 9, 64, 75, 130], heads, kv_heads, 64, dtype, prefix_lens=prefix,
+              config=config._replace(diag=1))
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_diag_variants_head_dims(gen, head_dim):
+    """head_dim 128 (the benchmarked shape) through descriptors; 80, padded, through pointers."""
+    config = PrefillConfig(128, 64, 8, 2, pack=4, tma=head_dim == 128, diag=1)
+    _run_case(gen, [1, 33, 100], 8, 2, head_dim, torch.bfloat16, prefix_lens=[0, 5, 40], config=config)
+
+
+@pytest.mark.parametrize("config,heads,kv_heads", [
+    (PrefillConfig(128, 64, 8, 2, pack=4, tma=True), 8, 2),  # block_m() gives 32 positions at group 4
+    (PrefillConfig(128, 64, 8, 2, pack=4), 8, 2),
+    (PrefillConfig(64, 128, 4, 1, tma=True), 2, 2),  # MHA: 64 positions
+])
+def test_diag_variants_tile_map(gen, loops, config, heads, kv_heads):
+    """The CUDA-graph form (tile map, idle tiles, NaN padding rows and sequences) with each variant."""
+    _padded_tile_map_case(gen, torch.bfloat16, heads, kv_heads, config._replace(diag=1))
+
+
+def test_diag_is_validated(gen):
+    with pytest.raises(ValueError, match="diag"):
+        _run_case(gen, [5], 2, 2, 64, torch.float16, config=PrefillConfig(16, 16, 4, 1, diag=2))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+@pytest.mark.parametrize("max_seqlen", [16, 1024, 2048, 8192])
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_a_tile_map_gets_the_config_the_grid_would(monkeypatch, head_dim, group, max_seqlen, has_prefix):
+    """Eager steps launch with a tile map built with block_m(): that must not change the config
+    (tile shape, heads per tile) the GPU tables give the same shapes without one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+    positions = block_m(head_dim, max_seqlen, cuda, group)
+    unmapped = _pick_config(head_dim, max_seqlen, cuda, group, True, has_prefix)
+    assert _pick_config(head_dim, max_seqlen, cuda, group, True, has_prefix, positions) == unmapped
+    assert unmapped.block_m // unmapped.pack == positions
+    # the narrow diagonal only where it was measured faster: packed GQA tiles, head 128, up to 8k, no prefix
+    assert unmapped.diag == (unmapped.pack > 1 and head_dim == 128 and max_seqlen <= 8192 and not has_prefix)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_config_bounds_split_lengths_into_one_config_each(monkeypatch, head_dim, group, has_prefix):
+    """config_bounds() lists every length where the GPU tables change their pick, so the worker's
+    warm-up (a short chunk and one just past each bound) compiles every variant: any length
+    launches the config of the warm-up length of its bucket."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda, bounds = torch.device("cuda"), config_bounds()
+    assert bounds and bounds == sorted(bounds)
+    for n in [1, 16, 500, 1024, 1025, 1500, 2048, 2049, 5000, 8192, 8193, 20000, 100_000]:
+        warmed = max([16] + [b + 1 for b in bounds if b < n])
+        assert _pick_config(head_dim, n, cuda, group, True, has_prefix) == \
+            _pick_config(head_dim, warmed, cuda, group, True, has_prefix), n
 
 
 def test_tile_map_rejects_overflow():

@@ -52,8 +52,18 @@ class Step:
     def run(self, kind: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The backend's metadata and forward through layer 1's views of a fresh copy of the cache
         (on the GPU where there is one); (out, cache after the step), on the CPU."""
-        return _forward(make_backend(kind, head_dim), self.q, self.k, self.v, self.storage, self.rows,
-                        lambda b, rows: b.metadata(rows), self.scale)
+        group = self.q.shape[1] // self.k.shape[1]
+        return _forward(make_backend(kind, head_dim, group), self.q, self.k, self.v, self.storage, self.rows,
+                        worker_metadata, self.scale)
+
+
+def worker_metadata(backend, rows: StepRows):
+    """What the worker does (server/worker/inputs.py prepare_step): the arrays the backend asks
+    for with the step's prefill chunks uploaded alongside, then its metadata."""
+    if rows.num_prefill_tokens:
+        arrays = backend.prefill_arrays(rows.chunk_lens, rows.chunk_prefix, torch.device(DEVICE))
+        rows.extra = {name: torch.from_numpy(np.asarray(a, dtype=np.int32)).to(DEVICE) for name, a in arrays.items()}
+    return backend.metadata(rows)
 
 
 def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale, rope: Rope | None = None
@@ -254,8 +264,8 @@ def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, 
     angles = torch.arange(256)[:, None] * torch.rand(32, generator=g)[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     rope = Rope(positions, emb.cos(), emb.sin())
-    backend = make_backend(kind, 64)
-    meta = lambda b, rows: b.metadata(rows)  # noqa: E731
+    backend = make_backend(kind, 64, 2)
+    meta = worker_metadata
     got, got_cache = _forward(backend, step.q, step.k, step.v, step.storage, step.rows, meta, step.scale, rope)
     q, k = (rope_ref(x.to(DEVICE), positions.to(DEVICE), emb.cos().to(DEVICE), emb.sin().to(DEVICE)).cpu()
             for x in (step.q, step.k))
@@ -273,6 +283,23 @@ def test_torch_backends_have_no_prefill_graphs(kind):
     step = _build(4, 2, 64, torch.float32, decodes=[])
     with pytest.raises(NotImplementedError):
         backend.graph_metadata(step.rows, 64, None)
+
+
+def test_triton_eager_tile_map_lists_each_query_tile_once():
+    """An eager step's tile map (prefill_arrays): every query tile of every chunk exactly once,
+    none idle, the most work (cached prefix + first position) first, at the positions per tile
+    the kernel will use for the longest chunk and the GQA group."""
+    from kernels.flash_prefill import block_m
+
+    backend = make_backend("triton", 128, 4)
+    lens, prefix = [1, 70, 33, 200, 64], [0, 5, 0, 100, 900]
+    arrays = backend.prefill_arrays(lens, prefix, torch.device("cpu"))
+    seqs, starts = arrays["tile_seq"], arrays["tile_start"]
+    bm = block_m(128, max(lens), torch.device("cpu"), 4)
+    assert sorted(zip(seqs.tolist(), starts.tolist())) == sorted(
+        (s, t) for s, n in enumerate(lens) for t in range(0, n, bm))
+    work = [prefix[s] + t for s, t in zip(seqs, starts)]
+    assert work == sorted(work, reverse=True)
 
 
 def test_triton_backend_has_prefill_graphs():

@@ -32,6 +32,12 @@ MAX_TOKENS = 24
 # or just before a block edge need a new block on their first decode steps: running requests are
 # preempted. 32 batched tokens a step chunk every prompt longer than that.
 SERVER_ARGS = ["--num-blocks", "14", "--block-size", "16", "--max-num-batched-tokens", "32"]
+# Preemption needs the wave's long prompts running together. On an idle machine a tiny model's step
+# takes a millisecond, so a request that reached the server late (threads starting on a busy CI
+# machine) could find the others finished. Every step sleeping 10 ms (the test-only fault injector,
+# server/engine/faults.py) keeps the 100-token prompt running for >= 280 ms (4 chunks + 24 tokens),
+# far longer than the spread of the wave's arrivals.
+STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.01"}
 
 
 def wave_prompts(seed: int = 0, vocab: int = 400) -> tuple[list[list[int]], list[list[int]]]:
@@ -94,7 +100,8 @@ def checkpoints(tmp_path_factory):
 def servers(checkpoints):
     """One server per (family, attention backend), all started at once."""
     started = {(family, attention): ServerProcess.python_server(
-        ["--model", str(path), "--device", "cpu", "--attention", attention, *SERVER_ARGS])
+        ["--model", str(path), "--device", "cpu", "--attention", attention, *SERVER_ARGS],
+        extra_env=STEP_SLEEP_ENV)
         for family, path in checkpoints.items() for attention in ATTENTION}
     try:
         yield {key: srv.wait_healthy(180).url for key, srv in started.items()}

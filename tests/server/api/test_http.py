@@ -45,7 +45,6 @@ def test_stream_matches_non_stream(server):
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "unknown_field": 1}, "unknown_field"),
     ({"prompt": 5}, "prompt"),
     ({"max_tokens": 4}, "prompt"),
 ])
@@ -53,6 +52,32 @@ def test_invalid_bodies_are_422_naming_the_field(server, body, field):
     r = httpx.post(server + "/generate", json=body)
     assert r.status_code == 422
     assert field in r.text
+
+
+def test_sglang_shape_is_the_same_request(server):
+    """SGLang's /generate shape (what vllm-router forwards): text / input_ids and sampling_params
+    with max_new_tokens give what our own fields give."""
+    ours = {"prompt": "The quick brown", "max_tokens": 7, "temperature": 0, "top_k": 0, "stop_token_ids": [3],
+            "ignore_eos": True}
+    sglang = {"text": "The quick brown", "sampling_params": {"max_new_tokens": 7, "temperature": 0, "top_k": -1,
+                                                            "stop_token_ids": [3], "ignore_eos": True}}
+    a, b = httpx.post(server + "/generate", json=ours), httpx.post(server + "/generate", json=sglang)
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["token_ids"] == b.json()["token_ids"] and len(b.json()["token_ids"]) <= 7
+    ids = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    c = httpx.post(server + "/generate", json=ids)
+    assert c.status_code == 200 and c.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"text": "hi", "prompt": "hi"}, "got prompt, text"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}, "temperature": 0}, "not both (top level: temperature)"),
+    ({"text": "hi", "sampling_params": {"max_tokens": 2}}, "max_tokens"),  # SGLang's name there is max_new_tokens
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+])
+def test_sglang_shape_is_validated(server, body, says):
+    r = httpx.post(server + "/generate", json=body)
+    assert r.status_code == 422 and says in r.text, r.text
 
 
 def test_not_json_is_422(server):

@@ -143,3 +143,35 @@ def test_packer_rejects_a_batch_over_capacity():
         packer.pack(a=[1] * 5, b=[2] * 4)  # a's alignment padding leaves b no room
     with pytest.raises(ValueError, match="int32 slots"):
         packer.pack(a=[1] * 9)
+
+
+class ArraysBackend:
+    """An attention backend as prepare_step sees it: arrays of its own for the prefill chunks."""
+
+    def __init__(self, name="tile_seq"):
+        self.name, self.calls = name, []
+
+    def prefill_arrays(self, chunk_lens, chunk_prefix, device):
+        self.calls.append((list(chunk_lens), list(chunk_prefix), device.type))
+        return {self.name: np.array([n * 10 + p for n, p in zip(chunk_lens, chunk_prefix)])}
+
+
+def test_the_backends_arrays_ride_the_same_upload():
+    packer = Packer(256, torch.device("cpu"))
+    prefills, decodes = mixed_step()
+    backend = ArraysBackend()
+    step = prepare_step(packer, prefills, decodes, BS, backend)
+    assert backend.calls == [([6, 3], [0, 4], "cpu")]
+    got = step.rows.extra["tile_seq"]
+    assert got.tolist() == [60, 34] and got.dtype == torch.int32
+    assert offsets(packer, [got])[0] % 16 == 0 and got.data_ptr() >= packer.staging.dev.data_ptr()
+    # a decode-only step asks for nothing
+    step = prepare_step(packer, [], decodes, BS, backend)
+    assert step.rows.extra == {} and len(backend.calls) == 1
+
+
+def test_backend_arrays_may_not_shadow_the_steps_own():
+    packer = Packer(256, torch.device("cpu"))
+    prefills, decodes = mixed_step()
+    with pytest.raises(ValueError, match="context_lens"):
+        prepare_step(packer, prefills, decodes, BS, ArraysBackend("context_lens"))
