@@ -7,16 +7,21 @@ default: random GPT-2 small weights with the embedded tokenizer), then for each 
 vllm-router in front of them, and drives two closed-loop workloads of streamed /v1/completions:
 
 - shared: --system-prompts system prompts of --system-words words each (~1.3 tokens a word), each
-  request one of them followed by a fresh short user turn: what a chat service with a few
-  assistants looks like, where routing by prefix lets each replica keep its own prompts cached;
+  request one of them followed by a fresh short user turn: what a chat service with many
+  assistants looks like. Each replica's cache (--num-blocks) holds about half the prompts, so
+  round_robin, which sends every prompt everywhere, keeps evicting them, while routing by prefix
+  lets each replica keep its own half cached;
 - nosharing: prompts of the same length with nothing in common.
 
-Every (policy, workload) run draws its own prompts, so no run finds the last one's blocks cached.
-Reported per run: output tokens/s, time to first token (p50/p90/p99), requests/s, errors, and each
-replica's prefix-cache hit rate over the run (prompt tokens found cached / prompt tokens, from its
-/metrics). A run with one replica alone
-(no router) on the nosharing workload gives the baseline that N replicas' throughput is compared
-with. Writes scaleout_<device>.json and a plot; `report(result)` renders the README section.
+The load scales with the replicas (--clients-per-replica, --requests-per-replica), so N replicas
+are compared with one under the same pressure each, and the client processes start at one instant.
+Every run draws its own prompts, so no run finds the last one's blocks cached. Reported per run:
+output tokens/s, time to first token (p50/p90/p99), requests/s, errors, and per replica the prompt
+tokens it was sent and its prefix-cache hit rate over the run (prompt tokens found cached / prompt
+tokens, from its /metrics). Before the router runs, two `direct` runs on the nosharing workload:
+one replica alone (the baseline N replicas are compared with) and the N replicas with the clients
+dealt evenly over them, no router (what the replicas scale to before any router cost). Writes
+scaleout_<device>.json and its plot; benchmarks/scaleout_report.py renders the README section.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -38,6 +44,7 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ServerProcess, free_port, summarize, write_result  # noqa: E402
+from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
 POLICIES = ("round_robin", "cache_aware")
 WORKLOADS = ("shared", "nosharing")
@@ -135,7 +142,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": max_tokens if chunks else 0}
 
 
-async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[list[dict], float]:
+async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: int) -> list[dict]:
     queue = list(reversed(prompts))
     records: list[dict] = []
 
@@ -145,37 +152,68 @@ async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: in
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
-        return records, time.perf_counter() - t0
+    return records
 
 
-def _client_process(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[list[dict], float]:
-    return asyncio.run(closed_loop(url, prompts, clients, max_tokens))
+@dataclass
+class ClientShare:
+    """What one client process sends, and the wall-clock instant it starts at."""
+    url: str
+    prompts: list[str]
+    clients: int
+    max_tokens: int
+    start_at: float
 
 
-def drive(url: str, prompts: list[str], clients: int, max_tokens: int, processes: int) -> tuple[list[dict], float]:
-    """The closed loop, its clients and prompts dealt over `processes` client processes: one
-    asyncio process tops out near 10k streamed tokens/s, under what two GPUs serve."""
+@dataclass
+class ShareResult:
+    records: list[dict]
+    started: float
+    ended: float
+
+
+def _client_process(share: ClientShare) -> ShareResult:
+    time.sleep(max(0.0, share.start_at - time.time()))
+    started = time.time()
+    records = asyncio.run(closed_loop(share.url, share.prompts, share.clients, share.max_tokens))
+    return ShareResult(records, started, time.time())
+
+
+# Spawned client processes take about a second to import; all of them start at one instant this far
+# ahead, so the replicas see the whole load from the first second, not a ramp over process starts.
+SPAWN_S = 5.0
+
+
+def drive(urls: list[str], prompts: list[str], clients: int, max_tokens: int, processes: int) -> tuple[list[dict], float, float]:
+    """The closed loop, its clients and prompts dealt over `processes` client processes (one asyncio
+    process tops out near 10k streamed tokens/s, under what two GPUs serve), process i sending to
+    urls[i % len(urls)]. Returns (records, seconds from the common start to the last request's end,
+    the latest process's start after the common one)."""
     processes = max(1, min(processes, clients))
-    if processes == 1:
-        return _client_process(url, prompts, clients, max_tokens)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    shares = [(url, prompts[i::processes], clients // processes + (i < clients % processes), max_tokens)
+    start_at = time.time() + (SPAWN_S if processes > 1 else 0.0)
+    shares = [ClientShare(urls[i % len(urls)], prompts[i::processes],
+                          clients // processes + (i < clients % processes), max_tokens, start_at)
               for i in range(processes)]
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_client_process, *zip(*shares)))
-    return [r for records, _ in results for r in records], max(elapsed for _, elapsed in results)
+    if processes == 1:
+        results = [_client_process(shares[0])]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_client_process, shares))
+    records = [r for res in results for r in res.records]
+    return records, max(res.ended for res in results) - start_at, max(res.started for res in results) - start_at
 
 
-def run_once(url: str, replicas: list[str], workload: str, seed: int, args) -> dict:
-    """One closed-loop run against `url` (a router or a replica), with the replicas' prefix-cache
-    hit rates over it."""
-    prompts = make_prompts(workload, seed, args.num_requests, args)
+def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, args, clients: int,
+             num_requests: int) -> dict:
+    """One closed-loop run against `targets` (a router, or the replicas themselves), with the
+    replicas' prefix-cache hit rates over it."""
+    prompts = make_prompts(workload, seed, num_requests, args)
     before = [prefix_counters(r) for r in replicas]
-    records, elapsed = drive(url, prompts, args.clients, args.max_tokens, getattr(args, "client_processes", 1))
+    records, elapsed, skew = drive(targets, prompts, clients, args.max_tokens, getattr(args, "client_processes", 1))
     after = [prefix_counters(r) for r in replicas]
     ok = [r for r in records if "error" not in r]
     tokens = [a[0] - b[0] for a, b in zip(after, before)]
@@ -184,8 +222,9 @@ def run_once(url: str, replicas: list[str], workload: str, seed: int, args) -> d
     for r in records:
         if "error" in r:
             kinds[r["error"]] = kinds.get(r["error"], 0) + 1
-    return {"workload": workload, "requests": len(records), "errors": len(records) - len(ok), "error_kinds": kinds,
-            "duration_s": elapsed, "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
+    return {"workload": workload, "clients": clients, "requests": len(records), "errors": len(records) - len(ok),
+            "error_kinds": kinds, "duration_s": elapsed, "start_skew_s": skew,
+            "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
             "requests_per_s": len(ok) / elapsed, "ttft_ms": summarize([r["ttft"] for r in ok if r["ttft"]], 1e3),
             "e2e_s": summarize([r["e2e"] for r in ok]),
             "prompt_tokens": tokens, "cached_tokens": hits,
@@ -199,19 +238,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: random GPT-2 small weights)")
+    ap.add_argument("--num-blocks", type=int, default=4096,
+                    help="each replica's KV cache in blocks (0: its own sizing). The default holds a replica's "
+                         "running sequences on either workload and about half the shared workload's system "
+                         "prompts: the memory pressure of a GPU serving a model larger than GPT-2")
     ap.add_argument("--server-args", default="", help="extra arguments for every replica, one string")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    ap.add_argument("--clients", type=int, default=64, help="closed-loop clients")
-    ap.add_argument("--num-requests", type=int, default=1024, help="requests per run")
-    ap.add_argument("--system-prompts", type=int, default=32)
+    ap.add_argument("--clients-per-replica", type=int, default=64,
+                    help="closed-loop clients per replica behind the target, so N replicas see the load one does")
+    ap.add_argument("--requests-per-replica", type=int, default=3072, help="requests per run, per replica")
+    ap.add_argument("--system-prompts", type=int, default=128)
     ap.add_argument("--system-words", type=int, nargs=2, default=[300, 560],
                     help="~400-750 GPT-2 tokens: with the user turn and the output, within GPT-2's 1024")
     ap.add_argument("--user-words", type=int, nargs=2, default=[8, 40])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--client-processes", type=int, default=8, help="client processes sharing the clients")
+    ap.add_argument("--client-processes", type=int, default=8,
+                    help="client processes sharing the clients (a multiple of --replicas for the direct runs)")
     ap.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (hit tokens = blocks x this)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the one-replica nosharing run")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the direct runs (one replica alone, and the replicas without a router), nosharing")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
 
@@ -225,23 +271,30 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(make_random_gpt2(work / "gpt2-small", dtype=torch.float16))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    procs = start_replicas(model, args.replicas, args.device, ["--block-size", str(args.block_size),
-                                                               *args.server_args.split()], work)
+    replica_args = ["--block-size", str(args.block_size), *(["--num-blocks", str(args.num_blocks)] if args.num_blocks else []),
+                    *args.server_args.split()]
+    procs = start_replicas(model, args.replicas, args.device, replica_args, work)
     urls = [p.url for p in procs]
     rows, seed = [], 0
+
+    def run(impl: str, policy: str, targets: list[str], replicas: list[str], workload: str) -> None:
+        nonlocal seed
+        seed += 1
+        n = len(replicas)
+        rows.append({"impl": impl, "replicas": n, "policy": policy,
+                     **run_once(targets, replicas, workload, seed, args, args.clients_per_replica * n,
+                                args.requests_per_replica * n)})
+        print_row(rows[-1])
+
     try:
-        if not args.no_baseline:  # one replica alone, no router: the baseline for N replicas
-            seed += 1
-            rows.append({"impl": "flashpage", "replicas": 1, "policy": "direct", **run_once(urls[0], urls[:1], "nosharing", seed, args)})
-            print_row(rows[-1])
+        if not args.no_baseline:  # one replica alone, then all of them with the clients dealt evenly: no router
+            run("flashpage", "direct", urls[:1], urls[:1], "nosharing")
+            run("flashpage", "direct", urls, urls, "nosharing")
         for policy in args.policies:
             router = start_router(urls, policy, work / f"router-{policy}.log")
             try:
                 for workload in args.workloads:
-                    seed += 1
-                    rows.append({"impl": f"flashpage + vllm-router ({policy})", "replicas": len(urls), "policy": policy,
-                                 **run_once(router.url, urls, workload, seed, args)})
-                    print_row(rows[-1])
+                    run(f"flashpage + vllm-router ({policy})", policy, [router.url], urls, workload)
             finally:
                 router.stop(10)
     finally:
@@ -250,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": device_name, "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
               "date": datetime.date.today().isoformat(),
               "command": "python benchmarks/bench_scaleout.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-              "workload": {k: getattr(args, k) for k in ("clients", "num_requests", "system_prompts", "system_words",
-                                                         "user_words", "max_tokens", "client_processes",
-                                                         "server_args")},
-              "router": router_version(), "rows": rows}
+              "workload": {"server_args": shlex.join(replica_args),
+                           **{k: getattr(args, k) for k in ("clients_per_replica", "requests_per_replica",
+                                                            "system_prompts", "system_words", "user_words",
+                                                            "max_tokens", "client_processes")}},
+              "router": router_version(), "plot": True, "rows": rows}
     path = write_result(result, args.out_dir, "scaleout")
+    plot(result, str(path.with_suffix(".png")))
     print(report(result))
     print(f"wrote {path}")
     return 0
@@ -267,36 +322,6 @@ def router_version() -> str:
         return f"vllm-router {version('vllm-router')}"
     except PackageNotFoundError:
         return "vllm-router"
-
-
-def print_row(r: dict) -> None:
-    t = r["ttft_ms"]
-    rate = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"
-    print(f"{r['replicas']} x {r['policy']:12s} {r['workload']:9s} {r['output_tokens_per_s']:9.0f} tok/s  "
-          f"TTFT p50 {t['p50'] or 0:7.1f} ms p99 {t['p99'] or 0:7.1f} ms  hit rate {rate}  errors {r['errors']}",
-          flush=True)
-
-
-def report(result: dict) -> str:
-    """README section: one row per (replicas, policy, workload), the throughput against one replica."""
-    rows = result["rows"]
-    base = next((r["output_tokens_per_s"] for r in rows if r["replicas"] == 1), None)
-    w = result["workload"]
-    lines = [f"Closed loop, {w['clients']} clients, {w['num_requests']} streamed /v1/completions per run, "
-             f"{w['max_tokens']} output tokens each; shared: {w['system_prompts']} system prompts of "
-             f"{w['system_words'][0]}-{w['system_words'][1]} words plus a {w['user_words'][0]}-{w['user_words'][1]}"
-             f"-word user turn; nosharing: prompts of the same length with nothing in common. "
-             f"{result.get('router', 'vllm-router')}; hit rate = prompt tokens the replicas found in their prefix "
-             "caches / prompt tokens, over the run.", "",
-             "| replicas | policy | workload | output tok/s | vs 1 replica, nosharing | TTFT p50 ms | TTFT p99 ms | hit rate "
-             "| per replica | errors |", "|---:|---|---|---:|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
-        vs = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {r['replicas']} | {r['policy']} | {r['workload']} | {r['output_tokens_per_s']:,.0f} | {vs} "
-                     f"| {r['ttft_ms']['p50'] or 0:.1f} | {r['ttft_ms']['p99'] or 0:.1f} | {pct(r['hit_rate'])} "
-                     f"| {' / '.join(pct(x) for x in r['replica_hit_rates'])} | {r['errors']} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ SECTIONS = [
     ("ab_throughput_", "benchmarks.ab_commits", "Engine throughput, two commits side by side"),
     ("load_", "benchmarks.compare", "HTTP load test"),
     ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),
-    ("scaleout_", "benchmarks.bench_scaleout", "Scale-out behind vllm-router"),
+    ("scaleout_", "benchmarks.scaleout_report", "Scale-out behind vllm-router"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

@@ -18,8 +18,7 @@ from benchmarks import bench_scaleout as so
 CACHE_ARGS = ["--num-blocks", "512", "--block-size", "16"]
 # 16 system prompts (~5 blocks each with this tokenizer), each used ~3 times, one client: on the
 # CPU the two policies measured 0.35-0.37 (round_robin) and 0.57-0.60 (cache_aware).
-SHARED = argparse.Namespace(num_requests=48, clients=1, system_prompts=16, system_words=[30, 32], user_words=[1, 3],
-                            max_tokens=2, block_size=16)
+SHARED = argparse.Namespace(system_prompts=16, system_words=[30, 32], user_words=[1, 3], max_tokens=2, block_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,18 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replica
     urls = [p.url for p in replicas]
     rates = {}
     for seed, policy in enumerate(["round_robin", "cache_aware"]):
-        row = so.run_once(router(policy).url, urls, "shared", seed, SHARED)
+        row = so.run_once([router(policy).url], urls, "shared", seed, SHARED, clients=1, num_requests=48)
         assert row["errors"] == 0
         rates[policy] = row["hit_rate"]
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
+
+
+def test_direct_runs_deal_the_clients_over_the_replicas_from_one_start(replicas, monkeypatch):
+    """The no-router baseline: two client processes, one per replica, both starting at one instant."""
+    monkeypatch.setattr(so, "SPAWN_S", 3.0)
+    urls = [p.url for p in replicas]
+    args = argparse.Namespace(**vars(SHARED), client_processes=2)
+    row = so.run_once(urls, urls, "nosharing", 7, args, clients=2, num_requests=8)
+    assert row["errors"] == 0 and row["requests"] == 8
+    assert all(t > 0 for t in row["prompt_tokens"]), row["prompt_tokens"]  # each replica got its share
+    assert 0 <= row["start_skew_s"] < 1.0 and row["duration_s"] > 0

@@ -1,0 +1,85 @@
+"""What the scale-out benchmark (benchmarks/bench_scaleout.py) reports, none of it needing a GPU: a
+progress line per run, the README section for a scaleout_<gpu>.json (`report`, called by
+benchmarks/make_report.py) and its plot.
+
+Rows carry replicas, policy ("direct": clients talk to the replicas themselves, dealt evenly; any
+other: vllm-router's policy in front of them), workload, output tokens/s, TTFT percentiles, and per
+replica the prompt tokens it was sent and the share of them it found in its prefix cache.
+"""
+
+from __future__ import annotations
+
+from benchmarks.common import gpu_slug
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _split(r: dict) -> str:
+    """Each replica's share of the run's prompt tokens: how evenly the policy spread the work."""
+    total = sum(r["prompt_tokens"])
+    return " / ".join(f"{100 * t / total:.0f}%" for t in r["prompt_tokens"]) if total else "-"
+
+
+def print_row(r: dict) -> None:
+    t = r["ttft_ms"]
+    print(f"{r['replicas']} x {r['policy']:12s} {r['workload']:9s} {r['output_tokens_per_s']:9.0f} tok/s  "
+          f"TTFT p50 {t['p50'] or 0:7.1f} ms p99 {t['p99'] or 0:7.1f} ms  hit rate {_pct(r['hit_rate'])}  "
+          f"split {_split(r)}  errors {r['errors']}  {r['duration_s']:.1f} s", flush=True)
+
+
+def baseline(rows: list[dict]) -> float | None:
+    """One replica alone on the nosharing workload: what N replicas are compared with."""
+    return next((r["output_tokens_per_s"] for r in rows if r["replicas"] == 1 and r["workload"] == "nosharing"), None)
+
+
+def report(result: dict) -> str:
+    """README section: one row per (replicas, policy, workload), the throughput against one replica."""
+    rows, w = result["rows"], result["workload"]
+    base = baseline(rows)
+    clients = (f"{w['clients_per_replica']} clients per replica" if "clients_per_replica" in w
+               else f"{w['clients']} clients")
+    requests = (f"{w['requests_per_replica']} streamed /v1/completions per replica" if "requests_per_replica" in w
+                else f"{w['num_requests']} streamed /v1/completions")
+    lines = [f"Closed loop, {clients}, {requests} per run, {w['max_tokens']} output tokens each; shared: "
+             f"{w['system_prompts']} system prompts of {w['system_words'][0]}-{w['system_words'][1]} words plus a "
+             f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn; nosharing: prompts of the same length with "
+             f"nothing in common. Replica arguments: `{w['server_args'] or '(defaults)'}`. "
+             f"{result.get('router', 'vllm-router')}; policy `direct`: no router, the clients dealt evenly over the "
+             "replicas. Hit rate = prompt tokens the replicas found in their prefix caches / prompt tokens, over the "
+             "run; split = each replica's share of the prompt tokens.", "",
+             "| replicas | policy | workload | output tok/s | vs 1 replica | TTFT p50 ms | TTFT p99 ms | hit rate "
+             "| per replica | split | errors |", "|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        vs = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['replicas']} | {r['policy']} | {r['workload']} | {r['output_tokens_per_s']:,.0f} | {vs} "
+                     f"| {r['ttft_ms']['p50'] or 0:.1f} | {r['ttft_ms']['p99'] or 0:.1f} | {_pct(r['hit_rate'])} "
+                     f"| {' / '.join(_pct(x) for x in r['replica_hit_rates'])} | {_split(r)} | {r['errors']} |")
+    if result.get("plot"):
+        lines += ["", f"![scale-out](benchmarks/results/scaleout_{gpu_slug(result['device'])}.png)"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Output tokens/s and TTFT p50 per run, side by side, bars labelled with the hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['replicas']}x {r['policy']}\n{r['workload']}" for r in rows]
+    colors = ["C7" if r["policy"] == "direct" else "C0" if r["policy"] == "round_robin" else "C2" for r in rows]
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars = tput.bar(labels, [r["output_tokens_per_s"] / 1e3 for r in rows], color=colors)
+    tput.bar_label(bars, labels=[f"hit {_pct(r['hit_rate'])}" for r in rows], fontsize=7)
+    tput.set(ylabel="output tokens/s (thousands)", title="throughput")
+    ttft.bar(labels, [r["ttft_ms"]["p50"] or 0 for r in rows], color=colors)
+    ttft.set(ylabel="ms", title="time to first token, p50")
+    for ax in (tput, ttft):
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"flashpage replicas behind {result.get('router', 'vllm-router')} - {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
