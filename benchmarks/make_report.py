@@ -28,6 +28,7 @@ SECTIONS = [
     ("load_", "benchmarks.compare", "HTTP load test"),
     ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),
     ("scaleout_", "benchmarks.scaleout_report", "Scale-out behind vllm-router"),
+    ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

@@ -164,14 +164,15 @@ class BlockManager:
         # Conservative: ignores possible prefix hits, so admission never over-commits.
         return self.allocator.can_allocate(self.blocks_for(num_tokens))
 
-    def allocate(self, seq: SeqBlocks, token_ids: list[int]) -> int:
+    def allocate(self, seq: SeqBlocks, token_ids: list[int], reuse: bool = True) -> int:
         """Give a new sequence blocks for all of `token_ids`; returns how many leading tokens are
         already cached. Hits stop before the block holding the last token: that token is always
-        recomputed (its logits are needed) and must not be written into a shared block."""
+        recomputed (its logits are needed) and must not be written into a shared block. `reuse`
+        False: take no hits (the caller needs every position computed, e.g. to score the prompt)."""
         assert not seq.block_table, "sequence already has blocks"
         bs, alloc = self.block_size, self.allocator
         num_cached, parent = 0, None
-        hit_limit = (len(token_ids) - 1) // bs if alloc.enable_prefix_caching else 0
+        hit_limit = (len(token_ids) - 1) // bs if alloc.enable_prefix_caching and reuse else 0
         for i in range(hit_limit):
             ids = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, ids)

@@ -128,3 +128,29 @@ def prefill_logits(model, ids: list[int], dtype=None):
                     torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
     hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
     return model.lm_head(hidden)[:, : model.vocab_size].float()
+
+
+def with_chat_template(src, path, template: str):
+    """A copy of checkpoint `src` at `path` whose tokenizer has `template` as its chat template and
+    adds a BOS itself (as Llama-style tokenizers do), so templates that write one double it."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(src, path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return path
+
+
+def openai_client(url: str):
+    """The official `openai` client on a server at `url`: no retries, a generous timeout."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -30,12 +30,14 @@ from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            ClientDisconnected, GuardMiddleware, LimitError, ServerLimits, check_prompt_chars,
                            check_prompt_tokens, has_surrogates, until_disconnected)
+from server.api.controls import ControlFields, Spec, StructuredOutputs, check_structured, pick_structured
 from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
+from server.api.tokens import install_tokens
 from server.api.tokenize import encode
-from server.sampling_params import GREEDY_BELOW, SamplingParams
+from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
@@ -55,14 +57,28 @@ class SGLangSampling(BaseModel):
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(DEFAULTS.presence_penalty, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(DEFAULTS.frequency_penalty, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(DEFAULTS.repetition_penalty, gt=0.0, le=10.0)
+    min_new_tokens: int = Field(DEFAULTS.min_tokens, ge=0)
+    json_schema: Spec | None = Field(None, description="A JSON schema, as JSON text.")
+    regex: Spec | None = None
+    ebnf: Spec | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        return pick_structured(json_schema=self.json_schema and StructuredOutputs(json=self.json_schema).spec(),
+                               regex=self.regex and StructuredOutput("regex", self.regex),
+                               ebnf=self.ebnf and StructuredOutput("grammar", self.ebnf))
 
 
 # The sampling fields of our own shape, which SGLang's nests in `sampling_params` (max_tokens there
 # is max_new_tokens).
-_TOP_LEVEL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+_TOP_LEVEL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                       "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                       "structured_outputs")
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(ControlFields):
     # strict: JSON types as the schema says ("5" is not 5, true is not 1); NaN and Infinity are refused.
     # extra="allow": unknown top-level keys are the route's to ignore or refuse (server/api/fields.py)
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, json_schema_extra={"examples": [
@@ -74,8 +90,8 @@ class GenerateRequest(BaseModel):
                                                  "--max-prompt-chars characters.")
     prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt, ids in the vocabulary; at "
                                                                  "most --max-prompt-tokens of them.")
-    max_tokens: int = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
-                                                                        "max_tokens must fit the context).")
+    max_tokens: int = Field(DEFAULTS.max_tokens, ge=0, le=MAX_TOKENS_BOUND, description="Most tokens to generate (prompt + "
+                            "max_tokens must fit the context); 0 only with prompt_logprobs.")
     temperature: float = Field(DEFAULTS.temperature, ge=0.0, le=100.0,
                                description=f"0 = greedy, and so is anything below {GREEDY_BELOW:g} (dividing the "
                                            "logits by less would overflow).")
@@ -87,6 +103,10 @@ class GenerateRequest(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="Token ids that end generation (in the vocabulary).")
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "Score the prompt: every token after the first with its log-probability and this many alternatives."))
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object.")
     stream: bool = False
     # SGLang's shape of the same request. Routers of the SGLang / vLLM ecosystem forward /generate
     # bodies in it: vllm-router keeps `text`, `input_ids` and `sampling_params` and drops our
@@ -118,15 +138,22 @@ class GenerateRequest(BaseModel):
         return self
 
     def engine_params(self) -> SamplingParams:
-        """The engine's SamplingParams, from the top-level fields or SGLang's sampling_params."""
+        """The engine's SamplingParams, from the top-level fields or SGLang's sampling_params
+        (RequestError for a logit_bias key that is no token id, or two kinds of structured output)."""
+        controls = self.control_params()
         if (s := self.sampling_params) is not None:
             max_tokens, top_k = s.max_new_tokens, max(s.top_k, 0)
+            controls.update(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                            repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens)
+            structured = s.structured()
         else:
             s, max_tokens, top_k = self, self.max_tokens, self.top_k
+            structured = self.structured_outputs and self.structured_outputs.spec()
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=top_k,
                               seed=s.seed, stop=[x for x in stop if x], stop_token_ids=list(s.stop_token_ids or []),
-                              ignore_eos=s.ignore_eos)
+                              ignore_eos=s.ignore_eos, prompt_logprobs=self.prompt_logprobs, structured=structured,
+                              **controls)
 
 
 class Usage(BaseModel):
@@ -139,6 +166,9 @@ class GenerateResponse(BaseModel):
     id: str
     text: str
     token_ids: list[int]
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = Field(
+        None, description="With prompt_logprobs: per prompt token, null for the first, then [[id, logprob], "
+                          "[alternative id, logprob], ...]")
     finish_reason: Literal["stop", "length", "timeout", "abort"] | None = Field(
         description="timeout: past --request-timeout; abort: cut off by shutdown (text so far in both)")
     usage: Usage
@@ -241,9 +271,11 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
             else:
                 ids = body.prompt_token_ids
             check_prompt_tokens(len(ids), limits)
+            params = body.engine_params()
+            await check_structured(app.state, engine.engine, params.structured)
             # A client may reuse its X-Request-ID while the earlier request still runs.
             erid = rid if not engine.in_use(rid) else f"{rid}-{uuid.uuid4().hex[:8]}"
-            stream = engine.generate(erid, ids, body.engine_params())
+            stream = engine.generate(erid, ids, params)
             first = await anext(stream)  # surfaces validation errors before any response starts
         except (RequestError, LimitError) as e:
             return error(400, str(e), headers=headers)
@@ -256,22 +288,25 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
 
         if body.stream:
             return StreamingResponse(_sse(rid, first, stream), media_type="text/event-stream", headers=headers)
-        last = first
+        last, prompt_logprobs = first, first.prompt_logprobs
         try:
             async for last in until_disconnected(request, stream):  # a client that leaves aborts it
-                pass
+                prompt_logprobs = prompt_logprobs or last.prompt_logprobs
         except ClientDisconnected:
             return error(499, "client disconnected", headers=headers)
         except EngineDeadError as e:
             return error(503, str(e), "engine_dead", headers=headers)
         except RequestFailedError as e:
             return error(500, str(e), "internal_error", headers=headers, rid=rid)
-        return JSONResponse({"id": rid, "text": last.text, "token_ids": last.token_ids,
-                             "finish_reason": last.finish_reason,
-                             "usage": _usage(last.prompt_tokens, last.completion_tokens)}, headers=headers)
+        result = {"id": rid, "text": last.text, "token_ids": last.token_ids, "finish_reason": last.finish_reason,
+                  "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+        if body.prompt_logprobs is not None:
+            result["prompt_logprobs"] = [None] + (prompt_logprobs or [])
+        return JSONResponse(result, headers=headers)
 
     app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
     install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors
+    install_tokens(app, limits)  # POST /tokenize, /detokenize (vLLM's shapes), OpenAI errors
     install_metrics(app, engine.engine)  # GET /metrics
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response
     return app
@@ -284,6 +319,8 @@ async def _sse(rid: str, first, stream):
     try:
         while True:
             event = {"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False}
+            if last.prompt_logprobs is not None:  # on the first event only
+                event["prompt_logprobs"] = [None] + last.prompt_logprobs
             yield f"data: {json.dumps(event)}\n\n"
             if last.finished:
                 break

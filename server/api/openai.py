@@ -17,11 +17,19 @@ shape, not FastAPI's 422.
 - `logprobs` (0..20): the chosen token's log-probability and the top alternatives, taken from the
   same sampling step (the model's raw distribution, before temperature / top-p). Tokens are
   decoded one by one, so a token that is part of a multi-byte character shows as U+FFFD.
-- `echo`: the prompt text is prepended. With `logprobs`, prompt tokens are listed with
-  `null` log-probabilities (the server does not run a second scoring pass).
-- Accepted but only at their defaults (other values are a 400): `suffix`, `best_of` (= n),
-  `presence_penalty`, `frequency_penalty` (0), `logit_bias` (empty). `user` is logged.
-  Extensions (pass with `extra_body`): `top_k`, `ignore_eos`, `stop_token_ids`.
+- `echo`: the prompt text is prepended. With `logprobs`, every prompt token after the first has
+  its real log-probability and top alternatives, computed in the same prefill pass (such requests
+  take no prefix-cache hits: every position is computed); `max_tokens: 0` with `echo` scores the
+  prompt and generates nothing (what lm-evaluation-harness sends for log-likelihoods).
+- `presence_penalty`, `frequency_penalty` (-2..2), `logit_bias` (token id -> bias, clamped to
+  +-100; ids checked against the vocabulary) and the extensions `repetition_penalty`, `min_tokens`:
+  applied on the device for the whole batch (server/worker/logits.py).
+- Structured output: `response_format` ({"type": "json_object"} or {"type": "json_schema",
+  "json_schema": {"schema": ...}}) or vLLM's `structured_outputs` ({json | regex | choice | grammar
+  | json_object}); compiled with XGrammar before the request is queued (an invalid one is a 400
+  saying what is wrong); output ends when the grammar is complete.
+- Accepted but only at their defaults (other values are a 400): `suffix`, `best_of` (= n).
+  `user` is logged. Extensions (pass with `extra_body`): `top_k`, `ignore_eos`, `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -30,16 +38,12 @@ import logging
 import time
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.guards import ServerLimits
-from server.api.openai_protocol import (DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count,
-                                        validation_error)
+from server.api.openai_protocol import DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count
 from server.api.openai_chat import chat_completions
-from server.api.openai_serving import ROUTE_ERRORS, Route, admit_choices, answer, begin, choice_params, respond
+from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, check_structured_output,
+                                       choice_params, openai_errors, respond)
 from server.logs import clip
 
 log = logging.getLogger("flashpage.openai")
@@ -55,11 +59,18 @@ async def completions(body: CompletionRequest, request: Request):
 async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
     admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
+    max_tokens = DEFAULTS.max_tokens if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not body.echo:
+        raise OpenAIError(400, "'max_tokens' may be 0 only with 'echo': true (to score the prompt)",
+                          param="max_tokens")
+    await check_structured_output(request, engine, body)
     prompts = await parse_prompts(body.prompt, engine.tokenizer, limits)
-    max_tokens = body.max_tokens or DEFAULTS.max_tokens
+    # echo with logprobs scores the prompt in the prefill pass (0 alternatives suffice for echo alone)
+    scored = (body.logprobs if body.logprobs is not None else 0) if body.echo and (
+        body.logprobs is not None or max_tokens == 0) else None
     choices: list[Choice] = []
     for text, ids in prompts:
-        for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt"):
+        for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt", scored):
             choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer))
     log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(prompts), body.n, max_tokens,
              body.stream, f", user={clip(body.user)}" if body.user else "")
@@ -96,21 +107,4 @@ def install_openai(app: FastAPI, limits: ServerLimits | None = None) -> None:
     app.state.created = int(time.time())
     app.state.limits = limits
     app.include_router(router)
-    prev_validation = app.exception_handlers.get(RequestValidationError, request_validation_exception_handler)
-    prev_http = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
-
-    async def on_validation(request: Request, exc: RequestValidationError):
-        if request.url.path.startswith("/v1/"):
-            return validation_error(exc).response()
-        return await prev_validation(request, exc)
-
-    async def on_http(request: Request, exc: StarletteHTTPException):
-        if request.url.path.startswith("/v1/"):
-            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind, code=code).body(),
-                                status_code=exc.status_code, headers=getattr(exc, "headers", None))
-        return await prev_http(request, exc)
-
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
+    openai_errors(app, lambda path: path.startswith("/v1/"))

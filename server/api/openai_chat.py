@@ -13,10 +13,10 @@
   `top_logprobs` (0..20) alternatives, from the sampling step as /v1/completions does.
 - `n`, `seed` (choice j uses seed + j), `stop` (held back while streaming, so streamed and whole
   text agree), `stream` with `stream_options.include_usage`, `user` (logged), and the extensions
-  `top_k`, `ignore_eos`, `stop_token_ids` behave as in /v1/completions. Accepted only at their
-  defaults: `presence_penalty`, `frequency_penalty`, `logit_bias`, `tools`, `tool_choice`,
-  `parallel_tool_calls`, `functions`, `function_call`, `response_format` ({"type": "text"}),
-  `store`, `modalities` (["text"]).
+  `top_k`, `ignore_eos`, `stop_token_ids` behave as in /v1/completions, and so do the penalties,
+  `logit_bias`, `min_tokens`, `response_format` and `structured_outputs`. Accepted only at their
+  defaults: `tools`, `tool_choice`, `parallel_tool_calls`, `functions`, `function_call`, `store`,
+  `modalities` (["text"]).
 - Whole: a `chat.completion` whose choices hold `message: {role: "assistant", content}`. Streamed:
   `chat.completion.chunk`s; a choice's first chunk has `delta: {role: "assistant", content: ""}`,
   then content deltas, then an empty delta with `finish_reason`; then the usage chunk (when asked)
@@ -34,7 +34,8 @@ from server.api.chat_template import ChatTemplateError, render_chat
 from server.api.guards import LimitError, check_prompt_tokens
 from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
 from server.api.openai_protocol import OpenAIError
-from server.api.openai_serving import Route, admit_choices, answer, begin, choice_params, respond
+from server.api.openai_serving import (Route, admit_choices, answer, begin, check_structured_output, choice_params,
+                                       respond)
 from server.logs import clip
 
 log = logging.getLogger("flashpage.openai")
@@ -51,6 +52,7 @@ async def _chat_completions(body: ChatCompletionRequest, request: Request):
     admit_choices(request, 1, body.n)  # before rendering and tokenizing
     limit, top_n = body.completion_limit(), body.top_n()
     messages = body.conversation(limits)
+    await check_structured_output(request, engine, body)
     try:
         _, ids = await asyncio.to_thread(render_chat, engine.tokenizer, messages, limits.chat_template)
         check_prompt_tokens(len(ids), limits, "messages")

@@ -35,15 +35,13 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
     store: bool | None = None
     modalities: list[str] | None = None
 
     def unsupported(self) -> list[tuple[str, bool]]:
         return [*super().unsupported(), ("tools", not self.tools), ("tool_choice", self.tool_choice in (None, "none")),
                 ("parallel_tool_calls", self.parallel_tool_calls in (None, True)), ("functions", not self.functions),
-                ("function_call", self.function_call in (None, "none")),
-                ("response_format", self.response_format in (None, {"type": "text"})), ("store", not self.store),
+                ("function_call", self.function_call in (None, "none")), ("store", not self.store),
                 ("modalities", self.modalities in (None, ["text"]))]
 
     def completion_limit(self) -> int | None:

@@ -15,8 +15,9 @@ from server.bridge.async_engine import EngineDeadError
 from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            LimitError, ServerLimits, check_prompt_chars, check_prompt_tokens, has_surrogates)
+from server.api.controls import ControlFields, ResponseFormat, StructuredOutputs, pick_structured
 from server.api.tokenize import encode
-from server.sampling_params import GREEDY_BELOW, SamplingParams
+from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
 
@@ -32,9 +33,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """The fields /v1/completions and /v1/chat/completions share; `unsupported` lists the fields that
-    are accepted only at their defaults (`check_request`)."""
+class SamplingRequest(ControlFields):
+    """The fields /v1/completions and /v1/chat/completions share (penalties, logit_bias and
+    min_tokens from ControlFields); `unsupported` lists the fields that are accepted only at their
+    defaults (`check_request`)."""
 
     model_config = BODY
 
@@ -48,9 +50,9 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: json (a schema), regex, choice, grammar (EBNF) or json_object
+    structured_outputs: StructuredOutputs | None = None
     # flashpage extensions
     top_k: int = Field(DEFAULTS.top_k, ge=0, le=MAX_TOP_K)
     ignore_eos: bool = False
@@ -58,16 +60,22 @@ class SamplingRequest(BaseModel):
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, at its default) for each field this server accepts only at its default."""
-        return [("presence_penalty", not self.presence_penalty), ("frequency_penalty", not self.frequency_penalty),
-                ("logit_bias", not self.logit_bias)]
+        return []
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def structured(self) -> StructuredOutput | None:
+        """The structured-output spec the body asks for (RequestError if it gives two)."""
+        return pick_structured(response_format=self.response_format and self.response_format.spec(),
+                               structured_outputs=self.structured_outputs and self.structured_outputs.spec())
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters for choice `choice` (seeded `seed + choice`)."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=DEFAULTS.temperature if self.temperature is None else self.temperature,
             top_p=DEFAULTS.top_p if self.top_p is None else self.top_p, top_k=self.top_k,
             seed=None if self.seed is None else self.seed + choice, stop=self.stop_strings(),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, structured=self.structured(), **self.control_params())
 
     def stop_strings(self) -> list[str]:
         return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
@@ -75,7 +83,8 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULTS.max_tokens, ge=1, le=MAX_TOKENS_BOUND)
+    max_tokens: int | None = Field(DEFAULTS.max_tokens, ge=0, le=MAX_TOKENS_BOUND,
+                                   description="0 only with echo: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -165,9 +174,17 @@ class _Logprobs:
         start, self.offset = self.offset, self.offset + len(text)
         return start
 
-    def prompt(self, ids: list[int]) -> dict:
+    def prompt(self, ids: list[int], scored: list) -> dict:
+        """The echoed prompt: every token after the first with its log-probability and top
+        alternatives (`scored`, from the engine's prefill), the first with none."""
         toks = [self._tok(t) for t in ids]
-        return {"tokens": toks, "token_logprobs": [None] * len(ids), "top_logprobs": [None] * len(ids),
+        logprobs, top = [None], [None]
+        for (tid, lp), *alts in scored:
+            logprobs.append(finite(lp))
+            entry = {self._tok(t): finite(v) for t, v in alts}
+            entry.setdefault(self._tok(tid), finite(lp))
+            top.append(entry)
+        return {"tokens": toks, "token_logprobs": logprobs[: len(ids)], "top_logprobs": top[: len(ids)],
                 "text_offset": [self._advance(t) for t in toks]}
 
     def sampled(self, entries: list) -> dict:
@@ -240,7 +257,7 @@ class Choice(ChoiceBase):
     def chunks(self, out) -> list[dict]:
         text, logprobs = self.advance(out), None
         if self.lp is not None:
-            head = self.lp.prompt(self.ids) if self.echo and not self.started else None
+            head = self.lp.prompt(self.ids, out.prompt_logprobs or []) if self.echo and not self.started else None
             logprobs = _merge(head, self.lp.sampled(out.new_logprobs))
         if self.echo and not self.started:
             text = self.prompt_text + text

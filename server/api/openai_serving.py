@@ -20,9 +20,15 @@ import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from collections.abc import Callable
 
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.api.controls import check_structured
 from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.guards import MAX_CHOICES, ServerLimits, wait_disconnect
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
@@ -44,6 +50,30 @@ class Route:
     id_prefix: str  # the response id is id_prefix + the request id
     object: str  # of the whole response
     chunk_object: str  # of each streamed chunk
+
+
+def openai_errors(app: FastAPI, applies: Callable[[str], bool],
+                  to_error: Callable[[RequestValidationError], OpenAIError] = validation_error) -> None:
+    """Make validation errors (a 400, not 422) and unknown routes or methods OpenAI-shaped on the
+    paths `applies` accepts, leaving every other path to the handlers installed before."""
+    prev_validation = app.exception_handlers.get(RequestValidationError, request_validation_exception_handler)
+    prev_http = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
+
+    async def on_validation(request: Request, exc: RequestValidationError):
+        if applies(request.url.path):
+            return to_error(exc).response()
+        return await prev_validation(request, exc)
+
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        if applies(request.url.path):
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind, code=code).body(),
+                                status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return await prev_http(request, exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
 
 
 async def answer(handling: Awaitable):
@@ -89,19 +119,33 @@ def admit_choices(request: Request, prompts: int, n: int) -> None:
     _admit(request.app.state.engine, prompts * n)
 
 
+async def check_structured_output(request: Request, engine, body: SamplingRequest) -> None:
+    """A 400 saying what is wrong with the body's structured-output spec, before anything is queued
+    (compiled off the event loop: server/api/controls.py)."""
+    try:
+        await check_structured(request.app.state, engine, body.structured())
+    except RequestError as e:
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        raise OpenAIError(400, str(e), param=param) from None
+
+
 def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,
-                  param: str) -> list[SamplingParams]:
+                  param: str, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """The parameters of the `body.n` choices of one prompt, validated as the engine will."""
     if len(ids) + max_tokens > engine.max_model_len:
         raise OpenAIError(400, f"This model's maximum context length is {engine.max_model_len} tokens, however "
                           f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in your prompt; "
                           f"{max_tokens} for the completion). Please reduce your prompt or completion length.",
                           param=param, code="context_length_exceeded")
-    out = [body.sampling_params(max_tokens, logprobs, j) for j in range(body.n)]
+    try:
+        out = [body.sampling_params(max_tokens, logprobs, j, prompt_logprobs) for j in range(body.n)]
+    except RequestError as e:  # a logit_bias key that is not a token id
+        raise OpenAIError(400, str(e), param="logit_bias") from None
     try:
         engine.validate(ids, out[0])  # choices differ only in their seeds, which validation does not read
     except RequestError as e:
-        raise OpenAIError(400, str(e), param=param) from None
+        bad = next((f for f in ("logit_bias", "min_tokens", "max_tokens") if f in str(e)), param)
+        raise OpenAIError(400, str(e), param=bad) from None
     return out
 
 

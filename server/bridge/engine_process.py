@@ -105,6 +105,9 @@ class EngineClient:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.bounds)
 
+    def limits(self) -> RequestBounds:
+        return self.bounds
+
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot  # as of the engine's last step message
 

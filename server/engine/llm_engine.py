@@ -23,7 +23,8 @@ from server.engine.requests import EngineFatalError, RequestBounds, RequestError
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.stats import StatsHooks
-from server.engine.stop import ABORT, ERROR, STOP, TIMEOUT, find_stop, held_back, token_stop
+from server.engine.grammar import Grammars
+from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
@@ -46,6 +47,11 @@ class LLMEngine:
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
         eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
+        self.runner.stop_ids = self.eos_token_ids  # what min_tokens holds back
+        self._grammars = None  # server/engine/grammar.py, made when the first structured request comes
+        self._bitmask = None
+        self._grammar_job = None  # the grammar thread's fill for the deferred step in flight
+        self.compiling: list[Sequence] = []  # waiting requests whose grammar compiles
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
@@ -60,11 +66,18 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.limits())
 
+    @property
+    def grammars(self):
+        """Compiles structured-output specs (XGrammar, imported only when first needed)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def limits(self) -> RequestBounds:
         """What validation needs to know, also sent to an API process that runs this engine in
         another process (server/bridge/engine_process.py)."""
         return RequestBounds(self.spec.vocab_size, self.max_model_len, self.block_manager.block_size,
-                             self.block_manager.num_blocks)
+                             self.block_manager.num_blocks, tuple(sorted(self.eos_token_ids)))
 
     def snapshot(self) -> EngineSnapshot:
         """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
@@ -86,6 +99,12 @@ class LLMEngine:
         if not validated:
             self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
+        if params.structured is not None:
+            if validated:  # the front end compiled it already: it compiles; do it off this thread
+                seq.compiling = self.grammars.matcher_later(params.structured)
+                self.compiling.append(seq)
+            else:
+                seq.grammar = self.grammars.matcher(params.structured)  # RequestError if invalid
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         if deadline is not None:
@@ -130,6 +149,24 @@ class LLMEngine:
                                          token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt))
         return outputs
 
+    def _compiled(self) -> list[RequestOutput]:
+        """Hand each request whose grammar has compiled its matcher (it may be admitted now); one
+        whose compile failed ends with finish_reason "error"."""
+        outputs, still = [], []
+        for seq in self.compiling:
+            if seq.is_finished or not seq.compiling.done():
+                still += [] if seq.is_finished else [seq]
+                continue
+            future, seq.compiling = seq.compiling, None
+            try:
+                seq.grammar = future.result()
+            except Exception as e:
+                self._retire(seq, ERROR)
+                outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
+                                             error=f"the request's grammar failed to compile: {e}"))
+        self.compiling = still
+        return outputs
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then turn the sampled tokens of the step launched before it
@@ -137,6 +174,8 @@ class LLMEngine:
         device runs step k). With `async_scheduling` off, a step's own results come back at once.
         Requests past their deadline end first, so that no step is spent on them."""
         expired = self._expire() if self.deadlines else []
+        if self.compiling:
+            expired += self._compiled()
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
@@ -153,13 +192,48 @@ class LLMEngine:
                 n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
                 seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         if self.config.async_scheduling:
-            outputs, self.inflight = self._finish(self.inflight), launched
-            return expired + outputs if expired else outputs
-        outputs = self._finish(launched)
+            # A deferred step (grammar-constrained rows) gets its bitmask from the grammar job that
+            # _finish starts once step k-1's ids are in; detokenizing overlaps it.
+            outputs = self._finish(self.inflight, deferred=launched)
+            self.inflight, failed = self._complete(launched)
+        else:
+            launched, failed = self._complete(launched)
+            outputs = self._finish(launched)
+        outputs = failed + outputs if failed else outputs
         return expired + outputs if expired else outputs
 
-    def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None) -> list[RequestOutput]:
-        """Wait for a launched step's sampled ids and advance its sequences with them."""
+    def _complete(self, launched: tuple[SchedulerOutput, StepHandle] | None
+                  ) -> tuple[tuple[SchedulerOutput, StepHandle] | None, list[RequestOutput]]:
+        """Choose the tokens of a step launched in two parts (a grammar-constrained row): every
+        row's grammar has seen all earlier tokens now, so its bitmask is filled and applied.
+        Returns the step (None if completing it failed) and the outputs of a failure."""
+        if launched is None or not launched[1].deferred:
+            return launched, []
+        batch, handle = launched
+        try:
+            job, self._grammar_job = self._grammar_job, None
+            if job is None:  # no earlier step to collect: fill now
+                job = self._submit_grammar(None, handle)
+            live = job.result()
+            self.runner.complete(handle, self._bitmask[: len(live)], live)
+        except Exception as e:
+            return None, self._fail_step(batch, e)
+        return launched, []
+
+    def _submit_grammar(self, accept: tuple[list, list[int]] | None, fill: StepHandle | None):
+        """Hand the grammar thread the matchers' new tokens and, for a deferred step, its rows."""
+        rows = None
+        if fill is not None:
+            rows = [None if s.is_finished else s.grammar for s in fill.rows]
+            if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+                self._bitmask = self.grammars.bitmask(max(len(rows), self.config.max_num_seqs),
+                                                      pinned=self.device.type == "cuda")
+        return self.grammars.submit(accept, rows, self._bitmask)
+
+    def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None,
+                deferred: tuple[SchedulerOutput, StepHandle] | None = None) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and advance its sequences with them. The grammar
+        thread gets the ids first, and the rows of `deferred` (a step awaiting its bitmask) to fill."""
         self.inflight = None
         if launched is None:
             return []
@@ -169,12 +243,29 @@ class LLMEngine:
         except Exception as e:
             return self._fail_step(batch, e)
         self.consecutive_step_failures = 0
+        if self._grammars is not None:  # the grammars take the ids first: a deferred step waits for them
+            taken = [(seq.grammar, tok) for seq, tok in zip(handle.rows, result.token_ids)
+                     if seq.grammar is not None and seq.status is not Status.FINISHED and seq.params.max_tokens]
+            fill = deferred[1] if deferred is not None and deferred[1].deferred else None
+            if taken or fill is not None:
+                job = self._submit_grammar(([m for m, _ in taken], [t for _, t in taken]) if taken else None, fill)
+                if fill is not None:
+                    self._grammar_job = job
         outputs = []
         now = time.monotonic()
         advance = self._advance
         top = result.logprobs
+        for seq, first, entries in result.prompt_logprobs:
+            have = len(seq.prompt_logprobs)  # a recompute after preemption scores positions again
+            seq.prompt_logprobs += entries[have - first :] if first <= have else []
         for j, (seq, tok) in enumerate(zip(handle.rows, result.token_ids)):
             if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
+                continue
+            if seq.params.max_tokens == 0:  # scored the prompt only: its sampled token is dropped
+                self._retire(seq, LENGTH)
+                outputs.append(RequestOutput(seq.request_id, "", [], True, LENGTH,
+                                             prompt_tokens=len(seq.prompt_token_ids),
+                                             prompt_logprobs=seq.prompt_logprobs))
                 continue
             seq.resolve(tok)
             if seq.first_token_time is None:
@@ -222,8 +313,10 @@ class LLMEngine:
         num_output = len(seq.output_token_ids)
         reason = token_stop(tok, num_output, len(seq.prompt_token_ids) + num_output, p, self.eos_token_ids,
                             self.max_model_len)
+        if seq.grammar is not None and reason is None and tok in self.eos_token_ids:
+            reason = STOP  # the grammar allowed its end (the grammar thread owns the matcher now)
         decoded = self.detokenizer.step(seq, final=reason is not None)
-        if p.stop and decoded:
+        if p.stop and decoded and num_output >= p.min_tokens:
             cut = find_stop(seq.text, len(decoded), p.stop)
             if cut is not None:
                 seq.text = seq.text[:cut]
@@ -235,7 +328,9 @@ class LLMEngine:
         return RequestOutput(seq.request_id, new_text, [tok], reason is not None, reason,
                              prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
                              new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
-                             token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt)
+                             token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt,
+                             prompt_logprobs=seq.prompt_logprobs if num_output == 1 and p.prompt_logprobs is not None
+                             else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Offline helper: run prompts to completion, return the final outputs in order."""
@@ -243,9 +338,13 @@ class LLMEngine:
         ids = [f"offline-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
-        final = {}
+        final, scores = {}, {}
         while len(final) < len(ids):
             for out in self.step():
+                if out.prompt_logprobs is not None:  # on a request's first output only
+                    scores[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     final[out.request_id] = out
+        for r in ids:
+            final[r].prompt_logprobs = scores.get(r)
         return [final[r] for r in ids]

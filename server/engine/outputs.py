@@ -23,6 +23,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     token_ids: list[int] = []  # every output token so far
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None  # with finish_reason "error": what failed
+    # on the request's first output, where asked: per prompt token after the first, (id, logprob)
+    # then the top alternatives
+    prompt_logprobs: list | None = None
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -32,6 +35,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     b.new_text = a.new_text + b.new_text
     b.new_token_ids = a.new_token_ids + b.new_token_ids
     b.new_logprobs = a.new_logprobs + b.new_logprobs
+    if b.prompt_logprobs is None:
+        b.prompt_logprobs = a.prompt_logprobs
     return b
 
 

@@ -27,6 +27,7 @@ class RequestBounds:
     max_model_len: int
     block_size: int
     num_blocks: int
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id (grammars end on them)
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, b: RequestBounds) -> None:
@@ -40,6 +41,16 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, b: Req
     bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+    if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
+        raise RequestError(f"max_tokens is {params.max_tokens}: it must be at least 1 (0 only when scoring the "
+                           "prompt: echo with logprobs, or prompt_logprobs)")
+    if params.min_tokens > params.max_tokens:
+        raise RequestError(f"min_tokens ({params.min_tokens}) is more than max_tokens ({params.max_tokens})")
+    bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+    if not params.repetition_penalty > 0:
+        raise RequestError(f"repetition_penalty must be above 0, got {params.repetition_penalty}")
     if n + params.max_tokens > b.max_model_len:
         raise RequestError(
             f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "

@@ -120,8 +120,8 @@ class Scheduler:
         self.steps_waited = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq.num_tokens):
-                break
+            if seq.compiling is not None or not self.bm.can_allocate(seq.num_tokens):
+                break  # its grammar is still compiling (milliseconds), or there are no blocks
             num_cached = self._admit(seq)
             n = self._prefill_chunk(seq.num_tokens - num_cached, budget, bool(out.prefills))
             if n == 0:
@@ -140,7 +140,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> int:
         self.waiting.popleft()
-        num_cached = self.bm.allocate(seq.blocks, seq.token_ids)
+        num_cached = self.bm.allocate(seq.blocks, seq.token_ids, reuse=not seq.scores_prompt)
         seq.num_computed = num_cached
         if seq.num_preemptions == 0:
             seq.num_cached_prompt = num_cached

@@ -43,6 +43,10 @@ class Sequence:
     read_offset: int = 0
     first_token_time: float | None = None
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: chosen, then top alternatives
+    # prompt_logprobs[p]: prompt token p + 1's (id, logprob) then alternatives (the first token has none)
+    prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    grammar: Any = None  # its XGrammar matcher, for structured output (server/engine/grammar.py)
+    compiling: Any = None  # a Future of that matcher while its grammar compiles; not admitted till then
     # Asynchronous scheduling: a step is launched before the previous one's sampled ids reach the
     # host, so the newest token(s) may still be PLACEHOLDERs. `pending_row` is the row of the newest
     # one in the launched step's sampled ids (the runner gathers it on the GPU); `capped` stops
@@ -55,8 +59,10 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        # Greedy without logprobs: the token is the argmax the step's CUDA graph already computed.
-        self.plain = self.params.greedy and self.params.logprobs is None
+        # Greedy, no logprobs, nothing that edits the logits: the token is the argmax the step's
+        # CUDA graph already computed.
+        p = self.params
+        self.plain = p.greedy and p.logprobs is None and not p.processes_logits
 
     def add_placeholder(self, row: int) -> None:
         """A step that samples this sequence's next token was launched; its id is row `row` of that
@@ -83,6 +89,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens sampled by launched steps whose ids have not reached the host yet."""
         return len(self.token_ids) - len(self.prompt_token_ids) - len(self.output_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Still owes prompt log-probabilities (so it may not take prefix-cache hits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The stop rule: every reason a request ends, and the one function that decides it per token.
 
 A sequence stops on any of the model's end-of-sequence tokens (unless `ignore_eos`) or one of its `stop_token_ids`
-(STOP), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
+(STOP; not before `min_tokens` tokens, and the sampler masks them until then), when its grammar is
+complete (STOP; server/engine/grammar.py), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
 (STOP; the text is cut where the string starts). It is cut off when its deadline passes (TIMEOUT:
 `--request-timeout`, checked by the engine at every step, queued or running), when its client left
 or the server shuts down (ABORT), or when the step running it failed (ERROR). While a stop string could still complete, the tail that might start
@@ -23,7 +24,8 @@ def token_stop(tok: int, num_output: int, num_tokens: int, params: SamplingParam
                max_model_len: int) -> str | None:
     """STOP or LENGTH once this newest token ends the sequence, else None. `eos_token_ids`: every
     end-of-sequence id of the model (Llama 3 has several)."""
-    if (not params.ignore_eos and tok in eos_token_ids) or tok in params.stop_token_ids:
+    if num_output > params.min_tokens and ((not params.ignore_eos and tok in eos_token_ids)
+                                           or tok in params.stop_token_ids):
         return STOP
     if num_output >= params.max_tokens or num_tokens >= max_model_len:
         return LENGTH

@@ -29,9 +29,10 @@ class SeqState(Protocol):
 
     request_id: str
     params: SamplingParams
+    prompt_token_ids: list[int]
     token_ids: list[int]  # prompt + output; a token not yet on the host is a placeholder
     blocks: SeqBlocks
-    plain: bool  # greedy without logprobs: the argmax the step already computed is its token
+    plain: bool  # greedy, no logprobs, no logits controls: the argmax the step already computed is its token
     num_pending: int  # newest tokens whose ids are still on the device
 
     def input_token(self, pos: int) -> int:

@@ -22,7 +22,9 @@ from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
+from server.worker.logits import StepControls, TokenCounts, to_device
 from server.worker.sampler import sample
+from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 
 
 @dataclass(slots=True)
@@ -35,6 +37,16 @@ class StepHandle:
     k: int = 0
     want: list[int | None] = field(default_factory=list)
     event: torch.cuda.Event | None = None  # recorded after the copies; collect() waits on it
+    # A step with a grammar-constrained row is launched in two parts: the forward (here are its
+    # raw logits), then `complete` with the grammar's bitmask once the host knows the tokens before.
+    parts: list[torch.Tensor] | None = None
+    controls: StepControls | None = None
+    scores: list[PromptScores] = field(default_factory=list)  # prompt log-probabilities on their way
+
+    @property
+    def deferred(self) -> bool:
+        """Launched, but its tokens are not chosen yet: `ModelRunner.complete` must be called."""
+        return self.parts is not None
 
 
 @dataclass(slots=True)
@@ -44,6 +56,8 @@ class StepResult:
     token_ids: list[int]
     # per row, (chosen id, logprob) then the top alternatives, where requests asked for logprobs
     logprobs: list[list[tuple[int, float]]] | None = None
+    # (sequence, position p of the first, per prompt token p + 1...: (id, logprob) then alternatives)
+    prompt_logprobs: list[tuple[object, int, list[list[tuple[int, float]]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -71,6 +85,9 @@ class ModelRunner:
         # Two pinned landing buffers: step k's copy must not overwrite step k-1's before it is read.
         self.host_ids = [torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
         self.flip = 0
+        self.scores: list[PromptScores] = []  # this step's prompt log-probabilities (eager paths add them)
+        self.stop_ids: frozenset[int] = frozenset()  # the model's EOS ids (the engine sets them): min_tokens
+        self.counts = TokenCounts(model.vocab_size, device)  # generated-token counts of penalized sequences
 
     # -- start-up -----------------------------------------------------------------------------
     def _run(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
@@ -166,7 +183,10 @@ class ModelRunner:
 
         Rows (the sequences that sample) are ordered decodes first, then prefill chunks. Every path
         writes each row's greedy choice into `last_ids` on the device (the CUDA graphs include the
-        argmax); only a step with a row that samples otherwise, or wants logprobs, runs the sampler."""
+        argmax); only a step with a row that samples otherwise, wants logprobs or has its logits
+        edited (penalties, logit_bias, min_tokens: server/worker/logits.py) runs the sampler. A step
+        with a grammar-constrained row is deferred: it returns after the forward, and the engine
+        calls `complete` with the bitmask once the grammars have seen the previous step's tokens."""
         with torch.inference_mode():
             rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
@@ -182,28 +202,65 @@ class ModelRunner:
                 parts = [self._prefill(prefills, 0)]
             else:
                 parts = [self._eager(prefills, decodes, 0)]
-            n = len(rows)
-            if not n:
-                return StepHandle(rows)
-            handle = StepHandle(rows)
+            handle = StepHandle(rows, scores=self.scores)
+            self.scores = []
+            if not rows:
+                return self._finish_launch(handle)
+            parts = [p for p in parts if p is not None]
             if not all(s.plain for s in rows):
-                self._sample(handle, [p for p in parts if p is not None])
+                params = [s.params for s in rows]
+                if any(p.processes_logits for p in params):
+                    # Sampled so far, in-flight placeholders included (this step's is added after launch).
+                    sampled = [len(s.token_ids) - len(s.prompt_token_ids) for s in rows]
+                    handle.controls = StepControls.build(params, sampled, [s.request_id for s in rows],
+                                                         [s.prompt_token_ids for s in rows], self.stop_ids,
+                                                         self.counts, self.device)
+                if any(p.structured is not None for p in params):
+                    handle.parts = parts
+                    return handle  # the engine calls complete() with the grammar's bitmask
+                self._sample(handle, parts)
+            return self._finish_launch(handle)
+
+    def complete(self, handle: StepHandle, bitmask: torch.Tensor, rows: list[int]) -> StepHandle:
+        """Choose a deferred step's tokens: the second part of `launch`. Row i of `bitmask` [len(rows),
+        words] int32 (host, pinned on a GPU: XGrammar's layout) is what row rows[i] may choose."""
+        with torch.inference_mode():
+            parts, handle.parts = handle.parts, None
+            grammar = None
+            if rows:
+                grammar = (bitmask.to(self.device, non_blocking=True), to_device(rows, torch.long, self.device))
+            self._sample(handle, parts, grammar)
+            return self._finish_launch(handle)
+
+    def _finish_launch(self, handle: StepHandle) -> StepHandle:
+        """The step's ids (and logprobs) on their way to the host; an event to wait for them."""
+        n = len(handle.rows)
+        if n:
             self.flip = 1 - self.flip
             handle.ids = self._to_host(self.last_ids[:n], self.host_ids[self.flip][:n])
-            if self.on_cuda:
-                handle.event = torch.cuda.Event()
-                handle.event.record()
-            return handle
+        if self.on_cuda:
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
 
-    def _sample(self, handle: StepHandle, parts: list[torch.Tensor]) -> None:
-        """The general sampler (temperature, top-k/p, seeds, logprobs) over the step's logits
-        (raw LM-head rows, in row order); its ids replace the greedy ones in `last_ids`."""
+    def _sample(self, handle: StepHandle, parts: list[torch.Tensor],
+                bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The general sampler (logits controls, temperature, top-k/p, seeds, logprobs) over the
+        step's logits (raw LM-head rows, in row order); its ids replace the greedy ones in
+        `last_ids`. Logprobs are the model's own distribution, before any control (vLLM's default)."""
         rows = handle.rows
-        logits = (torch.cat(parts) if len(parts) > 1 else parts[0])[:, : self.model.vocab_size].float()
+        raw = (torch.cat(parts) if len(parts) > 1 else parts[0])[:, : self.model.vocab_size].float()
+        logits, c = raw, handle.controls
+        if (c is not None and not c.empty) or bitmask is not None:
+            logits = raw.clone()
+            (c or StepControls()).apply(logits, self.counts, bitmask)
         gens = [self._generator(s.request_id, s.params.seed) for s in rows]
         want = [s.params.logprobs for s in rows]
-        ids, logprobs = sample(logits, [s.params for s in rows], gens, want_logprobs=any(w is not None for w in want))
+        ids, _ = sample(logits, [s.params for s in rows], gens)
+        logprobs = torch.log_softmax(raw, dim=-1) if any(w is not None for w in want) else None
         self.last_ids[: len(rows)].copy_(ids)
+        if c is not None and c.penalty is not None:
+            self.counts.add(c.penalty[1], ids[c.penalty[0]])
         handle.want = want
         if logprobs is not None:
             k = max(max(w or 0 for w in want), 1)
@@ -223,8 +280,9 @@ class ModelRunner:
 
     def _prefill(self, prefills: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
         """Raw logits of the prefill chunks that sample (greedy ids into last_ids from row row0):
-        from a captured graph where one fits."""
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(prefills):
+        from a captured graph where one fits (and no chunk scores its prompt)."""
+        if (self.prefill_graphs is not None and self.prefill_graphs.fits(prefills)
+                and not any(map(wants_scores, prefills))):
             logits = self.prefill_graphs.run(prefills, self.block_size)
             if logits is not None:
                 self.last_ids[row0 : row0 + logits.shape[0]].copy_(self.prefill_graphs.ids[: logits.shape[0]])
@@ -236,6 +294,8 @@ class ModelRunner:
         their greedy ids into last_ids from row row0."""
         step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
         hidden = self._run(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
+        if any(map(wants_scores, prefills)):
+            self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda)
         if not len(step.ends):
             return None
         logits = self.model.lm_head(hidden[step.ends])
@@ -253,16 +313,17 @@ class ModelRunner:
         requests asked for logprobs, the chosen token's and the top alternatives'."""
         if handle.event is not None:
             handle.event.synchronize()  # releases the GIL while the device finishes
+        prompt = [(s.seq, s.first, unpack(s)) for s in handle.scores]
         if handle.ids is None:
-            return StepResult([])
+            return StepResult([], prompt_logprobs=prompt)
         ids = handle.ids.tolist()
         if handle.top is None:
-            return StepResult(ids)
+            return StepResult(ids, prompt_logprobs=prompt)
         k, top = handle.k, []
         for j, (r, w) in enumerate(zip(handle.top.tolist(), handle.want)):
             w = w or 0
             top.append([(ids[j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + w], r[1 + k : 1 + k + w])])
-        return StepResult(ids, top)
+        return StepResult(ids, top, prompt)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -274,3 +335,4 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.counts.release(request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from server.sampling_params import SamplingParams
+from server.worker.logits import to_device
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -39,16 +40,16 @@ def sample(
     if not rows:
         return out, logprobs
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
+    idx = to_device(rows, torch.long, dev)
     # Sampled rows have temperature >= GREEDY_BELOW (the rest are greedy, above), so the division
     # below stays finite for any finite logits a model produces.
-    temp = torch.tensor([params[i].temperature for i in rows], device=dev)
+    temp = to_device([params[i].temperature for i in rows], torch.float32, dev)
     scaled = logits[idx] / temp[:, None]
     # The filter sorts every row over the whole vocabulary (milliseconds a step at 256 rows of a
     # 152k vocabulary): only when some row asks for top-k or top-p.
     if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
-        top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
+        top_k = to_device([params[i].top_k for i in rows], torch.long, dev)
+        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each

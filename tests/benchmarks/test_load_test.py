@@ -4,6 +4,7 @@ compare.report and compare.py's CPU dry run."""
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -21,12 +22,14 @@ VOCAB = 512  # tests/conftest.py make_checkpoint's default; n_positions 256
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
     port = free_port()
+    # --no-engine-process: one Python process to start instead of two; this file tests the load
+    # generator, not the server's engine process (tests/server/api/test_reliability.py does).
     cmd = [sys.executable, "-m", "server", "--model", str(tiny_ckpt), "--port", str(port), "--device", "cpu",
-           "--num-blocks", "128", "--log-level", "warning"]
+           "--num-blocks", "128", "--log-level", "warning", "--no-engine-process"]
     srv = ServerProcess(cmd, port, tmp_path_factory.mktemp("fp-log") / "server.log")
     srv.wait_healthy(120)
     yield srv.url
-    srv.stop()
+    srv.stop(sig=signal.SIGKILL)  # its graceful exit is not what this file tests
 
 
 def test_counts_and_latencies_closed_loop(server):
@@ -222,7 +225,9 @@ def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
     # `python -m server`; sdpa/eager differ from triton only in the --attention flag.
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--model", str(tiny_ckpt),
            "--impls", "triton", "naive_hf", "--concurrency", "1", "2", "--num-requests", "2",
-           "--input-len", "16", "--output-len", "4", "--warmup", "1", "--out-dir", str(tmp_path), "--no-progress"]
+           "--input-len", "16", "--output-len", "4", "--warmup", "1", "--out-dir", str(tmp_path), "--no-progress",
+           # passed to the flashpage server only: its engine on a thread, one process to start instead of two
+           "--server-args", "--no-engine-process"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads((tmp_path / "load_cpu.json").read_text())

@@ -54,8 +54,10 @@ def replicas(tiny_ckpt, tmp_path_factory, environment):
             p.wait_healthy(120)
         yield procs
     finally:
+        # The last test stops one replica gracefully (and checks it); the graceful exit of the rest
+        # is not under test here, so they are killed.
         for p in procs:
-            p.stop(40)
+            p.stop(40, sig=signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

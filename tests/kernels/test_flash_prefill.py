@@ -96,7 +96,9 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert row.max().item() < 5 * TOL[dtype], f"worst token/head relative error {row.max().item():.2e}"
 
 
-@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000])
+# 300: a long run (5 query tiles of 64, 10 key tiles of 32), off every tile size; the tile config
+# is the same as at 1000 on the GPU (<= 1024) and under the interpreter.
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 300])
 def test_single_sequence(gen, n):
     _run_case(gen, [n], heads=2, kv_heads=2, head_dim=64, dtype=torch.float16)
 
@@ -107,8 +109,10 @@ def test_mixed_lengths_gqa(gen, dtype, path):
     _run_case(gen, [1, 65, 300, 0, 2, 64, 129], heads=2, kv_heads=1, head_dim=64, dtype=dtype)
 
 
-# Groups 2, 4 and 8 (MQA, one kv head, at 4 and 8 query heads); head_dim 64 and 128.
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (8, 2, 128), (4, 1, 128), (8, 1, 64)])
+# Groups 2, 4 and 8 (MQA, one kv head, at 8 query heads); head_dim 64 and 128. (4, 1, 128), MQA at
+# group 4, was dropped: the same kernel specialisation as (8, 2, 128) (GROUP 4, PACK 4, head 128;
+# the kv-head count only changes the grid and a runtime offset); MQA stays covered by (8, 1, 64).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (8, 2, 128), (8, 1, 64)])
 def test_gqa_packing(gen, path, heads, kv_heads, head_dim):
     """Tiles of several query heads of one group (PackGQA): lengths of 1, off every block size,
     and a paged prefix with NaN in every unowned slot."""

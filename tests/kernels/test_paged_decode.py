@@ -76,25 +76,32 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, msg: str) -> No
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 256])
 def test_mixed_lengths_split_and_unsplit(block_size: int, dtype: torch.dtype) -> None:
-    lens = [1, block_size - 1, block_size, block_size + 1, 1000]
+    # 403 tokens: off every block size and off the 32-token tile; 13 tiles, so 5 splits all get
+    # tokens (3 tiles each, the last 1 partial tile) and 4 splits get 4/4/4/1 tiles. 5 splits: a
+    # count that is not a power of two (merged as a masked tile of 8).
+    # One head: what varies here is lengths, block size, dtype and splits; the grid's head axis (a
+    # runtime offset, the same kernel specialisation) is covered by the multi-head cases below.
+    lens = [1, block_size - 1, block_size, block_size + 1, 403]
     random.shuffle(lens)
-    seed, q, kc, vc, bt, ctx = _make(lens, 2, 2, block_size, dtype, q_gain=2.0)
+    seed, q, kc, vc, bt, ctx = _make(lens, 1, 1, block_size, dtype, q_gain=2.0)
     scale = 64**-0.5
     ref = paged_decode_ref(q, kc, vc, bt, ctx, scale)
     outs = {}
-    for ns in (None, 1, 4, 7):
+    for ns in (None, 1, 4, 5):
         outs[ns] = _run(q, kc, vc, bt, ctx, scale, ns)
         _close(outs[ns], ref, dtype, f"seed={seed} lens={lens} num_splits={ns} vs reference")
-    for ns in (4, 7):
+    for ns in (4, 5):
         _close(outs[ns], outs[1], dtype, f"seed={seed} split {ns} vs unsplit")
     # the separate merge launch (the default merges inside the decode kernel)
     out = torch.full_like(q, float("nan"))
-    paged_decode(q, kc, vc, bt, ctx, scale, num_splits=7, out=out, _config={"FUSED_MERGE": False})
-    _close(out, outs[7], dtype, f"seed={seed} merge launch vs fused merge")
+    paged_decode(q, kc, vc, bt, ctx, scale, num_splits=5, out=out, _config={"FUSED_MERGE": False})
+    _close(out, outs[5], dtype, f"seed={seed} merge launch vs fused merge")
 
 
+# Groups 2 and 8 (one kv head). (6, 3) was dropped: group 2 again, the same kernel specialisation
+# as (4, 2) (GROUP, GROUP_PAD, MERGE_HEADS are equal; num_heads is a runtime argument).
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1)])
 def test_gqa(heads: tuple[int, int], dtype: torch.dtype) -> None:
     num_heads, num_kv_heads = heads
     lens = [1, 15, 16, 17, 300]
@@ -185,7 +192,9 @@ def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+# (2, 2): the lane-wise path (group 1) over more than one kv head; (6, 2): group 3, whose fused
+# merge at 16 splits takes two rounds under the interpreter (2 heads, then 1: merge_heads).
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2)])
 def test_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype) -> None:
     _check_fused_kv_write(heads, dtype, 64, [1, 16, 17, 300, 5], (1, 4, 16))
 

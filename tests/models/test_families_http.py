@@ -10,6 +10,7 @@ against the Triton backend on a GPU.
 from __future__ import annotations
 
 import random
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -32,6 +33,12 @@ MAX_TOKENS = 24
 # or just before a block edge need a new block on their first decode steps: running requests are
 # preempted. 32 batched tokens a step chunk every prompt longer than that.
 SERVER_ARGS = ["--num-blocks", "14", "--block-size", "16", "--max-num-batched-tokens", "32"]
+# The CPU servers here run the engine on a thread of the server process (the same LLMEngine, scheduler
+# and model; what this file checks is each family's model), so each of the eight starts one Python
+# process instead of two (~4 s less CPU each). The engine process is covered by the other real-server
+# tests (tests/server/api/test_reliability.py, test_adversarial.py, benchmarks/test_soak.py, docker/)
+# and by tests/gpu/test_gpu_llama.py, which takes SERVER_ARGS (so the flag is not in it).
+CPU_ONLY_ARGS = ["--no-engine-process"]
 # Preemption needs the wave's long prompts running together. On an idle machine a tiny model's step
 # takes a millisecond, so a request that reached the server late (threads starting on a busy CI
 # machine) could find the others finished. Every step sleeping 10 ms (the test-only fault injector,
@@ -100,14 +107,16 @@ def checkpoints(tmp_path_factory):
 def servers(checkpoints):
     """One server per (family, attention backend), all started at once."""
     started = {(family, attention): ServerProcess.python_server(
-        ["--model", str(path), "--device", "cpu", "--attention", attention, *SERVER_ARGS],
+        ["--model", str(path), "--device", "cpu", "--attention", attention, *SERVER_ARGS, *CPU_ONLY_ARGS],
         extra_env=STEP_SLEEP_ENV)
         for family, path in checkpoints.items() for attention in ATTENTION}
     try:
         yield {key: srv.wait_healthy(180).url for key, srv in started.items()}
     finally:
-        with ThreadPoolExecutor(len(started)) as pool:  # each drains for a few seconds: in parallel
-            list(pool.map(lambda srv: srv.stop(30), started.values()))
+        # SIGKILL: a graceful exit (1-2 s of CPU each) is not what this file tests
+        # (tests/server/api/test_reliability.py's SIGTERM test is).
+        for srv in started.values():
+            srv.stop(30, sig=signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

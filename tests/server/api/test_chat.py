@@ -12,8 +12,6 @@ tokens to the rendered prompt would double it. Four servers start together:
 - `slow`: the chat checkpoint with steps slowed (test-only fault hook) and --request-timeout 3.
 """
 
-import json
-import shutil
 import time
 
 import httpx
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 from benchmarks.common import ServerProcess
-from tests.helpers import sse_events
+from tests.helpers import openai_client, sse_events, with_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system message must be first') }}"
@@ -34,18 +32,7 @@ NO_EOS = {"ignore_eos": True}  # flashpage extension: random weights may sample 
 
 @pytest.fixture(scope="module")
 def chat_ckpt(tiny_ckpt, tmp_path_factory):
-    from tokenizers import Tokenizer, processors
-
-    path = tmp_path_factory.mktemp("chat-gpt2") / "ckpt"
-    shutil.copytree(tiny_ckpt, path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    bos = "<|endoftext|>"
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                       special_tokens=[(bos, tok.token_to_id(bos))])
-    tok.save(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return path
+    return with_chat_template(tiny_ckpt, tmp_path_factory.mktemp("chat-gpt2") / "ckpt", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +58,9 @@ def servers(chat_ckpt, tiny_ckpt, tmp_path_factory):
             srv.stop(30)
 
 
-def client_of(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def client(servers):
-    return client_of(servers["chat"])
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+    return openai_client(servers["chat"])
 
 
 def chat(client, model, **kw):
@@ -207,7 +185,7 @@ def test_text_parts_are_joined(client, model):
 
 
 def test_chat_template_flag_overrides(servers, client, model, tokenizer):
-    over = client_of(servers["override"])
+    over = openai_client(servers["override"])
     c = chat(over, model, max_tokens=8)
     rendered = tokenizer.apply_chat_template(MSGS, chat_template=OVERRIDE, tokenize=False, add_generation_prompt=True)
     assert rendered == "[SYSTEM] Be brief.\n[USER] The quick brown fox\n[ASSISTANT]"
@@ -222,7 +200,7 @@ def test_chat_template_flag_overrides(servers, client, model, tokenizer):
 
 
 def test_missing_template_names_the_flag(servers, tiny_ckpt):
-    bare = client_of(servers["bare"])
+    bare = openai_client(servers["bare"])
     with pytest.raises(openai.BadRequestError) as e:
         bare.chat.completions.create(model=str(tiny_ckpt), messages=MSGS)
     assert "--chat-template" in e.value.message and e.value.body["type"] == "invalid_request_error"
@@ -253,12 +231,13 @@ def test_template_that_fails_to_render_is_400(client, model):
     ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"stop": ["x"] * 17}, "stop", "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty", "not supported"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+    ({"logit_bias": {"99999": 10}}, "logit_bias", "outside the vocabulary"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"tool_choice": "auto"}, "tool_choice", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format", "invalid JSON schema"),
 ])
 def test_bad_requests_are_openai_400s(client, model, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -273,7 +252,7 @@ def test_error_details_and_defaults(servers, client, model):
         client.chat.completions.create(model="no-such-model", messages=MSGS)
     assert e.value.code == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, model, presence_penalty=0.5)
+        chat(client, model, tools=[{"type": "function", "function": {"name": "f"}}])
     assert e.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
@@ -306,7 +285,7 @@ def wait_all_free(url: str, timeout: float = 10.0) -> dict:
 
 
 def test_deadline_is_finish_reason_timeout(servers, model):
-    slow = client_of(servers["slow"])
+    slow = openai_client(servers["slow"])
     c = chat(slow, model, max_tokens=200)  # 20 ms steps: 200 tokens take 4 s, the deadline is 3 s
     assert c.choices[0].finish_reason == "timeout" and 0 < c.usage.completion_tokens < 200
     chunks = list(chat(slow, model, max_tokens=200, stream=True))

@@ -42,7 +42,7 @@ def test_stream_matches_non_stream(server):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": 5}, "prompt"),

@@ -18,16 +18,6 @@ def server(tiny_ckpt):
     srv.stop(30, must_exit=True)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 NO_EOS = {"ignore_eos": True}  # flashpage extension: random weights may sample EOS early
 
 
@@ -148,20 +138,26 @@ def test_echo(client, model):
     n_prompt = client.completions.create(**kw).usage.prompt_tokens
     lp = echo.logprobs
     assert len(lp.tokens) == n_prompt + 4 and "".join(lp.tokens[:n_prompt]) == "The quick brown"
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt and lp.top_logprobs[:n_prompt] == [None] * n_prompt
+    # The prompt's tokens are scored in the prefill pass: the first has none, the rest real values.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:n_prompt]) and all(len(t) >= 1 for t in lp.top_logprobs[1:n_prompt])
     assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len("The quick brown")
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, echo=True, stream=True))
     assert streamed == echo.text
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"x": 10}}, "logit_bias"),
+    ({"logit_bias": {"99999": 10}}, "logit_bias"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 20}, "max_tokens": 5}, "min_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"n": 0}, "n"),
     ({"logprobs": 50}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "x"}, "suffix"),
     ({"extra_body": {"prompt": [1, "a"]}}, "prompt"),
@@ -200,7 +196,7 @@ def test_error_details(server, client, model):
     r = httpx.get(server + "/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     # /generate keeps FastAPI's 422 for bodies that do not validate
-    assert httpx.post(server + "/generate", json={"prompt": "hi", "max_tokens": 0}).status_code == 422
+    assert httpx.post(server + "/generate", json={"prompt": "hi", "max_tokens": -1}).status_code == 422
 
 
 def test_request_id_header_on_every_endpoint(server, model):

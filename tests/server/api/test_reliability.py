@@ -45,8 +45,10 @@ def servers(tiny_ckpt):
             srv.wait_healthy(120)
         yield started
     finally:
+        # By now small_kv and lifecycle have exited (their last tests); guarded's graceful exit is
+        # not under test here (lifecycle's SIGTERM test is), so it is killed.
         for srv in started.values():
-            srv.stop(30)
+            srv.stop(30, sig=signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,178 @@
+"""What structured outputs and the penalties cost: offline output throughput of the engine
+(Python API, no HTTP) with and without them, at the same output lengths, in one process.
+
+- structured: `--batch` requests constrained by a JSON schema (XGrammar; the bitmask is filled on
+  the host while the device runs the step, then applied after the captured graph) run to the end
+  of their grammar; then the same prompts unconstrained with max_tokens set to the lengths the
+  constrained run produced (ignore_eos), so both decode exactly as many tokens.
+- penalties: presence, frequency and repetition penalties (device-side token counts) against the
+  same requests without them, `--max-tokens` each (ignore_eos).
+Each pair runs greedy and sampled (temperature 1, seeded), `--repeats` times alternating; the
+median throughput of each side is reported with their ratio.
+
+The checkpoint is GPT-2 small at its real shape with random weights and the embedded model's
+8k byte-level BPE (benchmarks/checkpoint.py): XGrammar's token masks are built over that
+tokenizer, so a real 50k vocabulary would make each bitmask fill dearer than measured here.
+
+  python benchmarks/bench_structured.py --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from benchmarks.common import gpu_run_info, write_result  # noqa: E402
+from server.config import EngineConfig  # noqa: E402
+from server.engine import LLMEngine  # noqa: E402
+from server.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
+
+# A record of the shape extraction pipelines ask for: nested object, array, enum, bounded numbers.
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "email": {"type": "string", "maxLength": 32},
+    "role": {"enum": ["admin", "editor", "viewer"]},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
+    "score": {"type": "number", "minimum": 0, "maximum": 1}},
+    "required": ["name", "age", "email", "role", "address", "tags", "score"]}
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+
+
+def timed(engine: LLMEngine, prompts, params) -> tuple[float, list]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, outs
+
+
+def sampling(temperature: float, i: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=i if temperature else None, **kw)
+
+
+def structured_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
+    spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+    dt_s, outs = timed(engine, prompts, [sampling(temperature, i, max_tokens=max_tokens, structured=spec)
+                                         for i in range(len(prompts))])
+    lengths = [len(o.token_ids) for o in outs]
+    parsed = 0
+    for o in outs:
+        try:
+            json.loads(o.text)
+            parsed += 1
+        except ValueError:
+            pass
+    dt_u, outs_u = timed(engine, prompts, [sampling(temperature, i, max_tokens=n, ignore_eos=True)
+                                           for i, n in enumerate(lengths)])
+    assert [len(o.token_ids) for o in outs_u] == lengths
+    tokens = sum(lengths)
+    return dict(tokens=tokens, with_tok_s=tokens / dt_s, without_tok_s=tokens / dt_u, parsed=parsed,
+                mean_len=tokens / len(lengths))
+
+
+def penalty_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
+    dt_p, outs = timed(engine, prompts, [sampling(temperature, i, max_tokens=max_tokens, ignore_eos=True, **PENALTIES)
+                                         for i in range(len(prompts))])
+    dt_u, _ = timed(engine, prompts, [sampling(temperature, i, max_tokens=max_tokens, ignore_eos=True)
+                                      for i in range(len(prompts))])
+    tokens = sum(len(o.token_ids) for o in outs)
+    return dict(tokens=tokens, with_tok_s=tokens / dt_p, without_tok_s=tokens / dt_u)
+
+
+def summary(runs: list[dict]) -> dict:
+    w = statistics.median(r["with_tok_s"] for r in runs)
+    wo = statistics.median(r["without_tok_s"] for r in runs)
+    out = dict(with_tok_s=round(w, 1), without_tok_s=round(wo, 1), ratio=round(w / wo, 4),
+               tokens=runs[0]["tokens"], runs=runs)
+    if "parsed" in runs[0]:
+        out.update(parsed=min(r["parsed"] for r in runs), mean_len=round(runs[0]["mean_len"], 1))
+    return out
+
+
+def report(result: dict) -> str:
+    """The README's table (benchmarks/make_report.py)."""
+    lines = [f"Batch {result['rows'][0]['batch']}, prompts of {result['prompt_len']} random ids, {result['model']}; "
+             f"median of {result['repeats']} alternating runs per side. Structured: a JSON schema of 7 fields "
+             "(nested object, array, enum, bounded numbers, a pattern) to the grammar's end, against unconstrained "
+             f"decoding of the same lengths; penalties: {', '.join(f'{k} {v}' for k, v in result['penalties'].items())}, "
+             f"{result['max_tokens']} tokens each.", "",
+             "| what | sampling | with (tok/s) | without (tok/s) | with / without | outputs that parse |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        parsed = f"{r['parsed']}/{r['batch']}" if "parsed" in r else ""
+        lines.append(f"| {r['kind'].replace('_', ' ')} | {'greedy' if not r['temperature'] else 'temperature 1'} | "
+                     f"{r['with_tok_s']:,.0f} | {r['without_tok_s']:,.0f} | {r['ratio']:.2f} | {parsed} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--checkpoint", help="a checkpoint directory (default: random GPT-2 small, fp16)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--profile", choices=["structured_json", "penalties"],
+                    help="only profile one greedy run of that pair on the host (cProfile, by own time)")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or str(make_random_gpt2(Path(tmp) / "gpt2-small", "small", dtype=torch.float16))
+        engine = LLMEngine(EngineConfig(model=path, device=args.device, max_num_seqs=args.batch,
+                                        enable_prefix_caching=False, log_stats_interval=0))
+        rng = random.Random(0)
+        vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+        engine.generate(prompts[:4], [SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"),
+                                                     **PENALTIES)] * 4)  # warm-up: compile, first matchers
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            pair = structured_pair if args.profile == "structured_json" else penalty_pair
+            prof.runcall(pair, engine, prompts, 0.0, args.max_tokens)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            return {}
+        rows = []
+        for kind, pair in (("structured_json", structured_pair), ("penalties", penalty_pair)):
+            for temperature in (0.0, 1.0):
+                runs = [pair(engine, prompts, temperature, args.max_tokens) for _ in range(args.repeats)]
+                rows.append(dict(impl="flashpage", kind=kind, temperature=temperature, batch=args.batch,
+                                 **summary(runs)))
+    on_gpu = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+    head = gpu_run_info("bench_structured.py", argv) if on_gpu else dict(device="cpu", date=time.strftime("%Y-%m-%d"))
+    result = dict(**head, model="gpt2-small (random weights, fp16, embedded tokenizer)" if not args.checkpoint
+                  else args.checkpoint, schema=SCHEMA, penalties=PENALTIES, prompt_len=args.prompt_len,
+                  max_tokens=args.max_tokens, repeats=args.repeats, rows=rows)
+    print(f"{'kind':16} {'temp':>4} {'with tok/s':>11} {'without':>11} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['kind']:16} {r['temperature']:4.1f} {r['with_tok_s']:11.1f} {r['without_tok_s']:11.1f} "
+              f"{r['ratio']:6.3f}" + (f"  parsed {r['parsed']}/{r['batch']}, mean {r['mean_len']} tokens"
+                                      if "parsed" in r else ""))
+    if args.out_dir:
+        print("wrote", write_result(result, args.out_dir, "structured"))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Structured output with XGrammar: a request's grammar compiled once per distinct spec, a matcher
+per sequence, and the token bitmask of each step.
+
+- `Grammars.compile` turns a `StructuredOutput` (sampling_params.py) into XGrammar's compiled grammar.
+  XGrammar's compiler caches by spec, so a schema many requests share compiles once per process.
+  An invalid spec is a `RequestError` whose message is XGrammar's, without its source location.
+  The API process compiles each request's spec before queueing it (off the event loop), so an invalid
+  one is a 400 that never reaches the engine; the engine process compiles it again (a cache hit after
+  the first request of that spec) when the request is added.
+- JSON schemas and JSON-object mode compile without XGrammar's "any whitespace" (one space after
+  `:` and `,`, no newlines): small models otherwise emit whitespace until max_tokens.
+- Each step, one job on the grammar thread (`Grammars.submit`) advances the matchers by the
+  previous step's tokens, then fills the bitmask of the step the device is running (XGrammar's
+  thread pool does both across rows), while the engine's thread detokenizes; the worker then
+  applies the bitmask to the logits (server/worker/logits.py) and samples. Jobs run in order on
+  one thread, so each matcher has taken every earlier token before its next fill.
+- The grammar ends the output: it allows an end token (the model's EOS ids) only where it may
+  end, so a constrained sequence stops (finish_reason "stop") on the EOS it samples, `ignore_eos`
+  or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from server.engine.requests import RequestError
+from server.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+_SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[19:35:30] /project/cpp/regex_converter.cc:83: "
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF matching exactly one of `choices` (JSON string escapes are the EBNF parser's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class Grammars:
+    """Compiles specs for one tokenizer (its vocabulary padded to the model's logits width) and
+    makes matchers that stop on the model's end-of-sequence ids."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        import xgrammar as xgr  # here, not at the top: 0.7 s of imports a server without grammars skips
+
+        self.xgr = xgr
+        # The tokenizer's ids only: rows of the model's logits past them (padding, e.g. GPT-2's
+        # 50257 over a smaller tokenizer) can never be text; the worker masks them outright. Handing
+        # XGrammar the padded width made each fill ~3.5x dearer (measured: 73 us against 20 us).
+        self.vocab_size = min(vocab_size, len(tokenizer))
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=sorted(stop_token_ids))
+        threads = min(8, os.cpu_count() or 1)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.end = min(stop_token_ids) if stop_token_ids else None  # what a dead-end grammar may do
+        self.thread: ThreadPoolExecutor | None = None  # the grammar thread, started by the first job
+        self.compile_thread: ThreadPoolExecutor | None = None
+
+    def compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
+        """Raise RequestError naming what is wrong with the spec."""
+        c = self.compiler
+        try:
+            if s.kind == "json":
+                return c.compile_json_schema(s.spec, any_whitespace=False)
+            if s.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if s.kind == "regex":
+                return c.compile_regex(s.spec)
+            if s.kind == "choice":
+                return c.compile_grammar(choice_grammar(json.loads(s.spec)))
+            if s.kind == "grammar":
+                return c.compile_grammar(s.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            message = _SOURCE.sub("", str(e).strip()).strip()
+            raise RequestError(f"invalid {_NAMES[s.kind]}: {message}") from None
+        raise RequestError(f"unknown kind of structured output {s.kind!r}")
+
+    def matcher(self, s: StructuredOutput) -> xgr.GrammarMatcher:
+        return self.xgr.GrammarMatcher(self.compile(s))
+
+    def matcher_later(self, s: StructuredOutput) -> Future:
+        """The matcher, made on the compile thread: a new schema takes tens of milliseconds (more
+        with a large vocabulary) to compile, which the engine's step loop must not wait for."""
+        if self.compile_thread is None:
+            self.compile_thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
+        return self.compile_thread.submit(self.matcher, s)
+
+    def fill_bitmask(self, matchers: list, out: torch.Tensor) -> list[int]:
+        """The rows j whose matchers[j] is live (not None, not ended); row i of `out` = what the
+        i-th of them allows next. XGrammar's thread pool fills them (64 rows one by one would
+        outlast a decode step)."""
+        live = [j for j, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if len(live) == 1:
+            matchers[live[0]].fill_next_token_bitmask(out, 0)
+        elif live:
+            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], out)
+        if live and self.vocab_size % 32:  # bits past the vocabulary in the last word: never allowed
+            out[: len(live), -1] &= (1 << (self.vocab_size % 32)) - 1
+        if live and self.end is not None:
+            # A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
+            # its row would pick an arbitrary token forever. Let it end instead.
+            for i in (~out[: len(live)].any(dim=1)).nonzero().flatten().tolist():
+                out[i, self.end // 32] = _word(1 << (self.end % 32))
+        return live
+
+    def bitmask(self, rows: int, pinned: bool) -> torch.Tensor:
+        """A host buffer for `rows` rows of allowed-token bits (XGrammar's layout), pinned for a
+        GPU: a pageable copy would stall the host until the step's forward is done."""
+        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
+
+    # -- the grammar thread -------------------------------------------------------------------
+    def submit(self, accept: tuple[list, list[int]] | None, fill: list | None, out: torch.Tensor) -> Future:
+        """A job for the grammar thread: advance `accept`'s matchers by their tokens, then fill `out`
+        for the next step's rows (`fill`: a matcher or None per row). The future gives the live
+        rows (see fill_bitmask), or None without a fill. One thread runs the jobs in the order they
+        were submitted, and only it touches a matcher once its sequence runs: the engine's thread
+        goes on detokenizing meanwhile (XGrammar releases the GIL)."""
+        if self.thread is None:
+            self.thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-grammar")
+        return self.thread.submit(self._job, accept, fill, out)
+
+    def _job(self, accept: tuple[list, list[int]] | None, fill: list | None, out: torch.Tensor) -> list[int] | None:
+        if accept is not None:
+            self.accept(*accept)
+        return None if fill is None else self.fill_bitmask(fill, out)
+
+    def accept(self, matchers: list, tokens: list[int]) -> None:
+        """Advance each matcher by its sequence's sampled token (the bitmask allowed only what it
+        accepts), in XGrammar's thread pool when there are several."""
+        live = [(m, t) for m, t in zip(matchers, tokens) if not m.is_terminated()]
+        if len(live) == 1:
+            live[0][0].accept_token(live[0][1])
+        elif live:
+            self.batch.batch_accept_token([m for m, _ in live], [t for _, t in live])
+
+
+def _word(bits: int) -> int:
+    """An unsigned 32-bit pattern as the int32 it is stored as."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
+          "choice": "choice", "grammar": "EBNF grammar"}

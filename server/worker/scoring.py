@@ -1,0 +1,73 @@
+"""Prompt log-probabilities, computed in the prefill pass that reads the prompt.
+
+A sequence that asks for them (`prompt_logprobs = k`) has every prompt position's hidden state put
+through the LM head while its chunk runs: position p gives log P(prompt[p + 1] | prompt[:p + 1]),
+with the top k alternatives. Positions whose next token is not a prompt token (the last one, which
+is sampled instead, and a recomputed output after preemption) are skipped. The logits go through
+the head `SLICE` positions at a time, so a long chunk never holds [chunk, vocab] fp32 at once
+(8192 positions of a 152k vocabulary would be 5 GB); 128 rows stay within what start-up profiles
+for the sampler (max_num_seqs rows of logits), which the KV cache is sized around.
+
+Such steps run eagerly (the captured graphs keep only the sampled rows' hidden states), and such
+sequences take no prefix-cache hits at admission (the scheduler asks the block manager not to
+reuse): a cached prefix would have no hidden states to score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.worker.logits import to_device
+
+SLICE = 128
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Log-probabilities of prompt tokens [first + 1, first + 1 + n) of one sequence."""
+
+    seq: object  # the engine's Sequence (the worker's SeqState)
+    first: int  # position p of the first row: it scores prompt token p + 1
+    packed: torch.Tensor  # [n, 1 + 2k] fp32: the token's logprob, top-k ids, top-k logprobs (host)
+    k: int
+
+
+def wants_scores(chunk) -> bool:
+    """Does this prefill chunk hold positions whose next prompt token is to be scored?"""
+    seq = chunk.seq
+    return seq.params.prompt_logprobs is not None and chunk.start < len(seq.prompt_token_ids) - 1
+
+
+def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int, pinned: bool) -> list[PromptScores]:
+    """hidden: the step's hidden states, prefill chunks first (in `prefills` order)."""
+    out, offset = [], 0
+    for chunk in prefills:
+        seq, lo, n = chunk.seq, chunk.start, chunk.num_tokens
+        if wants_scores(chunk):
+            prompt = seq.prompt_token_ids
+            m = min(lo + n, len(prompt) - 1) - lo  # positions whose next token is a prompt token
+            k = seq.params.prompt_logprobs
+            targets = to_device(prompt[lo + 1 : lo + 1 + m], torch.long, hidden.device)
+            parts = []
+            for a in range(0, m, SLICE):
+                b = min(m, a + SLICE)
+                logprobs = torch.log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), dim=-1)
+                chosen = logprobs.gather(1, targets[a:b, None])
+                top_v, top_i = logprobs.topk(max(k, 1), dim=-1)
+                parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))
+            packed = torch.cat(parts)
+            host = torch.empty(packed.shape, pin_memory=pinned)
+            host.copy_(packed, non_blocking=pinned)
+            out.append(PromptScores(seq, lo, host, max(k, 1)))
+        offset += n
+    return out
+
+
+def unpack(scores: PromptScores) -> list[list[tuple[int, float]]]:
+    """Per scored token: (token id, logprob), then the top alternatives (as many as asked)."""
+    k, want = scores.k, scores.seq.params.prompt_logprobs or 0
+    prompt, first = scores.seq.prompt_token_ids, scores.first
+    return [[(prompt[first + 1 + j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + want], r[1 + k : 1 + k + want])]
+            for j, r in enumerate(scores.packed.tolist())]

@@ -1,0 +1,140 @@
+"""Structured output in the engine (server/engine/grammar.py with the worker's bitmask): compile
+errors say what is wrong, outputs match their grammar and end with it, constrained rows leave the
+unconstrained rows of their batch alone, and asynchronous scheduling, preemption and aborts keep
+every matcher in step with its sequence."""
+
+import json
+import re
+
+import pytest
+
+from server.config import EngineConfig
+from server.engine import LLMEngine, RequestError
+from server.engine.grammar import choice_grammar
+from server.sampling_params import SamplingParams, StructuredOutput
+
+REGEX = StructuredOutput("regex", r"[a-z]{3,6}-[0-9]{2}")
+CHOICE = StructuredOutput("choice", json.dumps(["red", "green", "blue sky", 'say "hi"']))
+SCHEMA = StructuredOutput("json", json.dumps({"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 50}, "tags": {"type": "array", "maxItems": 2,
+                                                                   "items": {"type": "string", "maxLength": 5}}},
+    "required": ["n", "tags"]}))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(device="cpu", num_blocks=256))  # the embedded model: real text
+
+
+def prompt(engine, text="Value: "):
+    return engine.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("spec,words", [
+    (StructuredOutput("json", '{"type": "objec"}'), 'invalid JSON schema: Unsupported type "objec"'),
+    (StructuredOutput("regex", "[a-"), "invalid regular expression"),
+    (StructuredOutput("grammar", 'root ::= "a" |'), "invalid EBNF grammar"),
+    (StructuredOutput("grammar", 'start ::= "a"'), "invalid EBNF grammar"),
+])
+def test_invalid_specs_name_what_is_wrong(engine, spec, words):
+    with pytest.raises(RequestError) as e:
+        engine.grammars.compile(spec)
+    assert words in str(e.value) and ".cc:" not in str(e.value)  # no C++ source location
+    with pytest.raises(RequestError):
+        engine.add_request("bad", prompt(engine), SamplingParams(structured=spec))
+    assert "bad" not in engine.seqs
+
+
+def test_choice_grammar_quotes_every_string():
+    assert choice_grammar(["a", 'b"c', "é\n"]) == 'root ::= "a" | "b\\"c" | "é\\n"'
+
+
+def test_outputs_match_and_end_with_their_grammar(engine):
+    specs = [REGEX, CHOICE, SCHEMA, StructuredOutput("json_object")]
+    outs = engine.generate([prompt(engine)] * 4, [SamplingParams(max_tokens=80, temperature=0, structured=s)
+                                                  for s in specs])
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", outs[0].text)
+    assert outs[1].text in ("red", "green", "blue sky", 'say "hi"')
+    doc = json.loads(outs[2].text)
+    assert 0 <= doc["n"] <= 50 and len(doc["tags"]) <= 2
+    assert isinstance(json.loads(outs[3].text), dict)
+    # the grammar ended them: the end token the grammar allowed last, finish_reason "stop"
+    assert all(o.finish_reason == "stop" and o.token_ids[-1] in engine.eos_token_ids for o in outs)
+    assert engine.block_manager.check_all_free()
+
+
+def test_constrained_rows_leave_their_neighbours_alone(engine):
+    plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    alone = engine.generate([prompt(engine, "def f(x):")], plain)[0].token_ids
+    mixed = engine.generate([prompt(engine, "def f(x):"), prompt(engine)] * 2,
+                            [plain, SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA)] * 2)
+    assert mixed[0].token_ids == alone and mixed[2].token_ids == alone
+
+
+def test_sampled_rows_stay_inside_the_grammar(engine):
+    outs = engine.generate([prompt(engine)] * 6, [SamplingParams(max_tokens=30, temperature=1.5, seed=s, structured=REGEX)
+                                                  for s in range(6)])
+    assert all(re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", o.text) for o in outs), [o.text for o in outs]
+    assert len({o.text for o in outs}) > 1  # sampled, not one fixed string
+
+
+def test_async_and_sync_scheduling_agree(engine):
+    texts = []
+    for eng in (engine, LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=False))):
+        outs = eng.generate([prompt(eng)] * 3, [SamplingParams(max_tokens=60, temperature=0, structured=s)
+                                                for s in (REGEX, CHOICE, SCHEMA)])
+        texts.append([o.text for o in outs])
+    assert engine.config.async_scheduling and texts[0] == texts[1]
+
+
+def test_preemption_keeps_matchers_in_step():
+    # A cache too small for all of them at once: some are preempted and recomputed mid-grammar.
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=10, block_size=8, max_num_batched_tokens=64))
+    long = prompt(eng, "Return the record of the user as a JSON object:\n")
+    outs = eng.generate([long] * 4, [SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA)] * 4)
+    assert eng.scheduler.num_preemptions > 0
+    for o in outs:
+        json.loads(o.text)
+    assert eng.block_manager.check_all_free()
+
+
+def test_min_tokens_yields_to_a_complete_grammar(engine):
+    out = engine.generate([prompt(engine)], SamplingParams(max_tokens=20, temperature=0, min_tokens=10,
+                                                           structured=CHOICE))[0]
+    assert out.text in ("red", "green", "blue sky", 'say "hi"') and out.finish_reason == "stop"
+
+
+def test_aborting_a_constrained_request_mid_run(engine):
+    engine.add_request("g1", prompt(engine), SamplingParams(max_tokens=60, temperature=0, structured=SCHEMA))
+    engine.add_request("g2", prompt(engine), SamplingParams(max_tokens=60, temperature=0, structured=REGEX))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("g1")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.check_all_free() and not engine.seqs
+
+
+@pytest.mark.parametrize("spec", [StructuredOutput("json", '{"anyOf": []}'), StructuredOutput("grammar", "root ::= root")])
+def test_a_grammar_that_allows_nothing_ends_instead_of_running_on(engine, spec):
+    out = engine.generate([prompt(engine)], SamplingParams(max_tokens=20, temperature=0, structured=spec))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1 and out.token_ids[0] in engine.eos_token_ids
+
+
+def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
+    """validated=True (the bridge's adds): the grammar compiles on its own thread and the request
+    waits unadmitted meanwhile; one whose compile fails ends with finish_reason "error"."""
+    engine.add_request("c1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=CHOICE),
+                       validated=True)
+    engine.add_request("c2", prompt(engine), SamplingParams(max_tokens=30, temperature=0,
+                                                            structured=StructuredOutput("regex", "[a-")),
+                       validated=True)
+    assert engine.seqs["c1"].compiling is not None and engine.seqs["c1"].grammar is None
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["c1"].text in ("red", "green", "blue sky", 'say "hi"') and final["c1"].finish_reason == "stop"
+    assert final["c2"].finish_reason == "error" and "invalid regular expression" in final["c2"].error
+    assert engine.block_manager.check_all_free() and not engine.compiling

@@ -1,0 +1,170 @@
+"""Prompt log-probabilities and the sampling controls through the whole engine on CPU, against
+transformers: prompt scores equal its log-softmax (with and without prefix-cache hits, chunked,
+preempted), and greedy decoding under penalties, logit_bias and min_tokens equals a reference loop
+that applies each definition to transformers' logits."""
+
+import random
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel as HFModel
+
+from server.config import EngineConfig
+from server.engine import LLMEngine, RequestError
+from server.sampling_params import SamplingParams
+
+
+def _engine(path, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 128)
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", **kw))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_ckpt):
+    return HFModel.from_pretrained(tiny_ckpt).eval()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_ckpt):
+    """One engine of the default configuration for the tests that need no other."""
+    return _engine(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = random.Random(3)
+    return [[g.randrange(512) for _ in range(n)] for n in (2, 19, 40, 70)]
+
+
+def hf_prompt_scores(hf, prompt, k):
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    chosen = [logprobs[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+    top = [logprobs[p].topk(k).indices.tolist() for p in range(len(prompt) - 1)]
+    return chosen, top
+
+
+def check_scores(out, hf, prompt, k=3):
+    chosen, top = hf_prompt_scores(hf, prompt, k)
+    got = out.prompt_logprobs
+    assert len(got) == len(prompt) - 1
+    for j, entry in enumerate(got):
+        (tid, lp), *alts = entry
+        assert tid == prompt[j + 1] and abs(lp - chosen[j]) < 1e-3
+        assert len(alts) == k and [t for t, _ in alts][:1] == top[j][:1]
+
+
+def test_prompt_logprobs_equal_transformers(eng, hf, prompts):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    for prompt, out in zip(prompts, eng.generate(prompts, params)):
+        check_scores(out, hf, prompt)
+        assert len(out.token_ids) == 3
+    assert eng.block_manager.check_all_free()
+
+
+def test_prompt_logprobs_chunked_and_with_a_cached_prefix(tiny_ckpt, hf, prompts):
+    eng = _engine(tiny_ckpt, max_num_batched_tokens=16, block_size=8)
+    long = prompts[3]
+    eng.generate([long], SamplingParams(max_tokens=1, temperature=0))  # its blocks are in the prefix cache now
+    hits = eng.block_manager.allocator.stats.hits
+    again = eng.generate([long], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert again.cached_prompt_tokens > 0 and eng.block_manager.allocator.stats.hits > hits  # the cache is warm
+    scored = eng.generate([long], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    assert scored.cached_prompt_tokens == 0  # scoring recomputes every position
+    check_scores(scored, hf, long)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_ckpt, hf, prompts):
+    # 8 blocks of 8 tokens: three 40-token prompts growing by 16 cannot all stay; some are recomputed.
+    eng = _engine(tiny_ckpt, num_blocks=12, block_size=8, max_num_batched_tokens=32)
+    ps = [prompts[2], prompts[2][::-1], prompts[2][1:] + [5]]
+    outs = eng.generate(ps, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=3))
+    assert eng.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        check_scores(o, hf, p)
+
+
+def test_max_tokens_zero_scores_the_prompt_only(eng, hf, prompts):
+    out = eng.generate([prompts[1]], SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
+    assert out.finished and out.token_ids == [] and out.completion_tokens == 0 and out.finish_reason == "length"
+    check_scores(out, hf, prompts[1])
+    with pytest.raises(RequestError, match="max_tokens is 0"):
+        eng.add_request("x", prompts[1], SamplingParams(max_tokens=0))
+    assert eng.block_manager.check_all_free()
+
+
+def reference_controls(logits, p: SamplingParams, prompt, generated, eos):
+    """The definitions of vLLM and OpenAI, written out."""
+    x = logits.clone()
+    for tid, b in p.logit_bias.items():
+        x[tid] += b
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=x.shape[0])[: x.shape[0]].float()
+    seen = counts > 0
+    seen[torch.tensor(prompt)] = True
+    r = p.repetition_penalty
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    if len(generated) < p.min_tokens:
+        x[list(eos | set(p.stop_token_ids))] = float("-inf")
+    return x
+
+
+def reference_greedy(hf, prompt, p: SamplingParams, eos):
+    generated = []
+    for _ in range(p.max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + generated])).logits[0, -1].float()
+        tok = int(reference_controls(logits, p, prompt, generated, eos).argmax())
+        generated.append(tok)
+        if tok in eos and not p.ignore_eos and len(generated) > p.min_tokens:
+            break
+    return generated
+
+
+@pytest.mark.parametrize("p", [
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8),
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.5),
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=2.0),
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
+                   presence_penalty=0.5, logit_bias={7: 3.0, 9: -100.0}),
+], ids=["repetition", "frequency", "presence", "all"])
+def test_penalties_equal_their_reference_and_change_the_output(eng, hf, prompts, p):
+    eos = set(eng.eos_token_ids)
+    plain = SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True)
+    # batched with plain requests and each other: controls are per row
+    outs = eng.generate([prompts[1], prompts[2], prompts[1], prompts[3]], [p, plain, plain, p])
+    assert outs[0].token_ids == reference_greedy(hf, prompts[1], p, eos)
+    assert outs[3].token_ids == reference_greedy(hf, prompts[3], p, eos)
+    assert outs[0].token_ids != outs[2].token_ids  # the penalty changed what greedy picks
+    assert eng.block_manager.check_all_free()
+
+
+def test_logit_bias_forces_and_bans_tokens(eng, prompts):
+    forced = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                       logit_bias={42: 100.0}))[0]
+    assert forced.token_ids == [42] * 5
+    plain = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    banned = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                       logit_bias={t: -100.0 for t in plain.token_ids}))[0]
+    assert not set(banned.token_ids) & set(plain.token_ids)
+    sampled = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True,
+                                                        logit_bias={42: 100.0}))[0]
+    assert sampled.token_ids == [42] * 5  # the sampler sees the bias too
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(eng, prompts):
+    eos = next(iter(eng.eos_token_ids))
+    # EOS made the likeliest token: without min_tokens it ends at once, with it only after 6.
+    p = SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 50.0})
+    assert eng.generate([prompts[1]], p)[0].token_ids == [eos]
+    held = eng.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 50.0},
+                                                     min_tokens=6))[0]
+    assert len(held.token_ids) == 7 and held.token_ids[-1] == eos and eos not in held.token_ids[:6]
+    assert held.finish_reason == "stop"
+    stop = eng.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                     logit_bias={11: 50.0}, stop_token_ids=[11], min_tokens=4))[0]
+    assert len(stop.token_ids) == 5 and stop.token_ids[-1] == 11 and 11 not in stop.token_ids[:4]
+    with pytest.raises(RequestError, match="min_tokens"):
+        eng.add_request("y", prompts[1], SamplingParams(max_tokens=3, min_tokens=4))
+    with pytest.raises(RequestError, match="logit_bias token id 9999"):
+        eng.add_request("z", prompts[1], SamplingParams(max_tokens=3, logit_bias={9999: 1.0}))
