@@ -15,10 +15,22 @@ max(--requests-factor x C, --min-requests) requests or --num-requests, cut at --
 in-flight requests cancelled --grace s later), stops the server, and moves on. The result file is
 rewritten after every level, so a run cut short still leaves what it measured.
 
+Levels run to 1024 clients, past the server's --max-num-seqs (256), so TTFT includes the wait for a
+slot (the server gets room for every client: no 503s); the peers sdpa/eager/naive_hf stop at 256
+(--impl-max-concurrency). `--api-server-counts 1 2 4` runs the API-process sweep instead (triton,
+`--api-server-count N`, 256 clients); `--merge` adds a run's rows to the file (on by default for
+that sweep), so the parts fit 10-minute device calls; `--offline-json` copies a bench_throughput.py
+figure in as the offline reference. See benchmarks/load_sweep.py:
+
+    python benchmarks/compare.py --impls triton sdpa && python benchmarks/compare.py --impls eager naive_hf --merge
+    python benchmarks/bench_throughput.py --out-dir /tmp/off && python benchmarks/compare.py \\
+        --api-server-counts 1 2 4 --offline-json /tmp/off/throughput_h100.json
+
 Writes `<out-dir>/load_<gpu>.json` ({device, torch, triton, date, command, rows: [{impl,
 concurrency, output_tokens_per_s, requests_per_s, ttft_p50_ms, ...}]}) and the plots
-`load_<gpu>_throughput.png`, `load_<gpu>_latency.png`. `report(result)` turns the JSON into the
-README section. Metric definitions: see benchmarks/load_metrics.py.
+`load_<gpu>_throughput.png`, `load_<gpu>_latency.png` (and `load_<gpu>_api_servers.png` with an
+API-process sweep). `report(result)` turns the JSON into the README section. Metric definitions:
+see benchmarks/load_metrics.py.
 
 With no --model, a random-initialised GPT-2 small (transformers.GPT2Config() defaults: 124M,
 1024 positions, vocab 50257) is written to a temporary directory with the embedded model's
@@ -48,11 +60,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import REPO_ROOT, ServerProcess, free_port, gpu_slug  # noqa: E402
 from benchmarks.load_metrics import print_row  # noqa: E402
-from benchmarks.load_plots import plot  # noqa: E402
+from benchmarks.load_plots import plot_result  # noqa: E402
 from benchmarks.load_report import IMPLS, report  # noqa: E402  (make_report.py and tests take report from here)
+from benchmarks.load_sweep import (API_SWEEP_CONCURRENCY, add_row, level_seed, max_num_seqs, merge,  # noqa: E402
+                                   plan, read_offline, requests_for, resolve_args, server_command,
+                                   server_room_args)
 from benchmarks.load_test import run_load  # noqa: E402
 
-DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256]
+DEFAULT_CONCURRENCY = [1, 8, 32, 64, 128, 256, 512, 1024]
 EMBEDDED = REPO_ROOT / "models" / "embedded"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -119,32 +134,7 @@ def read_model_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-# ------------------------------------------------------------------------------- the servers
-def server_command(impl: str, model: str, port: int, device: str | None, extra: list[str],
-                   naive_max_batch: int = 256, naive_batch_wait_ms: float = 5.0) -> list[str]:
-    dev = ["--device", device] if device else []
-    if impl == "naive_hf":
-        return [sys.executable, str(REPO_ROOT / "benchmarks" / "naive_server.py"), "--model", str(model),
-                "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(naive_max_batch),
-                "--batch-wait-ms", str(naive_batch_wait_ms), "--log-level", "warning", *dev]
-    if impl == "triton" and (device or "").startswith("cpu") and "--dtype" not in extra:
-        dev += ["--dtype", "bfloat16"]  # the Triton kernels take fp16/bf16 only; CPU default is fp32
-    return [sys.executable, "-m", "server", "--model", str(model), "--attention", impl, "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", *dev, *extra]
-
-
-def level_seed(seed: int, level: int) -> int:
-    """Each concurrency level draws its own prompts: repeating the last level's would turn them into
-    prefix-cache hits for the configurations that have one and skip their prefill."""
-    return seed + 10_007 * level
-
-
-def requests_for(concurrency: int, args) -> int:
-    if args.num_requests is not None:
-        return args.num_requests
-    return max(args.requests_factor * concurrency, args.min_requests)
-
-
+# ------------------------------------------------------------------------------- the run
 def device_info(device: str | None) -> dict:
     import torch
 
@@ -168,13 +158,23 @@ def _health(url: str) -> int | None:
         return None
 
 
-def run_compare(args) -> dict:
+def run_compare(args) -> tuple[dict, bool]:
+    """Run the servers of `plan` in turn; returns the result (merged with the file's, with --merge)
+    and whether this run measured everything without failures or errors."""
     t_start = time.monotonic()
     info = device_info(args.device)
     slug = args.tag or gpu_slug(info["device"])
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"load_{slug}.json"
+    try:
+        offline = read_offline(args.offline_json, info["device"]) if args.offline_json else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--offline-json: {e}")
+    runs = plan(args.impls, args.concurrency, args.impl_caps, args.api_server_counts)
+    for impl in args.impls:
+        if not any(r[0] == impl for r in runs):
+            print(f"-- {impl}: no level within its cap ({args.impl_caps.get(impl)} clients); not run", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="flashpage-compare-"))
     log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -193,62 +193,91 @@ def run_compare(args) -> dict:
               f"{args.output_len + args.output_jitter} tokens exceed the model's {n_pos} positions: "
               "those requests will get 400s", file=sys.stderr)
 
-    result = {**info, "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
-              "model": model_desc, "slug": slug,
-              "settings": {"concurrency": args.concurrency, "input_len": args.input_len,
-                           "input_jitter": args.input_jitter, "output_len": args.output_len,
-                           "output_jitter": args.output_jitter, "num_requests": args.num_requests,
-                           "requests_factor": args.requests_factor, "min_requests": args.min_requests,
-                           "duration_s": args.duration, "grace_s": args.grace, "warmup": args.warmup,
-                           "temperature": 0.0, "ignore_eos": True, "naive_max_batch": args.naive_max_batch,
-                           "naive_batch_wait_ms": args.naive_batch_wait_ms, "impls": args.impls,
-                           "server_args": args.server_args, "vocab_size": vocab},
-              "failures": [], "rows": []}
+    command = args.command
+    settings = {"concurrency": args.concurrency, "input_len": args.input_len,
+                "input_jitter": args.input_jitter, "output_len": args.output_len,
+                "output_jitter": args.output_jitter, "num_requests": args.num_requests,
+                "requests_factor": args.requests_factor, "min_requests": args.min_requests,
+                "duration_s": args.duration, "grace_s": args.grace, "warmup": args.warmup,
+                "temperature": 0.0, "ignore_eos": True, "naive_max_batch": args.naive_max_batch,
+                "naive_batch_wait_ms": args.naive_batch_wait_ms, "impls": args.impls,
+                "server_args": args.server_args, "vocab_size": vocab, "impl_max_concurrency": args.impl_caps,
+                "max_num_seqs": max_num_seqs(args.server_args)}
+    result = {**info, "date": datetime.date.today().isoformat(), "command": command, "model": model_desc,
+              "slug": slug, "settings": settings, "failures": [], "rows": []}
+    if args.api_server_counts:
+        del settings["impl_max_concurrency"]
+        result["settings"] = {}
+        result["api_sweep"] = {"command": command, "date": result["date"],
+                               "api_server_counts": args.api_server_counts, **settings}
+    if offline:
+        result["offline"] = offline
+    if args.merge and json_path.exists():
+        try:
+            result = merge(json.loads(json_path.read_text()), result, runs, IMPLS)
+        except ValueError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SystemExit(f"cannot add to {json_path}: {e} (--no-merge rewrites it)")
+        print(f"adding to {json_path} ({len(result['rows'])} rows there)", file=sys.stderr)
+    ok = True
 
     def save():
         json_path.write_text(json.dumps(result, indent=1))
 
+    def fail(impl, n_api, stage, message):
+        print(f"!! {impl}: {message}", file=sys.stderr)
+        f = {"impl": impl, "stage": stage, "message": message[-2000:]}
+        result["failures"].append(f if n_api is None else {**f, "api_server_count": n_api})
+        save()
+
     try:
-        for impl in args.impls:
+        for impl, n_api, levels in runs:
+            name = impl if n_api is None else f"{impl}/api{n_api}"
             port = free_port()
-            cmd = server_command(impl, str(model), port, args.device, args.server_args, args.naive_max_batch,
+            room = server_room_args(max(levels), args.server_args) if impl != "naive_hf" else []
+            extra = [*args.server_args, *room, *(["--api-server-count", str(n_api)] if n_api is not None else [])]
+            cmd = server_command(impl, str(model), port, args.device, extra, args.naive_max_batch,
                                  args.naive_batch_wait_ms)
-            print(f"== {impl}: {' '.join(cmd)}", file=sys.stderr)
+            print(f"== {name}: {' '.join(cmd)}", file=sys.stderr)
             t0 = time.monotonic()
             env = dict(os.environ)
             if impl == "triton" and (args.device or "").startswith("cpu"):
                 env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU: the interpreter
-            server = ServerProcess(cmd, port, log_dir / f"server_{impl}.log", env=env)
+            server = ServerProcess(cmd, port, log_dir / f"server_{name.replace('/', '_')}.log", env=env)
             try:
                 try:
                     server.wait_healthy(args.health_timeout)
                 except RuntimeError as e:
-                    print(f"!! {impl} did not start: {e}", file=sys.stderr)
-                    result["failures"].append({"impl": impl, "stage": "start", "message": str(e)[-2000:]})
-                    save()
+                    ok = False
+                    fail(impl, n_api, "start", f"did not start: {e}")
                     continue
                 startup = time.monotonic() - t0
                 print(f"   healthy after {startup:.1f} s", file=sys.stderr)
-                for i, c in enumerate(args.concurrency):
+                for i, c in enumerate(levels):
                     row = run_load(server.url, concurrency=c, num_requests=requests_for(c, args),
                                    duration=args.duration, grace=args.grace,
                                    warmup=args.warmup if i == 0 else 0, input_len=args.input_len,
                                    input_jitter=args.input_jitter, output_len=args.output_len,
                                    output_jitter=args.output_jitter, vocab_size=vocab, seed=level_seed(args.seed, i),
                                    temperature=0.0, ignore_eos=True, timeout=args.timeout,
-                                   progress=args.progress, label=impl, workers=args.client_processes)
+                                   progress=args.progress, label=name, workers=args.client_processes)
+                    row["impl"] = impl
+                    if n_api is not None:
+                        row["api_server_count"] = n_api
+                    if room:
+                        row["server_room_args"] = room
                     row["server_startup_s"] = startup
                     print_row(row)
-                    result["rows"].append(row)
+                    ok = ok and not row["errors"]
+                    add_row(result, row)
                     save()
                     health = _health(server.url) if server.proc.poll() is None else None
                     if health != 200:
+                        ok = False
                         code = server.proc.poll()
                         msg = (f"server exited with {code}" if code is not None else
                                f"server /health answers {health}") + f" after c={c}:\n{server.log_tail()}"
-                        print(f"!! {impl}: {msg}", file=sys.stderr)
-                        result["failures"].append({"impl": impl, "stage": f"concurrency {c}", "message": msg[-2000:]})
-                        save()
+                        fail(impl, n_api, f"concurrency {c}", msg)
                         break
             finally:
                 server.stop()
@@ -257,9 +286,9 @@ def run_compare(args) -> dict:
             shutil.rmtree(tmp / "model", ignore_errors=True)
         elif not args.model:
             print(f"random checkpoint kept in {tmp / 'model'}", file=sys.stderr)
-        if not args.log_dir and not result["failures"]:
+        if not args.log_dir and ok:
             shutil.rmtree(tmp / "logs", ignore_errors=True)
-        elif result["failures"]:
+        elif not ok:
             print(f"server logs in {log_dir}", file=sys.stderr)
         if not any(tmp.iterdir()):
             tmp.rmdir()
@@ -267,17 +296,18 @@ def run_compare(args) -> dict:
     result["elapsed_s"] = time.monotonic() - t_start
     save()
     if result["rows"]:
+        prefix = out_dir / f"load_{slug}"
         try:
-            paths = plot(result, out_dir / f"load_{slug}", title=f"{result['device']}, {model_desc.split(' (')[0]}")
+            paths = plot_result(result, prefix, title=f"{result['device']}, {result['model'].split(' (')[0]}")
         except ImportError as e:  # the numbers are saved; plots can be made later with load_test.py plot
             print(f"no plots ({e}); later: python benchmarks/load_test.py plot {json_path} "
-                  f"--out-prefix {out_dir / f'load_{slug}'}", file=sys.stderr)
+                  f"--out-prefix {prefix}", file=sys.stderr)
         else:
             result["plots"] = [os.path.relpath(p, REPO_ROOT) if Path(p).resolve().is_relative_to(REPO_ROOT) else p
                                for p in paths]
             save()
     print(json_path, file=sys.stderr)
-    return result
+    return result, ok
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -291,7 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random model when no --model: small = GPT2Config() 124M (default on CUDA), "
                         "tiny = 2 layers x 64 (default on --device cpu)")
     g.add_argument("--keep-model", action="store_true", help="keep the random checkpoint's temp dir")
-    g.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="configurations, in order (default: all)")
+    g.add_argument("--impls", nargs="+", choices=IMPLS, default=None,
+                   help="configurations, in order (default: all; with --api-server-counts: triton)")
+    g.add_argument("--impl-max-concurrency", nargs="*", metavar="IMPL=C", default=None,
+                   help="run IMPL only at levels up to C clients (default: sdpa=256 eager=256 naive_hf=256, the "
+                        "peers ten times slower than triton; the flag with no values lifts every cap)")
+    g.add_argument("--api-server-counts", type=int, nargs="+", default=None, metavar="N",
+                   help="API-process sweep instead of the impl sweep: start the server once per N with "
+                        "`--api-server-count N` and run --concurrency (default here: %s) against each; "
+                        "rows get api_server_count: N" % API_SWEEP_CONCURRENCY)
     g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu, passed to every server (default: cuda if available)")
     g.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="extra arguments for `python -m server` (put last), e.g. --server-args --num-blocks 4096")
@@ -301,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "share a batch (default: %(default)s)")
     g.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g = p.add_argument_group("load (per concurrency level)")
-    g.add_argument("--concurrency", type=int, nargs="+", default=DEFAULT_CONCURRENCY,
-                   help="closed-loop client counts (default: %(default)s)")
+    g.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help=f"closed-loop client counts (default: {DEFAULT_CONCURRENCY}; with --api-server-counts "
+                        f"{API_SWEEP_CONCURRENCY})")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests per level (default: max(requests-factor x C, min-requests))")
     g.add_argument("--requests-factor", type=int, default=2, help="default: %(default)s")
@@ -313,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=16,
                    help="uncounted requests sent to each server before its first level (default: %(default)s)")
     g.add_argument("--client-processes", type=int, default=None,
-                   help="load-generator processes per level (default: one per 16 clients, at most 8 and CPUs - 2)")
+                   help="load-generator processes per level (default: one per 16 clients, at most 8 and CPUs - 2: "
+                        "128 clients each at 1024)")
     g.add_argument("--timeout", type=float, default=300.0, help="per-request HTTP timeout in s (default: %(default)s)")
     g.add_argument("--input-len", type=int, default=512, help="prompt tokens, mean (default: %(default)s)")
     g.add_argument("--input-jitter", type=int, default=None, help="prompt length uniform in len +- jitter (default: len/4)")
@@ -325,13 +365,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: benchmarks/results; with --device cpu (a dry run) <tmp>/flashpage-load-dry-run, "
                         "so that CPU numbers never land among the GPU results")
     g.add_argument("--tag", default=None, help="file name part instead of the GPU slug (load_<tag>.json)")
+    g.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
+                   help="add this run's rows to the existing load_<tag>.json (a row measured again replaces its "
+                        "old one) instead of rewriting it (default: on with --api-server-counts, else off)")
+    g.add_argument("--offline-json", default=None, metavar="PATH",
+                   help="a benchmarks/bench_throughput.py result (throughput_<gpu>.json) measured in the same "
+                        "device call: its flashpage output tok/s goes into the file as the offline reference")
     g.add_argument("--log-dir", default=None, help="keep server logs here (default: temp dir, kept only on failure)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.command = "python " + " ".join(sys.argv if argv is None else ["benchmarks/compare.py", *argv])
+    try:
+        resolve_args(args, IMPLS, DEFAULT_CONCURRENCY)
+    except ValueError as e:
+        parser.error(str(e))
     if args.out_dir is None:
         dry = (args.device or "").startswith("cpu")
         args.out_dir = (Path(tempfile.gettempdir()) / "flashpage-load-dry-run" if dry
@@ -340,10 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         args.input_jitter = args.input_len // 4
     if args.output_jitter is None:
         args.output_jitter = args.output_len // 4
-    result = run_compare(args)
+    result, ok = run_compare(args)
     print(report(result))
-    bad = result["failures"] or any(r["errors"] for r in result["rows"])
-    return 1 if bad else 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks. Run from the repo root on the GPU machine
 # with .whl carried (fastapi/uvicorn/pydantic wheels, see ../shared/device/fetch-wheels.sh).
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile]...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -17,6 +17,23 @@ for step in "${@:-tests throughput prefix}"; do
       throughput) python3 benchmarks/bench_throughput.py --out-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
       prefix) python3 benchmarks/bench_prefix.py --out-dir "$OUT" 2>&1 | tee "$OUT/prefix.log" || status=1 ;;
       load) python3 benchmarks/compare.py --out-dir "$OUT" "${LOAD_ARGS[@]:-}" 2>&1 | tee "$OUT/load.log" || status=1 ;;
+      # Issue 20: the offline figure, the triton levels up to 1024 clients (merged into the committed
+      # file's peers) and the API-process sweep, in one call; then py-spy on every server process.
+      frontend)
+        # offline, the load test's request shape (prompts 512 +- 128, outputs 256 +- 64)
+        python3 benchmarks/bench_throughput.py --skip flashpage_eager hf_eager steps --input-len 384 640 \
+          --output-len 192 320 --num-requests 1024 --out-dir "$OUT/offline" > "$OUT/offline.log" 2>&1 || status=1
+        cp benchmarks/results/load_*.json "$OUT/" 2>/dev/null
+        LOAD=(--duration 10 --grace 3 --requests-factor 8 --out-dir "$OUT" --no-progress)
+        python3 benchmarks/compare.py --impls triton --merge "${LOAD[@]}" > "$OUT/load.log" 2>&1 || status=1
+        python3 benchmarks/compare.py --api-server-counts 1 2 4 --concurrency 1 256 "${LOAD[@]}" \
+          --offline-json "$(ls "$OUT"/offline/throughput_*.json)" > "$OUT/sweep.log" 2>&1 || status=1
+        tail -4 "$OUT/offline.log"; tail -12 "$OUT/load.log"; tail -12 "$OUT/sweep.log" ;;
+      profile)
+        for n in 1 4; do
+          python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \
+            --out-dir "$OUT/profile" 2>&1 | tail -40 || status=1
+        done ;;
     esac
   done
 done

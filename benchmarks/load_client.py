@@ -130,6 +130,9 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
         rec.error = type(e).__name__
         rec.error_detail = str(e)[:300]
         rec.e2e = time.perf_counter() - start
+    finally:
+        if rec.e2e is None:  # an error answer or event: its time still counts in the run's elapsed
+            rec.e2e = time.perf_counter() - start
     return rec
 
 
@@ -266,10 +269,32 @@ async def fetch_server_info(client: httpx.AsyncClient, url: str) -> dict:
     return {}
 
 
+def raise_fd_limit(need: int, warn: bool = True) -> int:
+    """Raise this process's soft open-file limit to `need` (within the hard limit): a client process
+    holds one socket per stream, and 1024 streams in one process (one CPU core to spare) would pass
+    the usual soft limit of 1024. Returns the soft limit now in force."""
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return need
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need and warn:
+            print(f"warning: {need} sockets wanted but the open-file limit is {hard} (ulimit -Hn): expect "
+                  "connection errors; use more client processes", file=sys.stderr)
+        return new
+    return soft
+
+
 async def measure(url: str, *, concurrency, request_rate, max_concurrency, num_requests, duration, grace, shape,
                   body_extra, seed, timeout, progress, transport=None) -> tuple[list[RequestRecord], float, float, float]:
     """One process's share of a level: (records, t0, t_end, client CPU seconds)."""
     pool = (concurrency or max_concurrency or 0) + 16
+    if transport is None:
+        # open loop uncapped: no bound on the streams in flight; ask for room for a few thousand
+        raise_fd_limit(pool + 64 if concurrency or max_concurrency else 4096, warn=bool(concurrency or max_concurrency))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=pool)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits,
                                  transport=transport) as client:

@@ -114,7 +114,8 @@ def print_row(row: dict, file=sys.stderr) -> None:
         v = row.get(key)
         return "-" if v is None else f"{v:.1f}"
 
-    print(f"[{row.get('impl')}] {x}: {row['completed']}/{row['num_requests']} ok, {row['errors']} errors, "
+    who = row.get("impl") if row.get("api_server_count") is None else f"{row.get('impl')}, {row['api_server_count']} API"
+    print(f"[{who}] {x}: {row['completed']}/{row['num_requests']} ok, {row['errors']} errors, "
           f"{row['cancelled']} cancelled | {row['output_tokens_per_s']:.1f} tok/s, {row['requests_per_s']:.2f} req/s | "
           f"ttft p50 {ms('ttft_p50_ms')} p99 {ms('ttft_p99_ms')} ms, tpot p50 {ms('tpot_p50_ms')} ms, "
           f"itl p99 {ms('itl_p99_ms')} ms, e2e p50 {ms('e2e_p50_ms')} ms"

@@ -1,5 +1,7 @@
 """Plots of load-test result rows (benchmarks/load_test.py): throughput and latency percentiles against
-concurrency or request rate, one line per impl. `python benchmarks/load_test.py plot ...` calls `plot`."""
+concurrency or request rate, one line per impl. `python benchmarks/load_test.py plot ...` calls `plot`.
+Rows of an API-process sweep (`api_server_count`, benchmarks/compare.py --api-server-counts) are
+left out there and drawn against the process count by `plot_api_servers`; `plot_result` draws both."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def plot(results, out_prefix: str | Path, title: str | None = None) -> list[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in _rows(results) if _x_of(r)[1] is not None]
+    rows = [r for r in _rows(results) if _x_of(r)[1] is not None and r.get("api_server_count") is None]
     if not rows:
         raise ValueError("no rows with a concurrency or request_rate to plot")
     xname = _x_of(rows[0])[0]
@@ -96,3 +98,67 @@ def plot(results, out_prefix: str | Path, title: str | None = None) -> list[str]
     plt.close(fig)
     return paths
 
+
+
+def plot_api_servers(result: dict, out_prefix: str | Path, title: str | None = None) -> str:
+    """Output tok/s (and the offline reference, if the result has one), TTFT p50/p99 and ITL p50/p99 /
+    TPOT p50 against the API process count, one line per concurrency; `<out_prefix>_api_servers.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("api_server_count") is not None and r.get("concurrency")]
+    if not rows:
+        raise ValueError("no rows with an api_server_count to plot")
+    counts = sorted({r["api_server_count"] for r in rows})
+    levels = sorted({r["concurrency"] for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+
+    def series(impl, c, key):
+        pts = sorted((r["api_server_count"], r.get(key)) for r in rows if r["impl"] == impl and r["concurrency"] == c)
+        return [n for n, v in pts if v is not None], [v for n, v in pts if v is not None]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = ((axes[0], "output tokens / s", [("output_tokens_per_s", "-", "")]),
+              (axes[1], "TTFT ms", [("ttft_p50_ms", "-", "p50"), ("ttft_p99_ms", "--", "p99")]),
+              (axes[2], "ms", [("itl_p50_ms", "-", "ITL p50"), ("itl_p99_ms", "--", "ITL p99"),
+                               ("tpot_p50_ms", ":", "TPOT p50")]))
+    k = 0
+    for impl in impls:
+        for c in levels:
+            name = (f"{impl} " if len(impls) > 1 else "") + f"{c} clients"
+            for ax, _, keys in panels:
+                for key, ls, stat in keys:
+                    xs, ys = series(impl, c, key)
+                    ax.plot(xs, ys, marker="o", ls=ls, color=f"C{k}", label=f"{name} {stat}".strip())
+            k += 1
+    off = (result.get("offline") or {}).get("output_tokens_per_s")
+    if off:
+        axes[0].axhline(off, color="gray", ls="--", label=f"offline engine ({off:,.0f})")
+    for ax, ylabel, _ in panels:
+        ax.set_xticks(counts)
+        ax.set_xlabel("API processes (--api-server-count)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_title("throughput")
+    axes[1].set_title("time to first token")
+    axes[2].set_title("inter-token latency, time per output token")
+    fig.suptitle("API processes" + (f" - {title}" if title else ""))
+    fig.tight_layout()
+    path = str(out_prefix) + "_api_servers.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_result(result: dict, out_prefix: str | Path, title: str | None = None) -> list[str]:
+    """Every plot a compare.py result has rows for: `plot`'s two, and `plot_api_servers`'."""
+    paths = []
+    if any(r.get("api_server_count") is None for r in result["rows"]):
+        paths += plot(result, out_prefix, title)
+    if any(r.get("api_server_count") is not None for r in result["rows"]):
+        paths.append(plot_api_servers(result, out_prefix, title))
+    return paths

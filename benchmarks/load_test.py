@@ -69,7 +69,8 @@ def auto_workers(concurrency: int | None, request_rate: float | None, max_concur
     """Client processes: one per 16 concurrent streams (a single asyncio+httpx process spends
     ~30-60 us of CPU per streamed event, so one process tops out around 15-30k events/s; on an H100
     two processes for 64 streams ran 80% busy and kept only 55 requests in flight), at most 8 and at
-    most the CPU count minus two (the server needs its own cores)."""
+    most the CPU count minus two (the server needs its own cores): 1024 clients on 16 CPUs are 8
+    processes of 128 streams (each raises its open-file limit to fit them, load_client.raise_fd_limit)."""
     streams = concurrency or max_concurrency
     if streams is None:  # open loop, uncapped: guess the streams in flight from the rate
         streams = int((request_rate or 1) * max(output_len, 1) * 0.01) + 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import re
@@ -12,6 +11,7 @@ import time
 
 from server.api.chat_template import read_chat_template
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
+from server.api.servers import MAX_API_SERVERS, default_api_server_count
 from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, EngineConfig
 
 
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, so that HTTP streaming never slows its steps "
                         "(--no-engine-process: a thread of the server process)")
+    p.add_argument("--api-server-count", type=Bound(int, 1, MAX_API_SERVERS), default=default_api_server_count(),
+                   help="HTTP API processes sharing the port in front of the one engine process (tokenising, "
+                        "validation and streaming scale with them; default: from the cores available)")
     p.add_argument("--seed", type=Bound(int, 0, 2**63 - 1), default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -101,11 +104,18 @@ def main(argv: list[str] | None = None) -> None:
         except argparse.ArgumentTypeError as e:
             parser.error(f"FLASHPAGE_API_KEY {e}")
     limits = ServerLimits.from_args(args)
+    if args.api_server_count > 1 and not args.engine_process:
+        parser.error("--api-server-count above 1 needs the engine in its own process: drop --no-engine-process")
     from server.api.connections import raise_fd_limit
     from server.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     raise_fd_limit(limits.max_connections)  # before the model loads: a cap the process cannot hold stops it here
+    if args.api_server_count > 1:  # the engine and N API processes, each its own (server/api/servers.py)
+        from server.api.servers import run_servers
+
+        sys.exit(run_servers(config_from_args(args), limits, args.api_server_count, args.host, args.port,
+                             args.log_level, args.log_format))
     import torch
 
     from server.api.app import create_app
@@ -119,23 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     log.info("starting engine: model=%s", args.model or "embedded")
     config = config_from_args(args)
-    engine = EngineClient(config, args.log_level, args.log_format) if args.engine_process else LLMEngine(config)
+    engine = EngineClient.spawn(config, args.log_level, args.log_format) if args.engine_process else LLMEngine(config)
     log.info("engine ready in %.1f s: serving %r (context %d tokens) on http://%s:%d", time.perf_counter() - t0,
              engine.model_name, engine.max_model_len, args.host, args.port)
     aengine = AsyncEngine(engine, max_waiting=limits.max_waiting_requests, request_timeout=limits.request_timeout)
     app = create_app(aengine, limits)
-    # Start-up leaves millions of long-lived objects (torch, transformers, the tokenizer); each full
-    # collection would walk them all again, a pause in the middle of serving. Freeze them out of it.
-    gc.collect()
-    gc.freeze()
     # log_config=None: uvicorn's loggers propagate to our handler (text or JSON); our request-id
     # middleware writes the access lines, so uvicorn's own are off.
-    # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1 (server/api/lifecycle.py).
-    try:
-        code = serve(app, aengine, limits, host=args.host, port=args.port, log_level=args.log_level,
-                     log_config=None, access_log=False)
-    finally:
-        gc.unfreeze()  # frozen objects are never freed: triton's bindings would report them leaked at exit
+    # serve(): SIGTERM drains within --shutdown-grace then exits 0; a dead engine exits 1; it also
+    # freezes what start-up built out of garbage collection (server/api/lifecycle.py).
+    code = serve(app, aengine, limits, host=args.host, port=args.port, log_level=args.log_level,
+                 log_config=None, access_log=False)
     sys.exit(code)
 
 

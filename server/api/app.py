@@ -15,14 +15,13 @@ client that disconnects has its request aborted. `GET /debug/kv` reports KV bloc
 
 from __future__ import annotations
 
-import json
 import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.bridge.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServiceUnavailableError
@@ -35,6 +34,7 @@ from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
+from server.api.openai_serving import DONE, EventStream, encode_json, sse
 from server.api.tokens import install_tokens
 from server.api.tokenize import encode
 from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
@@ -287,7 +287,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
             return error(500, str(e), "internal_error", headers=headers, rid=rid)
 
         if body.stream:
-            return StreamingResponse(_sse(rid, first, stream), media_type="text/event-stream", headers=headers)
+            return EventStream(_sse(rid, first, stream), headers=headers)
         last, prompt_logprobs = first, first.prompt_logprobs
         try:
             async for last in until_disconnected(request, stream):  # a client that leaves aborts it
@@ -313,15 +313,19 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
 
 
 async def _sse(rid: str, first, stream):
-    """One SSE event per engine step's tokens, then the final event and [DONE]. Closing the stream
-    (the client went away) aborts the request."""
+    """One SSE event per engine step's tokens, then the final event and [DONE], as bytes (the part
+    of an event that never changes encoded once per request). Closing the stream (the client went
+    away) aborts the request."""
+    head = b'data: {"id":' + encode_json(rid) + b',"text":'
     last, failure = first, None
     try:
         while True:
-            event = {"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False}
-            if last.prompt_logprobs is not None:  # on the first event only
-                event["prompt_logprobs"] = [None] + last.prompt_logprobs
-            yield f"data: {json.dumps(event)}\n\n"
+            if last.prompt_logprobs is None:  # the same JSON as the dict below, built without one
+                yield b"".join((head, encode_json(last.new_text), b',"token_ids":', encode_json(last.new_token_ids),
+                                b',"finished":false}\n\n'))
+            else:  # on the first event only
+                yield sse({"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False,
+                           "prompt_logprobs": [None] + last.prompt_logprobs})
             if last.finished:
                 break
             try:
@@ -336,5 +340,4 @@ async def _sse(rid: str, first, stream):
     if failure is not None:
         kind = "engine_dead" if isinstance(failure, EngineDeadError) else "internal_error"
         final.update(finish_reason="error", error={"message": str(failure), "type": kind, "request_id": rid})
-    yield f"data: {json.dumps(final)}\n\n"
-    yield "data: [DONE]\n\n"
+    yield sse(final) + DONE  # one write

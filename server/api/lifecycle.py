@@ -16,6 +16,7 @@ tick handling:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -27,12 +28,15 @@ from server.bridge.async_engine import AsyncEngine
 
 log = logging.getLogger("flashpage.lifecycle")
 
+GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (Python's default: 700)
+
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float, managed: bool = False) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace = grace
+        self.managed = managed  # one of several API processes: the parent forwards every signal as SIGTERM
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
@@ -42,6 +46,8 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.managed and sig == signal.SIGINT:
+            return  # Ctrl+C reached the whole process group; the parent forwards it (server/api/servers.py)
         if self._loop is None:  # not serving yet: uvicorn's own behaviour
             super().handle_exit(sig, frame)
         elif self._drain is None:
@@ -75,12 +81,28 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(app, engine: AsyncEngine, limits: ServerLimits, **uvicorn_kwargs) -> int:
-    """Serve until SIGTERM (exit code 0, after draining) or engine death (1). Returns the exit code."""
+def serve(app, engine: AsyncEngine, limits: ServerLimits, sockets: list | None = None, managed: bool = False,
+          **uvicorn_kwargs) -> int:
+    """Serve until SIGTERM (exit code 0, after draining) or engine death (1). Returns the exit code.
+    `sockets`: an already-bound listening socket shared with other API processes (then `managed`:
+    SIGINT is left to the parent, server/api/servers.py)."""
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 5)
     # ws="none": no route speaks WebSocket, so an upgrade request is plain HTTP to the guards.
     config = uvicorn.Config(app, http=protocol_class(limits), ws="none", timeout_keep_alive=limits.keep_alive_timeout,
                             **uvicorn_kwargs)
-    server = Server(config, engine, limits.shutdown_grace)
-    server.run()
+    server = Server(config, engine, limits.shutdown_grace, managed)
+    # Start-up leaves millions of long-lived objects (torch, transformers, the tokenizer); each full
+    # collection would walk them all again, a pause in the middle of serving: freeze them out of it.
+    # Decoding a step message allocates an object or more per request in it, so with the default
+    # young-generation threshold (700) the collector ran every few messages: 10-12% of an API
+    # process's CPU at 256 streams (py-spy, benchmarks/bench_api_events.py).
+    gc.collect()
+    gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
+    try:
+        server.run(sockets=sockets)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()  # frozen objects are never freed: triton's bindings would report them leaked at exit
     return server.exit_code

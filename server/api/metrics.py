@@ -12,6 +12,10 @@ Two kinds of series, all labelled by `model`:
   output token (per request: (finish - first token) / (output tokens - 1)), end-to-end latency,
   and batch size in tokens and in sequences per step. Nothing is done per token.
 
+With several API processes (server/api/servers.py) the recorded series live in prometheus_client's
+multiprocess files and every process's /metrics sums them; the engine sends its events to one
+process only, so nothing is counted twice. The snapshot series are the engine's, read once.
+
 `step` also logs a one-line summary every `log_stats_interval` seconds while the engine is busy
 (prompt and generation throughput, running, waiting, KV cache usage, prefix-cache hit rate).
 """
@@ -19,11 +23,13 @@ Two kinds of series, all labelled by `model`:
 from __future__ import annotations
 
 import logging
+import os
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from server.engine.stats import StatsEvent
@@ -95,8 +101,12 @@ class EngineStats:
     def __init__(self, engine, log_interval: float | None = None) -> None:
         self.engine = engine
         self.model = engine.model_name
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what GET /metrics serves
         r, lab = self.registry, ["model"]
+        multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if multiprocess:  # several API processes: each writes its series to files; any one sums them all
+            MultiProcessCollector(self.registry)
+            r = CollectorRegistry()  # defined here, served from the files (not twice)
         self.ttft = Histogram("flashpage_time_to_first_token_seconds", "Time from the engine receiving a request "
                               "to its first token.", lab, buckets=_LATENCY_BUCKETS, registry=r).labels(self.model)
         self.tpot = Histogram("flashpage_time_per_output_token_seconds", "Per request: (finish - first token) / "
@@ -110,11 +120,12 @@ class EngineStats:
         self._finished = Counter("flashpage_requests_finished", "Requests finished, by finish reason.",
                                  ["model", "finish_reason"], registry=r)
         self.by_reason = {k: self._finished.labels(self.model, k) for k in ("stop", "length")}
-        r.register(_EngineCollector(engine, self.model))
-        try:
-            ProcessCollector(registry=r)
-        except Exception:  # pragma: no cover - platforms without /proc
-            pass
+        self.registry.register(_EngineCollector(engine, self.model))  # the engine's own, global already
+        if not multiprocess:  # one process's CPU and memory would misdescribe several
+            try:
+                ProcessCollector(registry=r)
+            except Exception:  # pragma: no cover - platforms without /proc
+                pass
         if log_interval is None:
             log_interval = engine.config.log_stats_interval
         self.log_interval = log_interval

@@ -13,6 +13,11 @@ import uuid
 from server.logs import clip, request_id_var
 
 access_log = logging.getLogger("flashpage.http")
+# Scope key: the `send` this middleware was given, set once a response's start has gone through it.
+# A streaming response (server/api/openai_serving.EventStream) sends its body chunks there directly,
+# past the layers between (they only watch for the start); one whose start was held back or
+# replaced on the way (a compressing middleware) finds no key and sends through them.
+DIRECT_SEND = "flashpage.send"
 
 
 def _valid_id(value: str) -> bool:
@@ -48,7 +53,9 @@ class RequestIdMiddleware:
                 headers = list(message.get("headers", []))
                 if not any(k.lower() == b"x-request-id" for k, _ in headers):
                     headers.append((b"x-request-id", rid.encode()))
-                message = {**message, "headers": headers}
+                await send({**message, "headers": headers})
+                scope[DIRECT_SEND] = send
+                return
             await send(message)
 
         try:

@@ -64,13 +64,15 @@ class _Cutoff:
 
 
 class _Collector:
-    """One request's undelivered outputs; consecutive RequestOutputs merge into one."""
+    """One request's undelivered outputs; consecutive RequestOutputs merge into one. The consumer
+    awaits a bare future that the next put resolves: per event, cheaper than an asyncio.Event's
+    wait (a coroutine, a new future and a waiter list) and set."""
 
-    __slots__ = ("items", "ready")
+    __slots__ = ("items", "waiter")
 
     def __init__(self) -> None:
         self.items: deque = deque()
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future | None = None
 
     def put(self, item) -> None:
         items = self.items
@@ -79,13 +81,16 @@ class _Collector:
             items[-1] = merge_outputs(items[-1], item)
         else:
             items.append(item)
-        self.ready.set()
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():  # done: its consumer was cancelled
+                waiter.set_result(None)
 
-    async def get(self):
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        return self.items.popleft()
+    def wait(self) -> asyncio.Future:
+        """A future resolved by the next put (await it only while `items` is empty)."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
 
 
 class AsyncEngine:
@@ -115,7 +120,9 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not in the running batch (new, queued or preempted)."""
+        """Requests accepted but not in the running batch (new, queued or preempted), server-wide."""
+        if getattr(self.core, "shared", False):  # several API processes (server/api/servers.py)
+            return self.engine.snapshot().waiting + self.core.unseen_adds
         return max(0, len(self._streams) - self.engine.snapshot().running)
 
     def in_use(self, request_id: str) -> bool:
@@ -168,9 +175,12 @@ class AsyncEngine:
                                              request_id, TIMEOUT)
         self.core.add(request_id, prompt_token_ids, params, deadline)
         finished, last = False, None
+        items = stream.items
         try:
             while not finished:
-                item = await stream.get()
+                while not items:
+                    await stream.wait()
+                item = items.popleft()
                 if isinstance(item, _Cutoff):
                     finished = True
                     yield RequestOutput(request_id, "", [], True, item.reason, len(prompt_token_ids),

@@ -1,4 +1,4 @@
-"""The engine in its own process, as vLLM's engine core and SGLang's scheduler run.
+"""The engine in its own process, as vLLM's engine core and SGLang's scheduler run: the API side.
 
 Why a process: PyTorch releases the GIL around every op it launches, and a thread that gives the
 GIL up waits to get it back behind whatever Python other threads run (with the engine on a thread
@@ -6,70 +6,90 @@ of the HTTP server, a tiny CPU engine stepped 8x slower beside one busy Python t
 the event loop streaming hundreds of responses is that busy thread, so every engine step stretched
 with the number of clients. Here the engine loop shares nothing with the HTTP side but two pipes.
 
-- `EngineClient` (API process): starts the engine process and waits until the model is loaded,
-  then stands in for the LLMEngine on the HTTP side (tokenizer, model_name, max_model_len,
-  validate, snapshot) and is the core AsyncEngine drives: adds and aborts are batched per event-loop
-  turn into one message down the command pipe; the event loop reads step messages off the output
-  pipe (`add_reader`, no thread) and gives each RequestOutput its cumulative text and ids.
-- `engine_main` (engine process): builds the LLMEngine, then loops: take commands (blocking only
-  when idle), step, send the step's outputs. When the output pipe is full (the API process is
-  behind) it keeps stepping and merges each request's outputs until the pipe drains, so the engine
-  never waits on HTTP and a slow reader gets fewer, larger messages.
+- `spawn_engine` starts the engine process (server/bridge/engine_loop.py) with one channel (a
+  command pipe and an output pipe) per API process.
+- `EngineClient` (API process) holds one channel. It waits until the model is loaded, then stands
+  in for the LLMEngine on the HTTP side (tokenizer, model_name, max_model_len, validate, snapshot)
+  and is the core AsyncEngine drives: adds and aborts are batched per event-loop turn into one
+  message down the command pipe; the event loop reads step messages off the output pipe
+  (`add_reader`, no thread) and gives each RequestOutput its cumulative text and ids.
+  `EngineClient.spawn` spawns an engine of its own (one API process, the default); with
+  `--api-server-count` N > 1 the server's parent process spawns the engine with N channels and
+  each API process attaches to one (server/api/servers.py).
 
 The messages are typed (server/bridge/messages.py). The engine process ignores SIGINT/SIGTERM (the
-API process owns shutdown: it drains, then sends StopEngine) and exits when the command pipe closes.
+API processes own shutdown: each drains, then sends StopEngine) and exits once every channel is
+closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import multiprocessing as mp
-import select
-import signal
+import os
 import time
-import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from models import load_tokenizer, resolve_model_path
-from server.bridge.messages import (AbortRequest, AddRequest, Command, EngineFailed, EngineReady, RequestRefused,
-                                    StepOutputs, StopEngine, apply_commands, decode_down, decode_up, encode)
+from server.bridge.engine_loop import EngineChannel, engine_main, grow_pipe
+from server.bridge.messages import (AbortRequest, AddRequest, Command, EngineReady, RequestRefused, StepOutputs,
+                                    StopEngine, decode_up, encode)
 from server.config import EngineConfig
-from server.engine import EngineSnapshot, RequestBounds, RequestOutput, merge_outputs, validate_request
-from server.engine.stop import ERROR
+from server.engine import EngineSnapshot, RequestBounds, validate_request
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
-
-PIPE_BYTES = 1 << 20  # Linux pipes hold 64 KiB by default; room for a burst of prompts or outputs
 
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
 
 
-def _grow_pipe(conn) -> None:
-    try:
-        import fcntl
+@dataclass
+class ClientChannel:
+    """An API process's ends of its two pipes to the engine process."""
 
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    except (ImportError, AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
-        pass
+    commands: Connection  # API -> engine
+    out: Connection  # engine -> API
 
 
-# ------------------------------------------------------------------------------ API process side
+def spawn_engine(config: EngineConfig, count: int, log_level: str = "info",
+                 log_format: str = "text") -> tuple[BaseProcess, list[ClientChannel]]:
+    """Start the engine process with `count` channels; returns it and the API ends of the channels."""
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    ours, theirs = [], []
+    for _ in range(count):
+        cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
+        out_reader, out_writer = ctx.Pipe(duplex=False)
+        ours.append(ClientChannel(cmd_writer, out_reader))
+        theirs.append(EngineChannel(cmd_reader, out_writer))
+    process = ctx.Process(target=engine_main, args=(config, theirs, log_level, log_format),
+                          name="flashpage-engine", daemon=True)
+    process.start()
+    for ch in theirs:  # the child has its copies; ours would keep the pipes open after it exits
+        ch.commands.close()
+        ch.out.close()
+    return process, ours
+
+
 class EngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info", log_format: str = "text",
-                 startup_timeout: float | None = None) -> None:
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        cmd_reader, self._cmd = ctx.Pipe(duplex=False)
-        self._out, out_writer = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=engine_main, args=(config, cmd_reader, out_writer, log_level, log_format),
-                                   name="flashpage-engine", daemon=True)
-        self.process.start()
-        cmd_reader.close()
-        out_writer.close()
-        _grow_pipe(self._cmd)
+    def __init__(self, config: EngineConfig, channel: ClientChannel, process: BaseProcess | None = None,
+                 startup_timeout: float | None = None, id_prefix: str = "") -> None:
+        """Attach to the engine on `channel`; `process`: the engine process, when this client owns it
+        (then stop() waits for it to exit and a lost engine reports its exit code). `id_prefix`:
+        this API process's mark on the request ids it sends, so that two processes never send the
+        engine the same id (each keeps its own ids unique; a client may reuse its X-Request-ID)."""
+        self.process = process
+        self.id_prefix = id_prefix
+        # Attached (no process of its own): other API processes share the engine, so the waiting
+        # queue is the engine's count plus the adds this process sent since its last snapshot.
+        self.shared = process is None
+        self.unseen_adds = 0
+        self._cmd, self._out = channel.commands, channel.out
+        grow_pipe(self._cmd)
         info = self._wait_ready(startup_timeout)
         self.config = config
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
@@ -83,6 +103,13 @@ class EngineClient:
         self._deliver = self._die = None
         self._closed = False
 
+    @classmethod
+    def spawn(cls, config: EngineConfig, log_level: str = "info", log_format: str = "text",
+              startup_timeout: float | None = None) -> EngineClient:
+        """Spawn an engine process of this client's own (one API process) and wait until it is ready."""
+        process, (channel,) = spawn_engine(config, 1, log_level, log_format)
+        return cls(config, channel, process, startup_timeout)
+
     def _wait_ready(self, timeout: float | None) -> EngineReady:
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
@@ -94,12 +121,16 @@ class EngineClient:
                 if isinstance(msg, EngineReady):
                     return msg
                 raise EngineProcessError(f"the engine failed to start:\n{msg.traceback}")
-            if not self.process.is_alive():
+            if self.process is not None and not self.process.is_alive():
                 break
-        self.process.kill()
-        raise EngineProcessError(f"the engine process exited during start-up (exit code {self.process.exitcode})"
+        if self.process is not None:
+            self.process.kill()
+        raise EngineProcessError(f"the engine process exited during start-up (exit code {self._exitcode()})"
                                  if deadline is None or time.monotonic() < deadline else
                                  f"the engine was not ready within {timeout} s")
+
+    def _exitcode(self) -> int | None:
+        return None if self.process is None else self.process.exitcode
 
     # -- what the HTTP side asks of an engine --------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -115,13 +146,21 @@ class EngineClient:
     def start(self, loop: asyncio.AbstractEventLoop, deliver, die) -> None:
         self._loop, self._deliver, self._die = loop, deliver, die
         loop.add_reader(self._out.fileno(), self._on_readable)
+        # uvloop makes a watched descriptor non-blocking: a step message only partly in the pipe
+        # then raised EAGAIN halfway through recv_bytes (read as a lost engine, at 1024 clients).
+        # The engine writes each message whole at once, so reading it blocking waits at most for
+        # the rest of that one write.
+        os.set_blocking(self._out.fileno(), True)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             deadline: float | None = None) -> None:
+        request_id = self.id_prefix + request_id
         self._text[request_id] = ("", [])
+        self.unseen_adds += 1
         self._send(AddRequest(request_id, prompt_token_ids, params, deadline))
 
     def abort(self, request_id: str) -> None:
+        request_id = self.id_prefix + request_id
         self._text.pop(request_id, None)
         self._send(AbortRequest(request_id))
 
@@ -152,7 +191,8 @@ class EngineClient:
             except Exception as e:
                 if isinstance(cmd, AddRequest):
                     self._text.pop(cmd.request_id, None)
-                    refused.append(RequestRefused(cmd.request_id, f"the request cannot be sent to the engine: {e}"))
+                    refused.append(RequestRefused(cmd.request_id[len(self.id_prefix):],
+                                                  f"the request cannot be sent to the engine: {e}"))
         if refused:
             self._deliver([], refused)
         return encode(good)
@@ -165,6 +205,8 @@ class EngineClient:
             self._cmd.send_bytes(encode([StopEngine()]))
         except OSError:
             pass
+        if self.process is None:  # attached: the parent process waits for the engine
+            return
         await asyncio.to_thread(self.process.join, 30)
         if self.process.is_alive():
             log.warning("the engine process did not stop; killing it")
@@ -185,6 +227,7 @@ class EngineClient:
 
     def _on_step(self, msg: StepOutputs) -> None:
         self._snapshot = msg.snapshot
+        self.unseen_adds = 0
         if self.stats is not None and msg.events:
             self.stats.replay(msg.events)
         outputs = []
@@ -201,6 +244,12 @@ class EngineClient:
             outputs.append(out)
         for r in msg.refused:
             texts.pop(r.request_id, None)
+        if self.id_prefix:  # back to the ids this process knows them by
+            n = len(self.id_prefix)
+            for o in outputs:
+                o.request_id = o.request_id[n:]
+            for r in msg.refused:
+                r.request_id = r.request_id[n:]
         if outputs or msg.refused:
             self._deliver(outputs, msg.refused)
 
@@ -209,97 +258,9 @@ class EngineClient:
             return
         self._closed = True
         self._loop.remove_reader(self._out.fileno())
-        self.process.join(1)
-        code = self.process.exitcode
+        if self.process is not None:
+            self.process.join(1)
+        code = self._exitcode()
         log.critical("lost the engine process (exit code %s): %s", code, e)
         self._die(e if isinstance(e, EngineProcessError) else
                   EngineProcessError(f"the engine process is gone (exit code {code})"))
-
-
-# ------------------------------------------------------------------------------ engine process side
-class _Outbox:
-    """Outputs not sent yet. While the API process is behind, a request's outputs merge into one."""
-
-    def __init__(self) -> None:
-        self.outputs: dict[str, RequestOutput] = {}
-        self.failed: list[RequestOutput] = []  # kept apart, after the tokens before them (as the HTTP side does)
-        self.refused: list[RequestRefused] = []
-        self.events: list = []
-        self.dirty = False
-
-    def add(self, outputs: list[RequestOutput], refused: list[RequestRefused], events: list) -> None:
-        self.dirty = True
-        self.events += events
-        self.refused += refused
-        for o in outputs:
-            if o.finish_reason == ERROR:
-                self.failed.append(o)
-                continue
-            prev = self.outputs.get(o.request_id)
-            self.outputs[o.request_id] = o if prev is None else merge_outputs(prev, o)
-
-    def flush(self, conn, snapshot, block: bool) -> None:
-        """Send what waits, unless `block` is off and the pipe is full; `snapshot()` is the
-        engine's, taken only when a message goes."""
-        if not self.dirty:
-            return
-        if not block and not select.select([], [conn], [], 0)[1]:
-            return  # the pipe is full: keep stepping, send merged later
-        outputs = list(self.outputs.values()) + self.failed
-        for o in outputs:
-            if not o.finished:  # the API side accumulates text and ids; only a final output carries them
-                o.text, o.token_ids = "", []
-        conn.send_bytes(encode(StepOutputs(outputs, self.refused, self.events, snapshot())))
-        self.__init__()
-
-
-def engine_main(config: EngineConfig, commands, out, log_level: str, log_format: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the API
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process drains, then stops us
-    from server.logs import setup_logging
-
-    setup_logging(log_level, log_format)
-    import torch
-
-    from server.engine import LLMEngine
-    from server.engine.stats import StatsRecorder
-
-    _grow_pipe(out)
-    try:
-        torch.manual_seed(config.seed)
-        engine = LLMEngine(config)
-    except BaseException:
-        out.send_bytes(encode(EngineFailed(traceback.format_exc())))
-        return
-    engine.stats = recorder = StatsRecorder()
-    gc.collect()
-    gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/cli.py)
-    out.send_bytes(encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot())))
-    outbox = _Outbox()
-    try:
-        while True:
-            idle = not engine.has_unfinished()
-            if idle:
-                outbox.flush(out, engine.snapshot, block=True)
-            batches = [commands.recv_bytes()] if idle else []  # idle: sleep until there is something to do
-            while commands.poll():
-                batches.append(commands.recv_bytes())
-            cmds = [c for batch in batches for c in decode_down(batch)]
-            if any(isinstance(c, StopEngine) for c in cmds):
-                return
-            refused = apply_commands(engine, cmds)
-            outputs = engine.step() if engine.has_unfinished() else []
-            if cmds or outputs or refused or recorder.events:
-                outbox.add(outputs, refused, recorder.take())
-            outbox.flush(out, engine.snapshot, block=False)
-    except EOFError:  # the API process is gone
-        return
-    except BaseException:
-        log.exception("engine loop died")
-        try:
-            out.send_bytes(encode(EngineFailed(traceback.format_exc())))
-        except OSError:
-            pass
-        raise SystemExit(1)
-    finally:
-        gc.unfreeze()  # as in server/cli.py: let exit free what start-up froze

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -85,6 +86,7 @@ def test_too_long_prompts_are_400s_counted(server):
     assert row["errors_by_status"] == {"400": 5} and row["errors_by_exception"] == {}
     assert "256" in row["error_examples"][0]  # the server's message, kept for the report
     assert row["output_tokens_per_s"] == 0 and row["ttft_p50_ms"] is None
+    assert row["duration_s"] > 1e-4  # answered errors still take time: the run's elapsed is not ~0
 
 
 def test_dead_port_is_transport_errors():
@@ -242,3 +244,150 @@ def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
         assert got[(impl, 1)]["seed"] != got[(impl, 2)]["seed"]
     assert (tmp_path / "load_cpu_throughput.png").exists() and (tmp_path / "load_cpu_latency.png").exists()
     assert "| triton | 2 |" in p.stdout and "triton / naive_hf" in p.stdout  # report() printed
+
+
+# ---------------------------------------------------------------- levels past max-num-seqs, API-process sweep
+def test_server_defaults_known_to_load_sweep():
+    from benchmarks import load_sweep
+    from server.api.guards import ServerLimits
+    from server.config import EngineConfig
+
+    assert load_sweep.SERVER_MAX_NUM_SEQS == EngineConfig().max_num_seqs
+    assert load_sweep.SERVER_MAX_WAITING == ServerLimits().max_waiting_requests
+    assert load_sweep.SERVER_MAX_CONNECTIONS == ServerLimits().max_connections
+
+
+def parse_compare(argv):
+    from benchmarks import compare
+    from benchmarks.load_sweep import resolve_args
+
+    args = compare.build_parser().parse_args(argv)
+    resolve_args(args, compare.IMPLS, compare.DEFAULT_CONCURRENCY)
+    return args
+
+
+def test_compare_levels_caps_and_api_sweep_arguments():
+    from benchmarks.load_sweep import plan, server_room_args
+
+    args = parse_compare([])
+    assert args.concurrency[-2:] == [512, 1024] and args.impls == ["triton", "sdpa", "eager", "naive_hf"]
+    assert not args.merge and args.api_server_counts is None
+    runs = plan(args.impls, args.concurrency, args.impl_caps, args.api_server_counts)
+    assert [(i, n, lv[-1]) for i, n, lv in runs] == [("triton", None, 1024), ("sdpa", None, 256),
+                                                     ("eager", None, 256), ("naive_hf", None, 256)]
+    args = parse_compare(["--impl-max-concurrency"])  # no values: no caps
+    assert all(lv[-1] == 1024 for *_, lv in plan(args.impls, args.concurrency, args.impl_caps, None))
+    args = parse_compare(["--impl-max-concurrency", "triton=8", "--concurrency", "1", "64"])
+    assert plan(args.impls, args.concurrency, args.impl_caps, None)[:2] == [("triton", None, [1]), ("sdpa", None, [1, 64])]
+
+    args = parse_compare(["--api-server-counts", "1", "2", "4", "--offline-json", "off.json"])
+    assert args.impls == ["triton"] and args.concurrency == [256] and args.merge and args.offline_json == "off.json"
+    assert plan(args.impls, args.concurrency, args.impl_caps, args.api_server_counts) == \
+        [("triton", 1, [256]), ("triton", 2, [256]), ("triton", 4, [256])]
+    assert not parse_compare(["--api-server-counts", "2", "--no-merge"]).merge
+    for bad in (["--api-server-counts", "2", "--impls", "naive_hf"], ["--api-server-counts", "2", "2"],
+                ["--api-server-counts", "0"], ["--impl-max-concurrency", "sdpa"], ["--impl-max-concurrency", "x=4"],
+                ["--api-server-counts", "2", "--server-args", "--api-server-count", "3"]):
+        with pytest.raises(ValueError):
+            parse_compare(bad)
+
+    # room for every client: the engine's queue and the connection cap never answer 503 at 1024
+    assert server_room_args(256, []) == server_room_args(512, []) == []
+    assert server_room_args(1024, []) == ["--max-waiting-requests", "1024"]
+    assert server_room_args(4096, ["--max-waiting-requests", "-1"]) == ["--max-connections", "4352"]
+
+
+class FakeServer:
+    """compare.py's ServerProcess, without a server: records the command it was given."""
+    commands: list = []
+    proc = type("P", (), {"poll": staticmethod(lambda: None)})()
+    wait_healthy = stop = log_tail = lambda self, *a: ""
+
+    def __init__(self, cmd, port, log_path, env=None):
+        FakeServer.commands.append(cmd)
+        self.url = f"http://127.0.0.1:{port}"
+
+
+def fake_run_load(url, *, concurrency, label, seed, **kwargs):
+    speed = {"triton": 4.0, "sdpa": 2.5, "eager": 2.0, "naive_hf": 1.0}.get(label.split("/")[0], 4.0)
+    if "/api" in label:
+        speed *= 1 + 0.1 * int(label.rsplit("api", 1)[1])
+    return {"impl": label, "concurrency": concurrency, "seed": seed, "num_requests": 2, "completed": 2,
+            "errors": 0, "cancelled": 0, "output_tokens_per_s": 100 * speed * concurrency ** 0.5,
+            "requests_per_s": speed, "client_cpu_util": 0.1,
+            **{f"{m}_{s}_ms": (10 + concurrency) / speed * (3 if s == "p99" else 1)
+               for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")}}
+
+
+def test_compare_bookkeeping_impl_then_api_sweep_into_one_file(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """compare.main with the servers and the load faked: what each server is started with, how rows are
+    labelled and merged into one file, and the report of that file."""
+    from benchmarks import compare
+
+    monkeypatch.setattr(compare, "ServerProcess", FakeServer)
+    monkeypatch.setattr(compare, "run_load", fake_run_load)
+    monkeypatch.setattr(compare, "_health", lambda url: 200)
+    real_plot = compare.plot_result
+    monkeypatch.setattr(compare, "plot_result", lambda *a, **k: [])  # drawn once below, for the API sweep
+    FakeServer.commands = []
+    base = ["--device", "cpu", "--model", str(tiny_ckpt), "--num-requests", "2", "--input-len", "16",
+            "--output-len", "4", "--out-dir", str(tmp_path), "--no-progress"]
+    assert compare.main(base + ["--concurrency", "1", "256", "1024"]) == 0
+    path = tmp_path / "load_cpu.json"
+    first = json.loads(path.read_text())
+    assert [(r["impl"], r["concurrency"]) for r in first["rows"]] == \
+        [("triton", 1), ("triton", 256), ("triton", 1024)] + [(i, c) for i in ("sdpa", "eager", "naive_hf") for c in (1, 256)]
+    assert all("api_server_count" not in r for r in first["rows"])
+    cmds = {c[c.index("--attention") + 1] if "--attention" in c else "naive_hf": c for c in FakeServer.commands}
+    assert cmds["triton"][-2:] == ["--max-waiting-requests", "1024"]  # room for 1024 waiting clients
+    assert "--max-waiting-requests" not in cmds["sdpa"] + cmds["naive_hf"]
+    assert first["rows"][2]["server_room_args"] == ["--max-waiting-requests", "1024"]
+
+    offline = tmp_path / "throughput_cpu.json"
+    offline.write_text(json.dumps({"device": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01",
+                                   "command": "python benchmarks/bench_throughput.py", "workload": {
+                                       "num_requests": 256, "input_len": [128, 512], "output_len": [128, 512]},
+                                   "rows": [{"impl": "copy", "tbps": 1.0},
+                                            {"impl": "flashpage", "output_tokens_per_s": 12800.0}]}))
+    FakeServer.commands = []
+    monkeypatch.setattr(compare, "plot_result", real_plot)
+    assert compare.main(base + ["--api-server-counts", "1", "2", "4", "--offline-json", str(offline)]) == 0
+    assert [c[c.index("--api-server-count") + 1] for c in FakeServer.commands] == ["1", "2", "4"]
+    assert all(c[c.index("--attention") + 1] == "triton" and "--max-waiting-requests" not in c
+               for c in FakeServer.commands)
+    result = json.loads(path.read_text())
+    assert result["rows"][:len(first["rows"])] == first["rows"]  # the impl sweep's rows kept
+    api = [(r["impl"], r["api_server_count"], r["concurrency"]) for r in result["rows"] if "api_server_count" in r]
+    assert api == [("triton", 1, 256), ("triton", 2, 256), ("triton", 4, 256)]
+    assert result["settings"] == first["settings"] and result["api_sweep"]["api_server_counts"] == [1, 2, 4]
+    assert result["command"].count(" && ") == 1 and "--api-server-counts" in result["api_sweep"]["command"]
+    assert result["offline"]["output_tokens_per_s"] == 12800.0 and result["offline"]["source"] == "throughput_cpu.json"
+    assert [Path(p).name for p in result["plots"]] == ["load_cpu_throughput.png", "load_cpu_latency.png",
+                                                       "load_cpu_api_servers.png"]
+    md = capsys.readouterr().out
+    assert "| 1 | 256 | 7,040 | 1.00× | 55% |" in md and "| 4 | 256 | 8,960 | 1.27× | 70% |" in md
+    assert "At 256 clients: 6,400 tok/s = 50% of offline" in md and "load_cpu_api_servers.png" in md
+    assert "| triton | 1024 |" in md and "| sdpa | 1024 |" not in md
+
+    # measured again: replaces its row, the others stay
+    monkeypatch.setattr(compare, "plot_result", lambda *a, **k: [])
+    assert compare.main(base + ["--api-server-counts", "4", "--concurrency", "256"]) == 0
+    again = json.loads(path.read_text())
+    assert len(again["rows"]) == len(result["rows"]) and again["rows"][-1]["api_server_count"] == 4
+    assert again["offline"] == result["offline"]  # kept from the file
+
+
+def test_client_process_raises_its_open_file_limit_for_its_streams():
+    import resource
+
+    from benchmarks.load_client import raise_fd_limit
+    from benchmarks.load_test import auto_workers
+
+    assert auto_workers(1024, None, None, 256) <= 8  # so 1024 clients are >= 128 sockets per process
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = soft + 64 if hard == resource.RLIM_INFINITY else min(hard, soft + 64)
+    try:
+        assert raise_fd_limit(need) == need == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raise_fd_limit(16) == need  # never lowered
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -1,22 +1,29 @@
 """A shortened soak (benchmarks/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, bursts
 beyond the queue limit) against its own server with a 24-block KV cache: nothing lost, no 5xx on
-valid requests, no leaked blocks, and the server drains and exits 0 on SIGTERM."""
+valid requests, no leaked blocks, and the server drains and exits 0 on SIGTERM; with one API process
+and with four (--api-server-count 4, server/api/servers.py)."""
 
 import json
+
+import pytest
 
 from benchmarks.soak import MUST_BE_ZERO, main
 
 
-def test_short_soak(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("api_servers", [1, 4])
+def test_short_soak(tiny_ckpt, tmp_path, api_servers):
     out = tmp_path / "soak.json"
-    rc = main(["--model", str(tiny_ckpt), "--server-arg=--device", "--server-arg=cpu", "--requests", "300",
+    rc = main(["--model", str(tiny_ckpt), "--server-arg=--device", "--server-arg=cpu",
+               "--server-arg=--api-server-count", f"--server-arg={api_servers}", "--requests", "300",
                "--time-limit", "45", "--max-tokens", "24", "--burst-every", "100", "--seed", "1", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["ok"], report
     assert all(report[key] == 0 for key in MUST_BE_ZERO)
     assert report["sent"] == 300 and not report["stopped_by_time_limit"]
     status = report["status"]
-    assert status["valid"].get("200", 0) > 150
+    # Valid requests are answered, or turned away while the queue is full (503 + Retry-After: a
+    # loaded machine serves fewer in time, so the share varies; lost or failed ones are counted above).
+    assert set(status["valid"]) <= {"200", "503"} and status["valid"].get("200", 0) > 100
     assert sum(status["malformed"].values()) > 10 and set(status["malformed"]) <= {"400", "413", "422"}
     assert status["dropped"].get("dropped", 0) > 0
     assert status["burst"].get("503", 0) > 0  # bursts beyond --max-waiting-requests are turned away

@@ -49,6 +49,7 @@ from server.cli import build_parser
     (["--body-timeout", "0"], ["> 0"]),
     (["--max-header-bytes", "100"], [">= 1024"]),
     (["--device", "gpu"], ["cpu, cuda or cuda:N"]),
+    (["--api-server-count", "0"], ["from 1 to 64"]),
     (["--api-key", ""], ["non-empty", "leave the flag out"]),  # `--api-key "$UNSET"` must not turn auth off
     (["--api-key", "has space"], ["without spaces"]),
     (["--served-model-name", ""], ["must not be empty"]),

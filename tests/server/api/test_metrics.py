@@ -18,10 +18,13 @@ from server.api.metrics import EngineStats
 from server.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def served(tiny_ckpt):
+@pytest.fixture(scope="module", params=[1, 4], ids=["api1", "api4"])
+def served(request, tiny_ckpt):
+    # With 4 API processes (server/api/servers.py) every scrape may reach a different process: each
+    # must report the whole server's series, counted once.
     srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64", "--log-level", "info",
-                                       "--log-format", "json", "--log-stats-interval", "0.05"]).wait_healthy(120)
+                                       "--log-format", "json", "--log-stats-interval", "0.05",
+                                       "--api-server-count", str(request.param)]).wait_healthy(120)
     yield srv.url, srv.lines
     srv.stop(30, must_exit=True)
 

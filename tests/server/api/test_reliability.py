@@ -8,15 +8,22 @@ Three servers start together:
   step sleeps 12 ms, so long requests are reliably long.
 - `small_kv`: 12 KV blocks (requests must queue and preempt); token 510 fails its step at once:
   three such steps in a row kill the engine and the process exits 1 (its last test).
-- `lifecycle`: --request-timeout 4.5 and --shutdown-grace 3; steps sleep 20 ms; SIGTERM (its last test).
+- `lifecycle`: --request-timeout 4.5 and --shutdown-grace 3; steps sleep 20 ms; SIGTERM (its last test;
+  with four API processes, Ctrl+C to the whole process group instead).
+
+The module runs twice: one API process, and four in front of the engine (--api-server-count 4,
+server/api/servers.py), where each HTTP request may reach a different process; there, last, one
+API process is killed and the whole server must exit 1.
 """
 
 import asyncio
 import json
+import os
 import signal
 import time
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.common import ServerProcess
@@ -28,8 +35,8 @@ FAIL_LATE = 511  # guarded: a step fails once the sequence has 2 tokens
 FAIL_NOW = 510  # small_kv: a step fails at once
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_ckpt):
+@pytest.fixture(scope="module", params=[1, 4], ids=["api1", "api4"])
+def servers(request, tiny_ckpt):
     specs = {
         "guarded": (["--num-blocks", "64", "--api-key", KEY, "--max-body-bytes", "8192", "--max-prompt-chars", "500",
                      "--max-prompt-tokens", "100", "--max-waiting-requests", "2", "--max-num-seqs", "2"],
@@ -38,7 +45,9 @@ def servers(tiny_ckpt):
         "lifecycle": (["--num-blocks", "64", "--request-timeout", "4.5", "--shutdown-grace", "3"],
                       {"FLASHPAGE_FAULT_INJECT": "sleep=0.02"}),
     }
-    started = {name: ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", *args], extra_env=env)
+    count = ["--api-server-count", str(request.param)]  # 4: every promise holds across API processes too
+    started = {name: ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", *count, *args],
+                                                 extra_env=env)
                for name, (args, env) in specs.items()}  # start in parallel
     try:
         for srv in started.values():
@@ -303,8 +312,15 @@ def test_engine_failing_repeatedly_exits_non_zero(servers):
     assert srv.proc.wait(timeout=30) == 1
 
 
-def test_sigterm_drains_then_exits_zero(servers):
+def test_sigterm_drains_then_exits_zero(servers, request):
     srv = servers["lifecycle"]
+    several = request.node.callspec.params["servers"] > 1
+
+    def stop():
+        if several:  # Ctrl+C in a terminal: every process of the group gets SIGINT; it must count once
+            os.killpg(srv.pid, signal.SIGINT)  # (server/api/servers.py forwards it as one SIGTERM)
+        else:
+            srv.proc.send_signal(signal.SIGTERM)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
@@ -312,7 +328,7 @@ def test_sigterm_drains_then_exits_zero(servers):
             long = asyncio.ensure_future(c.post("/generate", json={"prompt": "hi", "max_tokens": 250, "ignore_eos": True}))
             while (await c.get("/debug/kv")).json()["requests_running"] < 2:
                 await asyncio.sleep(0.02)
-            srv.proc.send_signal(signal.SIGTERM)
+            stop()
             await asyncio.sleep(0.3)
             health = await c.get("/health")
             late = await c.post("/generate", json={"prompt": "hi", "max_tokens": 2})
@@ -325,3 +341,16 @@ def test_sigterm_drains_then_exits_zero(servers):
     assert long.status_code == 200 and long.json()["finish_reason"] == "abort"  # cut off at the grace's end
     assert 0 < long.json()["usage"]["completion_tokens"] == len(long.json()["token_ids"]) < 250
     assert srv.proc.wait(timeout=30) == 0
+
+
+def test_an_api_process_that_dies_stops_the_server_with_exit_code_1(servers, request):
+    if request.node.callspec.params["servers"] == 1:
+        pytest.skip("one API process: it is the server")
+    srv = servers["guarded"]
+    everyone = psutil.Process(srv.pid).children(recursive=True)
+    api = [p for p in everyone if any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))]
+    assert len(api) == 4
+    api[0].kill()
+    assert srv.proc.wait(timeout=60) == 1  # the parent stopped the other three and the engine
+    _, alive = psutil.wait_procs(everyone, timeout=30)
+    assert not alive, alive

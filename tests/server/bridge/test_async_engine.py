@@ -3,6 +3,8 @@ merged into one (several tokens per SSE event) and loses nothing."""
 
 import asyncio
 
+import pytest
+
 from server.bridge.async_engine import AsyncEngine
 from server.config import EngineConfig
 from server.engine import LLMEngine
@@ -43,7 +45,7 @@ def test_engine_process_outbox_merges_a_requests_outputs_until_sent():
     # typed message survives the pipe (server/bridge/messages.py).
     import multiprocessing as mp
 
-    from server.bridge.engine_process import _Outbox
+    from server.bridge.engine_loop import _Outbox
     from server.bridge.messages import RequestRefused, StepOutputs, decode_up
     from server.engine import EngineSnapshot, RequestOutput
     from server.engine.stats import StepDone
@@ -122,9 +124,52 @@ def test_a_command_msgpack_cannot_carry_is_refused_alone():
     client = object.__new__(EngineClient)  # no engine process: only the encoding path
     delivered = []
     client._text = {"big": ("", []), "ok": ("", [])}
+    client.id_prefix = ""
     client._deliver = lambda outputs, refused: delivered.extend(refused)
     p = SamplingParams()
     data = client._encode_each([AddRequest("big", [2**64], p), AddRequest("ok", [1], p), AbortRequest("gone")])
     assert [type(c).__name__ for c in decode_down(data)] == ["AddRequest", "AbortRequest"]
     assert [r.request_id for r in delivered] == ["big"] and "cannot be sent" in delivered[0].message
     assert "big" not in client._text and "ok" in client._text
+
+
+def test_a_step_message_larger_than_the_pipe_arrives_whole_under_uvloop():
+    # uvloop makes the descriptor it watches non-blocking; a message only partly written then failed
+    # halfway through recv_bytes with EAGAIN, which read as a lost engine (1024 streaming clients).
+    import multiprocessing as mp
+    import threading
+
+    uvloop = pytest.importorskip("uvloop")
+    from server.bridge.engine_process import EngineClient
+    from server.bridge.messages import StepOutputs, encode
+    from server.engine import EngineSnapshot, RequestOutput
+
+    out_r, out_w = mp.Pipe(duplex=False)
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    client = object.__new__(EngineClient)  # no engine process: only the reading side
+    client._cmd, client._out, client._closed, client.id_prefix = cmd_w, out_r, False, ""
+    client.stats, client.process, client.unseen_adds = None, None, 0
+    n = 3000
+    client._text = {f"r{i}": ("", []) for i in range(n)}
+    snap = EngineSnapshot(0, 0, 0, 0, 24, 24, 0, 0, 0, 0)
+    outputs = [RequestOutput(f"r{i}", "x" * 400, [i], False) for i in range(n)]
+    data = encode(StepOutputs(outputs, [], [], snap))
+    assert len(data) > 1 << 20  # more than the pipe holds: the reader sees it in pieces
+
+    async def main():
+        got, lost = [], []
+        done = asyncio.Event()
+
+        def deliver(outs, refused):
+            got.extend(outs)
+            done.set()
+
+        client.start(asyncio.get_running_loop(), deliver, lost.append)
+        writer = threading.Thread(target=out_w.send_bytes, args=(data,))
+        writer.start()
+        await asyncio.wait_for(done.wait(), 30)
+        writer.join()
+        return got, lost
+
+    got, lost = uvloop.run(main())
+    assert not lost and len(got) == n and got[-1].text == "x" * 400

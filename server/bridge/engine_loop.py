@@ -1,0 +1,241 @@
+"""The engine process's main loop: one engine, one or more API processes, each on its own channel.
+
+`engine_main` builds the LLMEngine, sends `EngineReady` on every channel, then loops: take the
+commands waiting on every channel (blocking only when idle), step, send each channel the outputs of
+its own requests. A request belongs to the channel that added it (`owner`); an id already in flight
+from another channel is refused as a duplicate, as one API process refuses its own, so request ids
+stay unique server-wide whatever process a client reaches.
+
+- When a channel's pipe is full (its API process is behind) the engine keeps stepping and merges
+  each request's outputs until the pipe drains: the engine never waits on HTTP, and a slow reader
+  gets fewer, larger messages (`_Outbox`).
+- Engine statistics (server/engine/stats.py) go to one channel only, the first still open, so that
+  metrics summed across API processes count each event once (server/api/metrics.py).
+- Every channel hears from the engine at least every SNAPSHOT_EVERY_S while it is busy and once
+  when it goes idle, so every API process's snapshot (/metrics gauges, /debug/kv, the waiting-queue
+  bound) is fresh even when none of its requests produced output.
+- A channel whose API process sent StopEngine or went away (EOF) is closed and its requests are
+  aborted, freeing their KV blocks; the loop returns once every channel is closed.
+
+The engine process ignores SIGINT/SIGTERM: the API processes own shutdown (they drain, then send
+StopEngine).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import select
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from server.bridge.messages import (AbortRequest, AddRequest, EngineFailed, EngineReady, RequestRefused, StepOutputs,
+                                    StopEngine, decode_down, encode)
+from server.config import EngineConfig
+from server.engine import RequestError, RequestOutput, merge_outputs
+from server.engine.stop import ERROR
+
+log = logging.getLogger("flashpage.engine")
+
+PIPE_BYTES = 1 << 20  # Linux pipes hold 64 KiB by default; room for a burst of prompts or outputs
+SNAPSHOT_EVERY_S = 0.05  # while busy, the longest an API process goes without a fresh snapshot
+
+
+def grow_pipe(conn: Connection) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+        pass
+
+
+@dataclass
+class EngineChannel:
+    """The engine process's ends of one API process's two pipes."""
+
+    commands: Connection  # API -> engine: lists of Commands
+    out: Connection  # engine -> API: EngineReady, StepOutputs, EngineFailed
+
+
+class _Outbox:
+    """Outputs not sent yet. While the API process is behind, a request's outputs merge into one."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, RequestOutput] = {}
+        self.failed: list[RequestOutput] = []  # kept apart, after the tokens before them (as the HTTP side does)
+        self.refused: list[RequestRefused] = []
+        self.events: list = []
+        self.dirty = False
+        self.sent_at = 0.0
+
+    def add(self, outputs: list[RequestOutput], refused: list[RequestRefused], events: list) -> None:
+        self.dirty = True
+        self.events += events
+        self.refused += refused
+        for o in outputs:
+            if o.finish_reason == ERROR:
+                self.failed.append(o)
+                continue
+            prev = self.outputs.get(o.request_id)
+            self.outputs[o.request_id] = o if prev is None else merge_outputs(prev, o)
+
+    def flush(self, conn: Connection, snapshot, block: bool) -> None:
+        """Send what waits, unless `block` is off and the pipe is full; `snapshot()` is the
+        engine's, taken only when a message goes."""
+        if not self.dirty:
+            return
+        if not block and not select.select([], [conn], [], 0)[1]:
+            return  # the pipe is full: keep stepping, send merged later
+        outputs = list(self.outputs.values()) + self.failed
+        for o in outputs:
+            if not o.finished:  # the API side accumulates text and ids; only a final output carries them
+                o.text, o.token_ids = "", []
+        conn.send_bytes(encode(StepOutputs(outputs, self.refused, self.events, snapshot())))
+        self.outputs, self.failed, self.refused, self.events = {}, [], [], []
+        self.dirty = False
+        self.sent_at = time.monotonic()
+
+
+class _Router:
+    """Which channel each request belongs to; applies each channel's commands in order."""
+
+    def __init__(self, engine, channels: list[EngineChannel]) -> None:
+        self.engine = engine
+        self.channels = channels
+        self.outboxes = [_Outbox() for _ in channels]
+        self.open = list(range(len(channels)))  # channels whose API process has not stopped
+        self.owner: dict[str, int] = {}
+
+    def receive(self, block: bool) -> None:
+        """Apply every command waiting on the open channels; with `block`, wait for one first."""
+        conns = [self.channels[i].commands for i in self.open]
+        ready = wait(conns) if block else [c for c in conns if c.poll()]
+        for conn in ready:
+            i = next(i for i in self.open if self.channels[i].commands is conn)
+            try:
+                while conn.poll():
+                    if self._apply(i, decode_down(conn.recv_bytes())):
+                        break
+            except (EOFError, OSError):  # the API process is gone
+                log.warning("API process %d went away: aborting its requests", i)
+                self.close(i)
+
+    def _apply(self, i: int, commands: list) -> bool:
+        """Returns True when the channel closed (StopEngine)."""
+        engine, owner, refused = self.engine, self.owner, []
+        for cmd in commands:
+            if isinstance(cmd, AddRequest):
+                rid = cmd.request_id
+                if rid in owner:  # in flight from another API process (each refuses its own duplicates)
+                    refused.append(RequestRefused(rid, f"request id {rid!r} is already in flight"))
+                    continue
+                owner[rid] = i
+                try:
+                    engine.add_request(rid, cmd.prompt_token_ids, cmd.params, validated=True, deadline=cmd.deadline)
+                except RequestError as e:
+                    del owner[rid]
+                    refused.append(RequestRefused(rid, str(e)))
+            elif isinstance(cmd, AbortRequest):
+                if owner.get(cmd.request_id) == i:
+                    del owner[cmd.request_id]
+                    engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, StopEngine):
+                self.close(i)
+                return True
+        if refused:
+            self.outboxes[i].add([], refused, [])
+        return False
+
+    def close(self, i: int) -> None:
+        if i not in self.open:
+            return
+        self.open.remove(i)
+        for rid in [rid for rid, o in self.owner.items() if o == i]:
+            del self.owner[rid]
+            self.engine.abort_request(rid)
+
+    def route(self, outputs: list[RequestOutput], events: list) -> None:
+        owner, boxes = self.owner, self.outboxes
+        if len(boxes) == 1:  # one API process: everything is its own
+            for o in outputs:
+                if o.finished:
+                    owner.pop(o.request_id, None)
+            if outputs or events:
+                boxes[0].add(outputs, [], events)
+            return
+        mine: dict[int, list[RequestOutput]] = {}
+        for o in outputs:
+            i = owner.pop(o.request_id, None) if o.finished else owner.get(o.request_id)
+            if i is not None:  # None: aborted meanwhile, or its API process is gone
+                mine.setdefault(i, []).append(o)
+        for i, outs in mine.items():
+            boxes[i].add(outs, [], [])
+        if events and self.open:
+            boxes[self.open[0]].add([], [], events)
+
+    def flush(self, block: bool, fresh: bool) -> None:
+        """Send each open channel what waits for it (see _Outbox.flush); `fresh`: every channel
+        gets a message, a snapshot alone if nothing else; otherwise so does any channel that has
+        heard nothing for SNAPSHOT_EVERY_S."""
+        now = time.monotonic()
+        for i in self.open:
+            box = self.outboxes[i]
+            if not box.dirty and (fresh or now - box.sent_at > SNAPSHOT_EVERY_S):
+                box.dirty = True
+            box.flush(self.channels[i].out, self.engine.snapshot, block)
+
+
+def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: str, log_format: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the API
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # processes drain, then stop us
+    from server.logs import setup_logging
+
+    setup_logging(log_level, log_format)
+    import torch
+
+    from server.engine import LLMEngine
+    from server.engine.stats import StatsRecorder
+
+    for ch in channels:
+        grow_pipe(ch.out)
+    try:
+        torch.manual_seed(config.seed)
+        engine = LLMEngine(config)
+    except BaseException:
+        failed = encode(EngineFailed(traceback.format_exc()))
+        for ch in channels:
+            ch.out.send_bytes(failed)
+        return
+    engine.stats = recorder = StatsRecorder()
+    gc.collect()
+    gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/cli.py)
+    ready = encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot()))
+    for ch in channels:
+        ch.out.send_bytes(ready)
+    router = _Router(engine, channels)
+    stepped = False
+    try:
+        while router.open:
+            busy = engine.has_unfinished()
+            if not busy:  # send what waits (and, just gone idle, every channel the idle snapshot)
+                router.flush(block=True, fresh=stepped)
+            router.receive(block=not busy)  # idle: sleep until there is something to do
+            stepped = engine.has_unfinished()
+            outputs = engine.step() if stepped else []
+            router.route(outputs, recorder.take())
+            router.flush(block=False, fresh=False)
+    except BaseException:
+        log.exception("engine loop died")
+        failed = encode(EngineFailed(traceback.format_exc()))
+        for i in router.open:
+            try:
+                channels[i].out.send_bytes(failed)
+            except OSError:
+                pass
+        raise SystemExit(1)
+    finally:
+        gc.unfreeze()  # as in server/cli.py: let exit free what start-up froze

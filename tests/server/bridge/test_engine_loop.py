@@ -1,0 +1,99 @@
+"""The engine process's loop with several API processes (server/bridge/engine_loop.py), driven in this
+process over real pipes: each channel gets exactly its own requests' outputs, a duplicate id from
+another channel is refused, a closed channel's requests are aborted and their blocks freed, engine
+statistics go to one channel only, and every channel hears a fresh snapshot when the engine idles."""
+
+import multiprocessing as mp
+
+import pytest
+
+from server.bridge.engine_loop import EngineChannel, _Router
+from server.bridge.messages import AbortRequest, AddRequest, StepOutputs, StopEngine, decode_up, encode
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.engine.stats import StatsRecorder, StepDone
+from server.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    eng = LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", num_blocks=64))
+    eng.stats = StatsRecorder()
+    return eng
+
+
+def channels(n):
+    """(the engine's ends, the API's (command writer, output reader) ends) of n channels."""
+    ours, theirs = [], []
+    for _ in range(n):
+        cmd_r, cmd_w = mp.Pipe(duplex=False)
+        out_r, out_w = mp.Pipe(duplex=False)
+        ours.append(EngineChannel(cmd_r, out_w))
+        theirs.append((cmd_w, out_r))
+    return ours, theirs
+
+
+def received(conn) -> list[StepOutputs]:
+    msgs = []
+    while conn.poll(0.01):
+        msgs.append(decode_up(conn.recv_bytes()))
+    return msgs
+
+
+def run(router, engine, max_steps=200):
+    """The loop of engine_main, without blocking: until the engine has nothing left."""
+    for _ in range(max_steps):
+        router.receive(block=False)
+        if not engine.has_unfinished():
+            router.flush(block=True, fresh=True)
+            return
+        router.route(engine.step(), engine.stats.take())
+        router.flush(block=False, fresh=False)
+    raise AssertionError("the engine did not finish")
+
+
+def tokens(msgs, rid):
+    outs = [o for m in msgs for o in m.outputs if o.request_id == rid]
+    assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_each_channel_gets_its_own_outputs_and_duplicates_are_refused(engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    alone = engine.generate([[1, 2, 3], [4, 5, 6, 7]], params)
+    ends, api = channels(3)
+    router = _Router(engine, ends)
+    api[0][0].send_bytes(encode([AddRequest("a", [1, 2, 3], params)]))
+    api[1][0].send_bytes(encode([AddRequest("b", [4, 5, 6, 7], params)]))
+    api[2][0].send_bytes(encode([AddRequest("a", [9, 9], params)]))  # "a" is in flight from channel 0
+    run(router, engine)
+    got = [received(out) for _, out in api]
+    assert tokens(got[0], "a") == alone[0].token_ids and tokens(got[1], "b") == alone[1].token_ids
+    assert not any(o.request_id == "b" for m in got[0] for o in m.outputs)
+    assert not any(m.outputs for m in got[2])
+    refused = [r for m in got[2] for r in m.refused]
+    assert [r.request_id for r in refused] == ["a"] and "already in flight" in refused[0].message
+    # engine statistics went to channel 0 alone (metrics summed over processes count them once)
+    steps = [sum(isinstance(e, StepDone) for m in g for e in m.events) for g in got]
+    assert steps[0] > 0 and steps[1] == steps[2] == 0
+    # every channel's last message is the idle snapshot
+    assert all(g[-1].snapshot.running == 0 and g[-1].snapshot.kv_blocks_free == 64 for g in got)
+    assert not router.owner and engine.block_manager.check_all_free()
+
+
+def test_an_abort_counts_only_from_the_owner_and_a_closed_channel_frees_its_requests(engine):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ends, api = channels(2)
+    router = _Router(engine, ends)
+    api[0][0].send_bytes(encode([AddRequest("x", [1, 2, 3], params), AddRequest("y", [3, 2, 1], params)]))
+    api[1][0].send_bytes(encode([AddRequest("z", [5, 5], params)]))
+    router.receive(block=False)
+    router.route(engine.step(), engine.stats.take())
+    api[1][0].send_bytes(encode([AbortRequest("x")]))  # not channel 1's request: ignored
+    api[0][0].send_bytes(encode([StopEngine()]))  # API process 0 stops: x and y are aborted
+    router.receive(block=False)
+    assert router.open == [1] and set(engine.seqs) == {"z"} and set(router.owner) == {"z"}
+    api[1][0].close()  # API process 1 goes away (EOF): z too
+    router.receive(block=False)
+    assert router.open == [] and not engine.seqs and not router.owner
+    assert engine.block_manager.check_all_free()
