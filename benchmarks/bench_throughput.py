@@ -179,6 +179,8 @@ def main(argv=None) -> dict:
                     choices=["flashpage", "flashpage_eager", "hf_eager", "hf_sdpa", "steps"],
                     help="(default: none for GPT-2, flashpage_eager for the Llama family)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                    help="the engine's token budget per step (server/config.py)")
     ap.add_argument("--max-token-id", type=int, default=None, help="prompt ids below this (default: the vocabulary)")
     ap.add_argument("--protocol", choices=["nano-vllm"], default=None,
                     help="nano-vllm's benchmark: sets the workload and sampling flags above, our engine only")
@@ -213,7 +215,7 @@ def main(argv=None) -> dict:
         # No prefix caching: the workload is random ids with nothing to share, and repeated runs of
         # the same requests must not find their prompts cached.
         engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype=dtype, max_model_len=max_model_len,
-                                        enable_prefix_caching=False))
+                                        enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens))
         gc.collect()
         gc.freeze()  # as `python -m server` does after start-up: no full collection walks the start-up heap
         # One run is about a second of host-bound work, whose time varies by +-10% from run to run on
