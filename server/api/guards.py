@@ -339,17 +339,16 @@ class ClientDisconnected(Exception):
     pass
 
 
-async def wait_disconnect(request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def wait_disconnect(receive) -> None:
+    """Until the client goes away; `receive`: the ASGI one (a Request's `receive`)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def until_disconnected(request, stream: AsyncIterator) -> AsyncIterator:
     """Yield from `stream` until it ends; if the client disconnects first, close `stream` (the
     engine aborts the request and frees its blocks at its next step) and raise ClientDisconnected."""
-    watcher = asyncio.ensure_future(wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     nxt = None
     try:
         while True:

@@ -72,7 +72,7 @@ class EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         streaming = asyncio.ensure_future(self._stream(scope, send))
-        watcher = asyncio.ensure_future(wait_disconnect_asgi(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait((streaming, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -93,11 +93,6 @@ class EventStream(Response):
         finally:
             await self.events.aclose()  # at once, even when cancelled between two chunks: it aborts
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def wait_disconnect_asgi(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 @dataclass(frozen=True)
@@ -266,7 +261,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
         return EventStream(gen, headers={"Cache-Control": "no-cache"})
 
     done = 0
-    watcher = asyncio.ensure_future(wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         while done < len(choices):
             getter = asyncio.ensure_future(queue.get())

@@ -37,9 +37,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from server.api.guards import ServerLimits
 from server.config import EngineConfig
+
+if TYPE_CHECKING:  # imported where it runs: the parent process needs no torch, models or engine
+    from server.bridge.engine_process import ClientChannel
 
 log = logging.getLogger("flashpage.servers")
 
@@ -62,7 +66,7 @@ class ApiProcessSpec:
     index: int
     config: EngineConfig
     limits: ServerLimits
-    channel: object  # server/bridge/engine_process.ClientChannel
+    channel: ClientChannel
     sock: socket.socket  # the shared listening socket
     log_level: str
     log_format: str

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from server.bridge.messages import (AbortRequest, AddRequest, EngineFailed, EngineReady, RequestRefused, StepOutputs,
-                                    StopEngine, decode_down, encode)
+                                    StopEngine, add_request, decode_down, encode)
 from server.config import EngineConfig
-from server.engine import RequestError, RequestOutput, merge_outputs
+from server.engine import RequestOutput, merge_outputs
 from server.engine.stop import ERROR
 
 log = logging.getLogger("flashpage.engine")
@@ -134,11 +134,9 @@ class _Router:
                     refused.append(RequestRefused(rid, f"request id {rid!r} is already in flight"))
                     continue
                 owner[rid] = i
-                try:
-                    engine.add_request(rid, cmd.prompt_token_ids, cmd.params, validated=True, deadline=cmd.deadline)
-                except RequestError as e:
+                if (r := add_request(engine, cmd)) is not None:
                     del owner[rid]
-                    refused.append(RequestRefused(rid, str(e)))
+                    refused.append(r)
             elif isinstance(cmd, AbortRequest):
                 if owner.get(cmd.request_id) == i:
                     del owner[cmd.request_id]
@@ -160,13 +158,6 @@ class _Router:
 
     def route(self, outputs: list[RequestOutput], events: list) -> None:
         owner, boxes = self.owner, self.outboxes
-        if len(boxes) == 1:  # one API process: everything is its own
-            for o in outputs:
-                if o.finished:
-                    owner.pop(o.request_id, None)
-            if outputs or events:
-                boxes[0].add(outputs, [], events)
-            return
         mine: dict[int, list[RequestOutput]] = {}
         for o in outputs:
             i = owner.pop(o.request_id, None) if o.finished else owner.get(o.request_id)
@@ -212,7 +203,7 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
         return
     engine.stats = recorder = StatsRecorder()
     gc.collect()
-    gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/cli.py)
+    gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/api/lifecycle.py)
     ready = encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot()))
     for ch in channels:
         ch.out.send_bytes(ready)
@@ -238,4 +229,4 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
                 pass
         raise SystemExit(1)
     finally:
-        gc.unfreeze()  # as in server/cli.py: let exit free what start-up froze
+        gc.unfreeze()  # as in server/api/lifecycle.py: let exit free what start-up froze

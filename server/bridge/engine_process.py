@@ -231,7 +231,7 @@ class EngineClient:
         if self.stats is not None and msg.events:
             self.stats.replay(msg.events)
         outputs = []
-        texts = self._text
+        texts, n = self._text, len(self.id_prefix)
         for out in msg.outputs:
             rid = out.request_id
             so_far = texts.pop(rid, None) if out.finished else texts.get(rid)
@@ -241,15 +241,12 @@ class EngineClient:
                 out.text, out.token_ids = so_far[0] + out.new_text, so_far[1]
                 out.token_ids.extend(out.new_token_ids)
                 texts[rid] = (out.text, out.token_ids)
+            if n:  # back to the id this process knows it by
+                out.request_id = rid[n:]
             outputs.append(out)
         for r in msg.refused:
             texts.pop(r.request_id, None)
-        if self.id_prefix:  # back to the ids this process knows them by
-            n = len(self.id_prefix)
-            for o in outputs:
-                o.request_id = o.request_id[n:]
-            for r in msg.refused:
-                r.request_id = r.request_id[n:]
+            r.request_id = r.request_id[n:]
         if outputs or msg.refused:
             self._deliver(outputs, msg.refused)
 

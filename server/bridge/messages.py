@@ -70,17 +70,23 @@ decode_down = msgspec.msgpack.Decoder(list[Command]).decode
 decode_up = msgspec.msgpack.Decoder(Up).decode
 
 
+def add_request(engine: LLMEngine, cmd: AddRequest) -> RequestRefused | None:
+    """Queue one add; the engine's refusal, if it refuses. Adds come from AsyncEngine, which
+    validated them against the engine's bounds before queueing."""
+    try:
+        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, validated=True, deadline=cmd.deadline)
+    except RequestError as e:
+        return RequestRefused(cmd.request_id, str(e))
+    return None
+
+
 def apply_commands(engine: LLMEngine, commands: list[Command]) -> list[RequestRefused]:
-    """Adds and aborts, in order; returns the adds the engine refused. Adds come from AsyncEngine,
-    which validated them against the engine's bounds before queueing."""
+    """Adds and aborts, in order; returns the adds the engine refused."""
     refused = []
     for cmd in commands:
         if isinstance(cmd, AddRequest):
-            try:
-                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, validated=True,
-                                   deadline=cmd.deadline)
-            except RequestError as e:
-                refused.append(RequestRefused(cmd.request_id, str(e)))
+            if (r := add_request(engine, cmd)) is not None:
+                refused.append(r)
         elif isinstance(cmd, AbortRequest):
             engine.abort_request(cmd.request_id)
     return refused
