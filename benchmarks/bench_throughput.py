@@ -184,6 +184,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-token-id", type=int, default=None, help="prompt ids below this (default: the vocabulary)")
     ap.add_argument("--protocol", choices=["nano-vllm"], default=None,
                     help="nano-vllm's benchmark: sets the workload and sampling flags above, our engine only")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also run the engine in its deterministic mode (flashpage_deterministic), same workload")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
     if args.protocol == "nano-vllm":  # nano-vllm's bench.py, as published
@@ -209,26 +211,30 @@ def main(argv=None) -> dict:
     print(f"copy bandwidth {copy_tbps:.2f} TB/s", flush=True)
     rows = [dict(impl="copy", tbps=round(copy_tbps, 3))]
 
-    for impl, attention in (("flashpage", "triton"), ("flashpage_eager", "eager")):
-        if impl in skip:
+    impls = (("flashpage", "triton", False), ("flashpage_deterministic", "triton", True),
+             ("flashpage_eager", "eager", False))
+    for impl, attention, deterministic in impls:
+        if impl in skip or (deterministic and not args.deterministic):
             continue
         # No prefix caching: the workload is random ids with nothing to share, and repeated runs of
         # the same requests must not find their prompts cached.
         engine = LLMEngine(EngineConfig(model=str(path), attention=attention, dtype=dtype, max_model_len=max_model_len,
-                                        enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens))
+                                        enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens,
+                                        deterministic=deterministic))
         gc.collect()
         gc.freeze()  # as `python -m server` does after start-up: no full collection walks the start-up heap
         # One run is about a second of host-bound work, whose time varies by +-10% from run to run on
         # the same machine: the figure is the median of --repeats runs (all of them kept).
         runs = [run_engine(engine, prompts, outs, args.temperature)
-                for _ in range(args.repeats if impl == "flashpage" else 1)]
+                for _ in range(args.repeats if attention == "triton" else 1)]
         dt, tokens, split = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         rows.append(dict(impl=impl, requests=len(prompts), output_tokens=tokens, seconds=round(dt, 3),
                          output_tokens_per_s=round(tokens / dt, 1), time_split=split,
                          runs_tokens_per_s=[round(t / d, 1) for d, t, _ in runs]))
         print(f"{impl:16s} {tokens / dt:10.1f} output tok/s ({dt:.2f} s, median of {len(runs)}) {split}", flush=True)
-        if impl == "flashpage" and "steps" not in skip:
-            rows += decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)
+        if attention == "triton" and "steps" not in skip:
+            rows += [dict(r, mode="deterministic" if deterministic else "default")
+                     for r in decode_steps(engine, args.step_batches, args.step_context, copy_tbps, vocab)]
         engine.close()
         del engine
         gc.unfreeze()
@@ -274,7 +280,7 @@ def report(result: dict) -> str:
              f"{result['workload']['model']}, {result['device']}:", "",
              "| engine | output tokens/s | vs hf_eager | runs (tokens/s) |", "|---|---:|---:|---|"]
     base = tput.get("hf_eager", {}).get("output_tokens_per_s")
-    for impl in ("flashpage", "flashpage_eager", "hf_eager", "hf_sdpa"):
+    for impl in ("flashpage", "flashpage_deterministic", "flashpage_eager", "hf_eager", "hf_sdpa"):
         if impl in tput:
             v = tput[impl]["output_tokens_per_s"]
             runs = tput[impl].get("runs_tokens_per_s") or []
@@ -283,7 +289,18 @@ def report(result: dict) -> str:
                          f"| {impl} | {v:,.0f} | | {spread} |")
     if protocol == "nano-vllm":
         lines += ["", f"Published with this protocol on other hardware, for placement only: {NANO_VLLM_PUBLISHED}."]
-    steps = [r for r in rows if r["impl"] == "flashpage_step"]
+    steps = [r for r in rows if r["impl"] == "flashpage_step" and r.get("mode", "default") == "default"]
+    det = {r["batch"]: r for r in rows if r["impl"] == "flashpage_step" and r.get("mode") == "deterministic"}
+    if det and "flashpage_deterministic" in tput:
+        ratio = tput["flashpage_deterministic"]["output_tokens_per_s"] / tput["flashpage"]["output_tokens_per_s"]
+        lines += ["", f"Deterministic mode (`--deterministic`): {ratio:.0%} of the default's output tokens/s. "
+                  "Decode step (CUDA graph alone, ms), default vs deterministic:", "",
+                  "| batch | context | default | deterministic | ratio |", "|---:|---:|---:|---:|---:|"]
+        for r in steps:
+            d = det.get(r["batch"])
+            if d and r.get("graph_ms") and d.get("graph_ms"):
+                lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.3f} | {d['graph_ms']:.3f} | "
+                             f"{d['graph_ms'] / r['graph_ms']:.2f}× |")
     if steps:
         lines += ["", "Decode step against the floor (weights + K/V read) / copy bandwidth. *graph*: the "
                   "step's CUDA graph replayed alone (device time); *step*: one step launched and waited "

@@ -29,6 +29,8 @@ SECTIONS = [
     ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),
     ("scaleout_", "benchmarks.scaleout_report", "Scale-out behind vllm-router"),
     ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
+    ("determinism_", "benchmarks.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
+    ("invariant_kernels_", "benchmarks.bench_invariant_kernels", "Batch-invariant kernels"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

@@ -175,3 +175,15 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     F.silu (computed in fp32 by torch, rounded to the dtype), then the product (rounded)."""
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               gelu: bool = False) -> torch.Tensor:
+    """act(x @ weight.T + bias) in fp32, rounded once to x's dtype; gelu is the tanh approximation
+    (kernels/invariant_matmul.py)."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    if gelu:
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.to(x.dtype)

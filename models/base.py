@@ -28,6 +28,9 @@ class CausalLM(Protocol):
     spec: ModelSpec
     attention: AttentionBackend
     vocab_size: int  # real columns of lm_head's output (the rest is padding)
+    # batch-invariant GEMMs and attention (the constructor's `deterministic`): a row's outputs do
+    # not depend on the other rows of its step; the worker then uses invariant sampling reductions
+    deterministic: bool
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 meta: AttentionMetadata, sampled_ids: torch.Tensor | None = None) -> torch.Tensor:

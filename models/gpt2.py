@@ -19,16 +19,17 @@ from transformers.activations import ACT2FN
 from kernels.fused_norm import add_layernorm, embed_layernorm
 from models.attention import AttentionBackend, AttentionMetadata, make_backend
 from models.base import resolve_placeholders
+from models.linear import Linear, head_matmul
 from models.spec import ModelSpec
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend, invariant: bool = False) -> None:
         super().__init__()
         self.num_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, invariant=invariant)
+        self.c_proj = Linear(config.n_embd, config.n_embd, invariant=invariant)
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
@@ -53,15 +54,17 @@ def _activation(name: str):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2Config, invariant: bool = False) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, inner)
-        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.c_fc = Linear(config.n_embd, inner, invariant=invariant)
+        self.c_proj = Linear(inner, config.n_embd, invariant=invariant)
         self.act = _activation(config.activation_function)
         self.gelu_tanh = config.activation_function in _GELU_TANH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh and self.c_fc.invariant:  # the GEMM's own GELU epilogue
+            return self.c_proj(self.c_fc(x, gelu=True))
         if self.gelu_tanh and x.is_cuda and x.dim() == 2:
             # One kernel instead of two: cuBLASLt's GELU epilogue is the same tanh approximation
             # (computed in fp32 before rounding); a decode step at small batch is launch-bound.
@@ -72,12 +75,12 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend, invariant: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx, backend)
+        self.attn = GPT2Attention(config, layer_idx, backend, invariant)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, invariant)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, kv_cache, meta: AttentionMetadata, next_norm: nn.LayerNorm,
                 fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,19 +98,21 @@ def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm, fused: bool)
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, config: GPT2Config, attention: str = "sdpa") -> None:
+    def __init__(self, config: GPT2Config, attention: str = "sdpa", deterministic: bool = False) -> None:
         super().__init__()
         if config.add_cross_attention:
             raise ValueError("GPT-2 checkpoints with cross-attention are not supported")
         self.config = config
         self.spec = ModelSpec.from_hf_config(config)
-        self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads)
+        self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads,
+                                      deterministic)
+        self.deterministic = deterministic
         # The table has rows up to a multiple of 64 (zeros past the vocabulary): the tied LM head's
         # GEMM then has an aligned N, which on an H100 is 2.7x faster at batch 256 than N = 50257.
         self.vocab_size = config.vocab_size
         self.wte = nn.Embedding(-(-config.vocab_size // 64) * 64, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config, i, self.attention) for i in range(config.n_layer))
+        self.h = nn.ModuleList(GPT2Block(config, i, self.attention, deterministic) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     def forward(
@@ -138,7 +143,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in the model dtype, [n, padded vocab]: columns past vocab_size are padding."""
-        return hidden @ self.wte.weight.t()
+        return head_matmul(hidden, self.wte.weight, self.deterministic)
 
     # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

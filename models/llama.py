@@ -29,6 +29,7 @@ from kernels.rms_norm import add_rmsnorm, rmsnorm
 from kernels.silu_mul import silu_mul
 from models.attention import AttentionBackend, AttentionMetadata, Rope, make_backend
 from models.base import resolve_placeholders
+from models.linear import Linear, head_matmul
 from models.spec import ModelSpec
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
@@ -78,15 +79,15 @@ class Rotary:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend, invariant: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         # attention_bias puts biases on all four projections; Qwen2 always has them on Q/K/V only.
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
-                                  bias=qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias)
+        self.qkv_proj = Linear(spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+                               bias=qkv_bias, invariant=invariant)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias, invariant=invariant)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
@@ -109,12 +110,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, invariant: bool = False) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=bias, invariant=invariant)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=bias, invariant=invariant)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type} (silu only)")
 
@@ -127,12 +128,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend, invariant: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, spec, backend)
+        self.self_attn = LlamaAttention(config, spec, backend, invariant)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, invariant)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata,
                 next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,16 +157,18 @@ def _pad64(n: int) -> int:
 class LlamaForCausalLM(nn.Module):
     """Also Mistral, Qwen2 and Qwen3 (models/registry.py maps their model_types here)."""
 
-    def __init__(self, config: PretrainedConfig, attention: str = "sdpa") -> None:
+    def __init__(self, config: PretrainedConfig, attention: str = "sdpa", deterministic: bool = False) -> None:
         super().__init__()
         self.config = config
         self.spec = ModelSpec.from_hf_config(config)
         rope_parameters(config)  # refuse an unsupported rope_type before any weight is read
-        self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads)
+        self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads,
+                                      deterministic)
+        self.deterministic = deterministic
         self.vocab_size = config.vocab_size
         # Rows up to a multiple of 64 (zero past the vocabulary): the LM head's GEMM gets an aligned N.
         self.embed_tokens = nn.Embedding(_pad64(config.vocab_size), config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.spec, self.attention)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.spec, self.attention, deterministic)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -187,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, padded vocab] in the model dtype: columns past vocab_size are padding."""
-        return hidden @ (self.embed_tokens.weight if self.tied else self.lm_head_weight).t()
+        return head_matmul(hidden, self.embed_tokens.weight if self.tied else self.lm_head_weight, self.deterministic)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hugging Face names in; q/k/v and gate/up concatenated into the merged projections."""

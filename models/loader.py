@@ -65,10 +65,12 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str) -> CausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str,
+               deterministic: bool = False) -> CausalLM:
+    """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag)."""
     config = load_config(path)
     with torch.device("meta"):
-        model = model_class(config.model_type)(config, attention)
+        model = model_class(config.model_type)(config, attention, deterministic=deterministic)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(_read_tensors(path))
     return model.eval().requires_grad_(False)

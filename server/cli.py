@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP API processes sharing the port in front of the one engine process (tokenising, "
                         "validation and streaming scale with them; default: from the cores available)")
     p.add_argument("--seed", type=Bound(int, 0, 2**63 - 1), default=d.seed)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                   default=d.deterministic or os.environ.get("FLASHPAGE_DETERMINISTIC", "0").lower() in ("1", "true", "yes"),
+                   help="batch-invariant kernels: each request's tokens and logprobs are bitwise the same whatever "
+                        "else is in the batch (sampled ones for the same seed); costs speed, see the README "
+                        "(also FLASHPAGE_DETERMINISTIC=1; needs --attention triton)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object per line (with request_id where known)")

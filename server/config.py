@@ -38,4 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0
+    # Batch-invariant kernels (GEMMs, attention): a request's tokens and logprobs are the same bits
+    # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
+    deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off

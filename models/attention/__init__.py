@@ -11,12 +11,15 @@ from models.attention.base import AttentionBackend, AttentionMetadata, Rope, Ste
 BACKENDS = ("triton", "eager", "sdpa")
 
 
-def make_backend(kind: str, head_dim: int, group: int = 1) -> AttentionBackend:
-    """`group`: query heads per K/V head (1 without grouped-query attention)."""
+def make_backend(kind: str, head_dim: int, group: int = 1, deterministic: bool = False) -> AttentionBackend:
+    """`group`: query heads per K/V head (1 without grouped-query attention). `deterministic`:
+    batch-invariant attention (triton only: the other backends' reductions are torch's)."""
     if kind == "triton":
         from models.attention.triton_backend import TritonAttention  # imports triton: only when asked for
 
-        return TritonAttention(head_dim, group)
+        return TritonAttention(head_dim, group, deterministic)
+    if deterministic:
+        raise ValueError(f"deterministic mode needs the triton attention backend, not {kind!r}")
     if kind in ("eager", "sdpa"):
         from models.attention.torch_backend import TorchAttention
 

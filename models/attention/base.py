@@ -57,6 +57,9 @@ class AttentionMetadata:
     # (tile_seq, tile_start) int32: flash_prefill's tile map (triton): in captured prefill graphs,
     # whose grid cannot follow the batch, and in eager steps, whose grid then holds no idle programs.
     prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (cu_seqlens, prefix_lens, (tile_seq, tile_start)) of the decode rows as one-row chunks: the
+    # deterministic triton path runs them through the prefill chunks' kernel
+    decode_chunks: tuple | None = None
 
 
 @dataclass(slots=True)

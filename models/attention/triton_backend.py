@@ -8,6 +8,12 @@ kernel, then the decode kernel for the step's decode rows. The flash prefill ker
 (which query tile of which chunk each program takes) built on the host each step: in an eager
 step it lists exactly the chunks' tiles (prefill_arrays), so no program idles; in a captured
 prefill graph, whose grid never changes, it fills a fixed number of slots, the rest idle.
+
+Deterministic mode (``deterministic=True``, the server's --deterministic): every row, prompt chunk or
+decode, goes through kernels/invariant_attention.py after this step's K/V are written, so that a
+position's output does not depend on the batch, the chunking or prefill versus decode. Decodes
+are chunks of one row at position context_len - 1, their keys split over programs by the kernel's
+fixed segments (same bits, more parallelism).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from kernels.flash_prefill import block_m, flash_prefill, tile_map
+from kernels.invariant_attention import SEGMENT, invariant_attention, positions_per_tile
 from kernels.kv_write import kv_write
 from kernels.paged_decode import paged_decode, warmup_split_variants
 from kernels.rope import rope_kv_write
@@ -26,15 +33,21 @@ class TritonAttention:
     name = "triton"
     prefill_graphs = True
 
-    def __init__(self, head_dim: int, group: int = 1) -> None:
-        self.head_dim, self.group = head_dim, group
+    def __init__(self, head_dim: int, group: int = 1, deterministic: bool = False) -> None:
+        self.head_dim, self.group, self.deterministic = head_dim, group, deterministic
         self._block_m: dict[int, int] = {}  # captured token count -> flash_prefill's BLOCK_M for it
+        self._iota: torch.Tensor | None = None  # 0, 1, 2, ...: decode rows as one-row chunks
+
+    def _positions_per_tile(self, max_seqlen: int, device: torch.device) -> int:
+        if self.deterministic:
+            return positions_per_tile(self.group)
+        return block_m(self.head_dim, max_seqlen, device, self.group)
 
     def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
                        ) -> dict[str, np.ndarray]:
-        """The flash prefill kernel's tile map for these chunks, exactly as many tiles as they
-        need: a grid over (longest chunk) x chunks would launch idle programs for the short ones."""
-        bm = block_m(self.head_dim, max(chunk_lens), device, self.group)
+        """The prefill kernel's tile map for these chunks, exactly as many tiles as they need: a
+        grid over (longest chunk) x chunks would launch idle programs for the short ones."""
+        bm = self._positions_per_tile(max(chunk_lens), device)
         tile_seq, tile_start = tile_map(chunk_lens, chunk_prefix, bm)
         return {"tile_seq": tile_seq, "tile_start": tile_start}
 
@@ -45,10 +58,26 @@ class TritonAttention:
             meta.has_prefix = any(rows.chunk_prefix)
             if "tile_seq" in rows.extra:
                 meta.prefill_tiles = rows.extra["tile_seq"], rows.extra["tile_start"]
+        if self.deterministic:
+            self._decode_chunks(meta)
         return meta
+
+    def _decode_chunks(self, meta: AttentionMetadata) -> None:
+        """Deterministic mode: the decode rows as one-row chunks (positions context_len - 1), in
+        device ops only (captured with the rest of a decode graph)."""
+        if meta.context_lens is None or not meta.context_lens.numel():
+            return
+        n = meta.context_lens.shape[0]
+        if self._iota is None or self._iota.numel() < 2 * n + 1 or self._iota.device != meta.context_lens.device:
+            # allocated at warm-up (before any capture) for the largest batch; never shrinks
+            self._iota = torch.arange(max(2 * n + 1, 1 << 12), dtype=torch.int32, device=meta.context_lens.device)
+            self._zeros = torch.zeros_like(self._iota)
+        meta.decode_chunks = (self._iota[: n + 1], meta.context_lens - 1, (self._iota[:n], self._zeros[:n]))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 rope: Rope | None = None) -> torch.Tensor:
+        if self.deterministic:
+            return self._forward_invariant(q, k, v, k_cache, v_cache, meta, scale, rope)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
         if not p:  # decodes only: the decode kernel writes this step's K/V itself
@@ -69,6 +98,29 @@ class TritonAttention:
             paged_decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out[p:])
         return out
 
+    def _forward_invariant(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                           rope: Rope | None) -> torch.Tensor:
+        if rope is not None:
+            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        p = meta.num_prefill_tokens
+        block_size = k_cache.shape[1]
+        if p:
+            tables = meta.prefill_block_tables
+            invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
+                                scale, -(-tables.shape[1] * block_size // SEGMENT), out=out[:p])
+        if q.shape[0] > p:
+            cu, prefix, tiles = meta.decode_chunks
+            tables = meta.decode_block_tables
+            # Keys split over programs by segment (the same bits as unsplit, the kernel's contract):
+            # faster at every decode batch measured on the H100, 1 to 256 rows
+            # (benchmarks/results/invariant_kernels_h100.json); prompt chunks have tiles enough.
+            invariant_attention(q[p:], k_cache, v_cache, tables, cu, prefix, tiles, scale,
+                                -(-tables.shape[1] * block_size // SEGMENT), split=True, out=out[p:])
+        return out
+
     def warmup(self, kv_caches, num_heads: int) -> None:
         """Compile every split variant of the decode kernel (kernels/paged_decode.py)."""
         k_cache, v_cache = kv_caches[0]
@@ -76,7 +128,7 @@ class TritonAttention:
 
     # -- captured prefill steps -----------------------------------------------------------------
     def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
-        bm = self._block_m[num_tokens] = block_m(self.head_dim, num_tokens, device, self.group)
+        bm = self._block_m[num_tokens] = self._positions_per_tile(num_tokens, device)
         # sum(ceil(len / bm)) over <= max_chunks chunks of num_tokens tokens <= num_tokens / bm + max_chunks
         return -(-num_tokens // bm) + max_chunks
 
@@ -87,4 +139,6 @@ class TritonAttention:
     def graph_metadata(self, rows: StepRows, num_tokens: int, tiles) -> AttentionMetadata:
         meta = base_metadata(rows)
         meta.max_seqlen, meta.has_prefix, meta.prefill_tiles = num_tokens, True, tiles
+        if self.deterministic:
+            self._decode_chunks(meta)
         return meta

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.log_softmax import log_softmax_rows
+
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
@@ -256,8 +258,11 @@ class ModelRunner:
             (c or StepControls()).apply(logits, self.counts, bitmask)
         gens = [self._generator(s.request_id, s.params.seed) for s in rows]
         want = [s.params.logprobs for s in rows]
-        ids, _ = sample(logits, [s.params for s in rows], gens)
-        logprobs = torch.log_softmax(raw, dim=-1) if any(w is not None for w in want) else None
+        invariant = self.model.deterministic
+        ids, _ = sample(logits, [s.params for s in rows], gens, invariant=invariant)
+        logprobs = None
+        if any(w is not None for w in want):  # per-row bits independent of the batch where asked
+            logprobs = log_softmax_rows(raw) if invariant else torch.log_softmax(raw, dim=-1)
         self.last_ids[: len(rows)].copy_(ids)
         if c is not None and c.penalty is not None:
             self.counts.add(c.penalty[1], ids[c.penalty[0]])
@@ -295,7 +300,8 @@ class ModelRunner:
         step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
         hidden = self._run(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
         if any(map(wants_scores, prefills)):
-            self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda)
+            self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda,
+                                        self.model.deterministic)
         if not len(step.ends):
             return None
         logits = self.model.lm_head(hidden[step.ends])

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.log_softmax import log_softmax_rows
+
 from server.sampling_params import SamplingParams
 from server.worker.logits import to_device
 
@@ -29,10 +31,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    want_logprobs: bool = False,
+    want_logprobs: bool = False, invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, V] fp32 -> (token ids [n] int64, log-probabilities [n, V] of the model's raw
-    distribution, or None unless asked for). Everything stays on the logits' device."""
+    distribution, or None unless asked for). Everything stays on the logits' device. `invariant`
+    (the deterministic mode): the sampling distribution comes from kernels/log_softmax.py, whose
+    rows' bits do not depend on their place in the batch (torch's softmax's do)."""
     n = logits.shape[0]
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = logits.argmax(dim=-1)
@@ -51,7 +55,7 @@ def sample(
         top_k = to_device([params[i].top_k for i in rows], torch.long, dev)
         top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = log_softmax_rows(scaled).exp() if invariant else torch.softmax(scaled, dim=-1)
     # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each
     # seeded row take its noise from its own generator.
     noise = torch.empty_like(probs).exponential_()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.log_softmax import log_softmax_rows
+
 from server.worker.logits import to_device
 
 SLICE = 128
@@ -40,7 +42,8 @@ def wants_scores(chunk) -> bool:
     return seq.params.prompt_logprobs is not None and chunk.start < len(seq.prompt_token_ids) - 1
 
 
-def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int, pinned: bool) -> list[PromptScores]:
+def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int, pinned: bool,
+                 invariant: bool = False) -> list[PromptScores]:
     """hidden: the step's hidden states, prefill chunks first (in `prefills` order)."""
     out, offset = [], 0
     for chunk in prefills:
@@ -53,7 +56,9 @@ def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int,
             parts = []
             for a in range(0, m, SLICE):
                 b = min(m, a + SLICE)
-                logprobs = torch.log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), dim=-1)
+                logits = lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float()
+                # the deterministic mode's log-softmax: a row's bits independent of the slice
+                logprobs = log_softmax_rows(logits) if invariant else torch.log_softmax(logits, dim=-1)
                 chosen = logprobs.gather(1, targets[a:b, None])
                 top_v, top_i = logprobs.topk(max(k, 1), dim=-1)
                 parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))

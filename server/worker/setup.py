@@ -44,8 +44,18 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
-    log.info("loading weights from %s (%s, attention=%s, device=%s)", path, dtype, attention, device)
-    model = load_model(path, dtype, device, attention)
+    if config.deterministic and attention != "triton":
+        raise ValueError(f"--deterministic runs on the triton attention backend (its batch-invariant kernels), not "
+                         f"{attention!r}: pass --attention triton (off the GPU only under TRITON_INTERPRET=1)")
+    log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
+             ", deterministic" if config.deterministic else "")
+    model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
+    if config.deterministic and on_cuda:
+        from kernels.invariant_matmul import check_buckets
+
+        if not check_buckets(device):
+            log.warning("deterministic mode: this GPU's GEMM tile configs differ in bits; every batch size "
+                        "uses one config (slower prefill)")
     spec = model.spec
     max_model_len = spec.max_position_embeddings
     if config.max_model_len is not None:  # never 0 for "the default": the CLI refuses 0

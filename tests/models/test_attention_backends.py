@@ -30,8 +30,15 @@ MAX_BLOCKS = 4  # page-table width: wider than any sequence here, the spare entr
 # torch backends' own precision.
 TOL = {torch.float16: 3e-3, torch.float32: 1e-5}
 # (backend, dtype) pairs that run on CPU: triton needs fp16/bf16, the torch backends take both.
-CASES = [("triton", torch.float16), ("eager", torch.float32), ("eager", torch.float16),
-         ("sdpa", torch.float32), ("sdpa", torch.float16)]
+# "triton-deterministic": the triton backend in the deterministic mode (kernels/invariant_attention.py).
+CASES = [("triton", torch.float16), ("triton-deterministic", torch.float16), ("eager", torch.float32),
+         ("eager", torch.float16), ("sdpa", torch.float32), ("sdpa", torch.float16)]
+
+
+def _backend(kind: str, head_dim: int, group: int = 1):
+    if kind == "triton-deterministic":
+        return make_backend("triton", head_dim, group, deterministic=True)
+    return make_backend(kind, head_dim, group)
 # Prefill chunks as (cached prefix, new tokens) and decodes as context lengths (this step's token included).
 CHUNKS = [(0, 19), (21, 6)]
 DECODES = [1, 17, 40]
@@ -53,7 +60,7 @@ class Step:
         """The backend's metadata and forward through layer 1's views of a fresh copy of the cache
         (on the GPU where there is one); (out, cache after the step), on the CPU."""
         group = self.q.shape[1] // self.k.shape[1]
-        return _forward(make_backend(kind, head_dim, group), self.q, self.k, self.v, self.storage, self.rows,
+        return _forward(_backend(kind, head_dim, group), self.q, self.k, self.v, self.storage, self.rows,
                         worker_metadata, self.scale)
 
 
@@ -210,14 +217,16 @@ def test_backends_agree(dtype, chunks, decodes):
         torch.testing.assert_close(sa, sb, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{a} vs {b} cache\n{m}")
 
 
-def test_triton_graph_metadata_matches_metadata():
+@pytest.mark.parametrize("kind", ["triton", "triton-deterministic"])
+def test_triton_graph_metadata_matches_metadata(kind):
     """A captured prefill step's form (server/worker/cuda_graphs.py PrefillGraphs): T rows of which
     the real ones come first, the padding rows (slot -1) in no chunk, cu_seqlens and the per-chunk
     rows padded to max_chunks (the tail of cu_seqlens repeating the last offset), a tile map filled
     on the host. Real rows must match the ordinary metadata over the unpadded step, and padding
-    rows must write nothing."""
+    rows must write nothing. In the deterministic mode the real rows are bitwise those of the
+    ordinary metadata (the tile map's padding and idle tiles change no row)."""
     T, max_chunks, d = 64, 16, 64
-    backend = make_backend("triton", d)
+    backend = _backend(kind, d)
     n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE))
     assert n > 0
     step = _build(4, 2, d, torch.float16, decodes=[], pad=0)
@@ -243,8 +252,10 @@ def test_triton_graph_metadata_matches_metadata():
     tiles = (torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_start).to(DEVICE))
     out, storage = _forward(backend, q, k, v, step.storage, rows, lambda b, r: b.graph_metadata(r, T, tiles),
                             step.scale)
-    want, want_storage = step.run("triton", d)
+    want, want_storage = step.run(kind, d)
     assert out.shape == q.shape
+    if kind == "triton-deterministic":
+        assert torch.equal(out[:real], want[:real])
     torch.testing.assert_close(out[:real], want[:real], atol=TOL[torch.float16], rtol=TOL[torch.float16],
                                msg=lambda m: f"graph_metadata vs metadata\n{m}")
     _check_rows(out[:real], step.ref, torch.float16, "triton graph")
@@ -264,7 +275,7 @@ def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, 
     angles = torch.arange(256)[:, None] * torch.rand(32, generator=g)[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     rope = Rope(positions, emb.cos(), emb.sin())
-    backend = make_backend(kind, 64, 2)
+    backend = _backend(kind, 64, 2)
     meta = worker_metadata
     got, got_cache = _forward(backend, step.q, step.k, step.v, step.storage, step.rows, meta, step.scale, rope)
     q, k = (rope_ref(x.to(DEVICE), positions.to(DEVICE), emb.cos().to(DEVICE), emb.sin().to(DEVICE)).cpu()
@@ -305,6 +316,11 @@ def test_triton_eager_tile_map_lists_each_query_tile_once():
 def test_triton_backend_has_prefill_graphs():
     backend = make_backend("triton", 64)
     assert backend.name == "triton" and backend.prefill_graphs is True
+
+
+def test_deterministic_needs_triton():
+    with pytest.raises(ValueError, match="deterministic mode needs the triton attention backend"):
+        make_backend("sdpa", 64, deterministic=True)
 
 
 def test_unknown_backend():

@@ -1,0 +1,241 @@
+"""Batch-invariant paged attention: the deterministic mode's one attention kernel, for prompt chunks
+and decodes alike, whose result for a query position does not depend on the batch, the chunking,
+or whether the position is computed by a prefill or by a decode step.
+
+Contract (semantics = ``kernels.reference.prefill_attention_ref`` over the cached keys; bits as
+below):
+  q            [total_rows, num_heads, head_dim] fp16 / bf16, last dim contiguous
+  k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, last dim contiguous,
+               block_size a power of two. Every key a row attends to is ALREADY in the cache (the
+               caller writes this step's K/V first).
+  block_tables [num_chunks, max_blocks] int32
+  cu_seqlens   [num_chunks + 1] int32: chunk c owns rows cu[c] .. cu[c+1]-1, at positions
+               prefix_lens[c] + 0, 1, ... (a decode is a chunk of one row at context_len - 1)
+  prefix_lens  [num_chunks] int32
+  tiles        (tile_seq, tile_start) int32 [num_tiles]: program tile i serves chunk positions
+               tile_start[i] .. + positions_per_tile() - 1 of chunk tile_seq[i] (-1: idle), as
+               kernels/flash_prefill.py's tile_map builds them
+  max_segments host int >= the segments of the longest context (cdiv(max context, SEGMENT))
+  split        host bool: one program per segment with a merge launch after (latency at small
+               batch), or one program per tile folding its segments in order (no partials)
+  returns      out [total_rows, num_heads, head_dim], q's dtype. Row at position p, head h attends
+               to cache positions 0..p of its chunk's sequence with kv head h // group.
+
+What is fixed, and why each row's bits are a function of its own query and keys only:
+  * keys are read from the cache in SEGMENT-token segments at absolute positions
+    [s * SEGMENT, (s + 1) * SEGMENT), each in BLOCK_N-key tiles at absolute positions: the same
+    tiles in the same order whether a prompt arrives whole, in chunks, after a prefix-cache hit, or
+    one token at a time; one masked loop (no separate unmasked or diagonal loops);
+  * within a segment, the online softmax (exp2, fp32) gives (o_s, lse_s); segments are folded in
+    ascending order by one helper (``_fold``), in registers (split=False) or by the merge kernel
+    from fp32 partials (split=True): the same operations on the same fp32 values, so the choice
+    of path (made per launch from the batch, for speed) does not change a bit;
+  * one tile shape (BLOCK_M rows = query positions x the GQA group's heads, BLOCK_N, warps)
+    whatever the batch, so every tl.dot is the same tensor-core instruction; rows of other
+    positions or sequences in a tile only add masked entries, and a masked entry contributes an
+    exact 0 (p = 0, alpha = 1);
+  * FMA contraction is off (``enable_fp_fusion=False``): the fold is the same IEEE operations in
+    both kernels; outputs add +0.0 so that -0.0 and +0.0 do not depend on how many fully masked
+    tiles a row went through.
+
+Cache slots past a row's position are masked (scores -inf, loads 0), so NaN in unused slots cannot
+reach the output; block-table entries past the tile's last position are not read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
+BLOCK_M = 64  # rows per tile (positions x padded group)
+BLOCK_N = 128 if _INTERPRET else 64  # keys per tile (the interpreter: fewer, larger numpy ops)
+NUM_STAGES = 2  # software pipelining of the key loop (loads only: no effect on bits); 2 fastest on the H100
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2 of differences stays finite
+
+
+def positions_per_tile(group: int) -> int:
+    """Query positions a tile holds for a GQA group of `group` query heads (what the tile map
+    must be built with)."""
+    return BLOCK_M // triton.next_power_of_2(group)
+
+
+@triton.jit
+def _rows(CU, PREFIX, TILE_SEQ, TILE_START, kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """The tile's rows: (token row, query head, position, valid) vectors, its sequence and last position."""
+    seq = tl.load(TILE_SEQ + tl.program_id(1))
+    start = tl.load(TILE_START + tl.program_id(1))
+    busy = seq >= 0
+    seq = tl.maximum(seq, 0)
+    row0 = tl.load(CU + seq)
+    n = tl.where(busy, tl.load(CU + seq + 1) - row0, 0)
+    prefix = tl.load(PREFIX + seq)
+    r = tl.arange(0, BLOCK_M)
+    local = start + r // GROUP_PAD
+    head = kv_head * GROUP + r % GROUP_PAD
+    valid = (local < n) & (r % GROUP_PAD < GROUP)
+    pos = prefix + local
+    # the tile's last position; -1 when idle (also padding rows of a captured graph: prefix -1)
+    last = tl.where(start < n, prefix + tl.minimum(start + BLOCK_M // GROUP_PAD, n) - 1, -1)
+    return row0 + local, head, pos, valid & (pos >= 0), seq, last
+
+
+@triton.jit
+def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """(o, lse) of keys [lo, hi) for every row (lo a multiple of BLOCK_N); rows with no key there
+    give l = 0 (their o is NaN and must be masked by the caller)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        key = start_n + tl.arange(0, BLOCK_N)
+        k_ok = key < hi
+        blk = tl.load(bt_row + key // CACHE_BLOCK, mask=k_ok, other=0).to(tl.int64)
+        within = (key % CACHE_BLOCK).to(tl.int64)
+        kT = tl.load(kc_base + (blk * stride_kcb + within * stride_kct)[None, :] + offs_d[:, None],
+                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(vc_base + (blk * stride_vcb + within * stride_vct)[:, None] + offs_d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST_DOT:  # the interpreter has no bf16 matmul
+            s = tl.dot(q.to(tl.float32), kT.to(tl.float32)) * qk_scale
+        else:
+            s = tl.dot(q, kT) * qk_scale
+        s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST_DOT:
+            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc / l_i[:, None], m_i + tl.math.log2(l_i)
+
+
+@triton.jit
+def _fold(mx, num, den, o, lse, active):
+    """Fold one segment's (o, lse) into the running (max, numerator, denominator) of active rows."""
+    m_new = tl.maximum(mx, lse)
+    a = tl.math.exp2(mx - m_new)
+    w = tl.math.exp2(lse - m_new)
+    num_new = num * a[:, None] + o * w[:, None]
+    den_new = den * a + w
+    return (tl.where(active, m_new, mx), tl.where(active[:, None], num_new, num), tl.where(active, den_new, den))
+
+
+@triton.jit
+def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE,
+                 qk_scale, split, max_segments,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kcb, stride_kct, stride_kch,
+                 stride_vcb, stride_vct, stride_vch, stride_bts, stride_pt,
+                 HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                 SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):
+    kv_head = tl.program_id(0)
+    row, head, pos, valid, seq, last = _rows(CU, PREFIX, TILE_SEQ, TILE_START, kv_head, GROUP, GROUP_PAD, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + row.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=valid[:, None] & d_ok[None, :], other=0.0)
+    bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
+    kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
+    vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
+    n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
+    if split:  # this program: segment program_id(2) only, its partial to PO / PLSE
+        seg = tl.program_id(2)
+        if seg < n_seg:
+            o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
+                              kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+                              BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+            active = valid & (pos >= seg * SEGMENT)
+            at = row.to(tl.int64) * stride_pt + head * max_segments + seg
+            tl.store(PLSE + at, lse, mask=active)
+            tl.store(PO + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=active[:, None] & d_ok[None, :])
+    else:  # every segment of the tile, folded in order
+        mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        den = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for seg in range(0, n_seg):
+            o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
+                              kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
+                              BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+            mx, num, den = _fold(mx, num, den, o, lse, valid & (pos >= seg * SEGMENT))
+        out = num / den[:, None] + 0.0
+        tl.store(O + row.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE, max_segments, stride_ot, stride_oh, stride_pt,
+                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SEGMENT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The split path's second launch: fold each row's segment partials in ascending order."""
+    row, head, pos, valid, seq, last = _rows(CU, PREFIX, TILE_SEQ, TILE_START, tl.program_id(0), GROUP, GROUP_PAD,
+                                             BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for seg in range(0, n_seg):
+        active = valid & (pos >= seg * SEGMENT)
+        at = row.to(tl.int64) * stride_pt + head * max_segments + seg
+        lse = tl.load(PLSE + at, mask=active, other=float("-inf"))
+        o = tl.load(PO + at[:, None] * HEAD_DIM + offs_d[None, :], mask=active[:, None] & d_ok[None, :], other=0.0)
+        mx, num, den = _fold(mx, num, den, o, lse, active)
+    out = num / den[:, None] + 0.0
+    tl.store(O + row.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+
+
+def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor],
+                        scale: float, max_segments: int, split: bool = False,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring. No host sync; every shape comes from the host arguments."""
+    rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype == v_cache.dtype
+    assert group_pad <= BLOCK_M and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    tile_seq, tile_start = tiles
+    if rows == 0 or tile_seq.numel() == 0:
+        return out
+    max_segments = max(1, max_segments)
+    segs = max_segments if split else 1
+    # partials [rows, heads, max_segments] of lse, then of o (x head_dim), fp32
+    po = torch.empty(rows * num_heads * max_segments * (head_dim + 1) if split else 1,
+                     device=q.device, dtype=torch.float32)
+    plse = po[rows * num_heads * max_segments * head_dim:] if split else po
+    stride_pt = num_heads * max_segments
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, SEGMENT=SEGMENT, BLOCK_M=BLOCK_M,
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    grid = (num_kv_heads, tile_seq.numel(), segs)
+    _attn_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens, prefix_lens, tile_seq, tile_start, out, po, plse,
+                       scale * _LOG2E, int(split), max_segments,
+                       q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_pt,
+                       CACHE_BLOCK=block_size, BLOCK_N=BLOCK_N, UPCAST_DOT=_INTERPRET and q.dtype == torch.bfloat16,
+                       **consts,
+                       num_warps=4, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    if split:
+        _merge_kernel[grid[:2]](cu_seqlens, prefix_lens, tile_seq, tile_start, out, po, plse, max_segments,
+                                out.stride(0), out.stride(1), stride_pt, **consts, num_warps=4,
+                                enable_fp_fusion=False)
+    return out

@@ -1,0 +1,81 @@
+"""invariant_linear against linear_ref, and its contract: a row's bits do not depend on the batch
+(TRITON_INTERPRET=1 on CPU, see tests/conftest.py; the same tests run on the GPU).
+
+The invariance tests compute the same rows inside batches of 1, 7 and 64 rows (and 200, more than
+one row tile), with other rows of random or NaN-free garbage around them, and compare bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import invariant_matmul as im
+from kernels.invariant_matmul import config, invariant_linear
+from kernels.reference import linear_ref
+
+from tests.helpers import bits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 40, 24), (7, 96, 72), (70, 33, 130)]  # (M, K, N): K and N not multiples of the tiles
+
+
+def _rand(g, *shape, dtype):
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("bias,gelu", [(False, False), (True, False), (True, True)])
+def test_matches_reference(dtype, m, k, n, bias, gelu):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = _rand(g, m, k, dtype=dtype), _rand(g, n, k, dtype=dtype) / k**0.5
+    b = _rand(g, n, dtype=dtype) if bias else None
+    out = invariant_linear(x, w, b, gelu=gelu)
+    ref = linear_ref(x, w, b, gelu=gelu)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_rows_are_batch_invariant():
+    """The same 3 rows inside batches of 1, 7, 64 and 200 rows, at different offsets: bitwise equal."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 100, 70
+    w, b = _rand(g, n, k, dtype=torch.float16) / 10, _rand(g, n, dtype=torch.float16)
+    probe = _rand(g, 3, k, dtype=torch.float16)
+    alone = torch.cat([invariant_linear(probe[i : i + 1], w, b, gelu=True) for i in range(3)])
+    for batch in (7, 64, 200, 1500):  # on the GPU: every config bucket
+        x = _rand(g, batch, k, dtype=torch.float16) * 5  # other rows of a very different scale
+        at = torch.randperm(batch, generator=g)[:3].to(DEVICE)
+        x[at] = probe
+        out = invariant_linear(x, w, b, gelu=True)
+        assert torch.equal(bits(out[at]), bits(alone)), f"rows changed inside a batch of {batch}"
+
+
+def test_strided_rows_and_out():
+    """x with a row stride (a view of a wider tensor) and a given out."""
+    g = torch.Generator().manual_seed(3)
+    wide = _rand(g, 9, 80, dtype=torch.float16)
+    x = wide[:, :48]
+    w = _rand(g, 20, 48, dtype=torch.float16)
+    out = torch.full((9, 20), float("nan"), device=DEVICE, dtype=torch.float16)
+    invariant_linear(x, w, out=out)
+    assert torch.equal(bits(out), bits(invariant_linear(x.contiguous(), w)))
+    assert invariant_linear(x[:0], w).shape == (0, 20)
+
+
+def test_config_buckets(monkeypatch):
+    """The GPU table: tiles by row count, all of them 64- or 128-row wgmma tiles (whose bits agree,
+    see kernels/invariant_matmul.py); after a failed start-up check, one config for every M."""
+    monkeypatch.setattr(im, "_INTERPRET", False)
+    cfgs = {config(768, 3072, m) for m in (1, 128, 129, 1024, 1025, 8192)}
+    assert len(cfgs) == 3 and all(c.block_m in (64, 128) and c.num_warps % 4 == 0 for c in cfgs)
+    assert config(768, 3072, 1) == config(768, 3072, 128) != config(768, 3072, 8192)
+    monkeypatch.setattr(im, "_buckets_ok", False)
+    assert {config(768, 3072, m) for m in (1, 8192)} == {config(768, 3072, 1)}
+
+
+def test_check_buckets():
+    """On the GPU the check must pass (the H100 gives the same bits for every bucket); off it, a no-op."""
+    assert im.check_buckets(torch.device(DEVICE)) is True
+    assert im._buckets_ok

@@ -1,0 +1,42 @@
+"""models/linear.py: the default path is nn.Linear's; the invariant one is kernels/invariant_matmul.py
+(with the GELU epilogue GPT-2's MLP uses), and a family built with deterministic=True uses it in
+every projection and the LM head (TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.invariant_matmul import invariant_linear
+from models.linear import Linear, head_matmul
+
+
+def test_default_is_nn_linear():
+    layer = Linear(12, 5)
+    x = torch.randn(3, 12)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    with pytest.raises(AssertionError):
+        layer(x, gelu=True)  # the fused GELU is the invariant path's only
+
+
+def test_invariant_path():
+    layer = Linear(40, 24, invariant=True).half()
+    x = torch.randn(5, 40).half()
+    assert torch.equal(layer(x), invariant_linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x, gelu=True), invariant_linear(x, layer.weight, layer.bias, gelu=True))
+    w = torch.randn(64, 40).half()
+    assert torch.equal(head_matmul(x, w, True), invariant_linear(x, w))
+    assert torch.equal(head_matmul(x, w, False), x @ w.t())
+
+
+def test_families_use_it(tiny_ckpt):
+    """Every Linear of a deterministic model is invariant, and it has no other nn.Linear."""
+    from models import load_model
+
+    model = load_model(tiny_ckpt, torch.float16, "cpu", "triton", deterministic=True)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, Linear) and m.invariant for m in linears)
+    assert model.deterministic and model.attention.deterministic
+    plain = load_model(tiny_ckpt, torch.float16, "cpu", "triton")
+    assert not any(m.invariant for m in plain.modules() if isinstance(m, Linear))
