@@ -134,7 +134,9 @@ def _fold(mx, num, den, o, lse, active):
     return (tl.where(active, m_new, mx), tl.where(active[:, None], num_new, num), tl.where(active, den_new, den))
 
 
-@triton.jit
+# The block-table width and the segment count follow the batch (eager steps) or the graph: without
+# this Triton would compile a variant per value class (1, multiple of 16, other) mid-serving.
+@triton.jit(do_not_specialize=["max_segments", "stride_bts", "stride_pt"])
 def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE,
                  qk_scale, split, max_segments,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kcb, stride_kct, stride_kch,
@@ -176,7 +178,7 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
                  out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_segments", "stride_pt"])
 def _merge_kernel(CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE, max_segments, stride_ot, stride_oh, stride_pt,
                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SEGMENT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
