@@ -122,7 +122,11 @@ class TritonAttention:
         return out
 
     def warmup(self, kv_caches, num_heads: int) -> None:
-        """Compile every split variant of the decode kernel (kernels/paged_decode.py)."""
+        """Compile every split variant of the decode kernel (kernels/paged_decode.py). The
+        deterministic mode never launches it; its kernels' variants are few and the worker's
+        warm-up steps compile them."""
+        if self.deterministic:
+            return
         k_cache, v_cache = kv_caches[0]
         warmup_split_variants(k_cache, v_cache, num_heads, k_cache.dtype)
 
