@@ -158,7 +158,10 @@ def _launch(x, weight, bias, gelu: bool, out, cfg: MatmulConfig) -> torch.Tensor
     m, k = x.shape
     n = weight.shape[0]
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), out.stride(0),
+    # One row's stride is never read, and torch keeps a parent's (say a padded one) on a one-row
+    # slice: pass the dense one so that M = 1 compiles the variant every other M uses.
+    stride_xm, stride_om = (k, n) if m == 1 else (x.stride(0), out.stride(0))
+    _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, stride_xm, stride_om,
                          HAS_BIAS=bias is not None, GELU=gelu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                          BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST_DOT=_INTERPRET and x.dtype == torch.bfloat16,
                          num_warps=cfg.num_warps,

@@ -10,7 +10,7 @@ row 1 of a batch, and the same request's log-probabilities differ in the last bi
 position in the batch (measured on an H100 by benchmarks/bench_determinism.py: up to 49 distinct
 logprob sequences for one greedy prompt, identical tokens). Here one program owns a row and reads
 it in fixed CHUNK-column chunks in ascending order (an online max and rescaled sum), so the order
-of every operation is a function of the column index only. Used by the deterministic mode
+of every operation is a function of the column index only, whatever the row count or stride. Used by the deterministic mode
 (server/worker/runner.py, scoring.py, sampler.py); -inf entries (masked tokens) are fine, a row
 of all -inf gives NaN as torch does.
 """
@@ -24,7 +24,12 @@ import triton.language as tl
 CHUNK = 2048
 
 
-@triton.jit
+# Not specialised on the row stride or length: a one-row slice of the LM head's padded output keeps
+# the padded stride (50304, a multiple of 16) where a batch of rows gets 50257, and Triton's variant
+# for a multiple of 16 lays the chunk out 4 elements a thread instead of 1, which sums each row in
+# another order: the lone request's logprobs differed in the last bit from the same request's
+# among others (H100, benchmarks/bench_determinism.py).
+@triton.jit(do_not_specialize=["num_cols", "stride_x"])
 def _log_softmax_kernel(x_ptr, out_ptr, num_cols, stride_x, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)

@@ -14,14 +14,17 @@ from server.sampling_params import SamplingParams
 from server.worker.logits import to_device
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf."""
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        invariant: bool = False) -> torch.Tensor:
+    """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf.
+    `invariant`: the nucleus's probabilities from the batch-invariant log-softmax."""
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = log_softmax_rows(kept).exp() if invariant else torch.softmax(kept, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop[:, 0] = False
@@ -54,7 +57,7 @@ def sample(
     if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
         top_k = to_device([params[i].top_k for i in rows], torch.long, dev)
         top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p, invariant)
     probs = log_softmax_rows(scaled).exp() if invariant else torch.softmax(scaled, dim=-1)
     # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each
     # seeded row take its noise from its own generator.

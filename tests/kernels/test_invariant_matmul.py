@@ -79,3 +79,13 @@ def test_check_buckets():
     """On the GPU the check must pass (the H100 gives the same bits for every bucket); off it, a no-op."""
     assert im.check_buckets(torch.device(DEVICE)) is True
     assert im._buckets_ok
+
+
+def test_one_row_with_a_parent_stride():
+    """A one-row slice of a wider tensor gives the same bits as the row in a dense batch."""
+    g = torch.Generator().manual_seed(4)
+    parent = _rand(g, 1, 64, dtype=torch.float16)
+    x = parent[:, :48]
+    w = _rand(g, 20, 48, dtype=torch.float16)
+    dense = torch.cat([x, _rand(g, 3, 48, dtype=torch.float16)])
+    assert torch.equal(bits(invariant_linear(x, w)[0]), bits(invariant_linear(dense, w)[0]))

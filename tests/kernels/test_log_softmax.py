@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.log_softmax import log_softmax_rows
+from kernels.log_softmax import _log_softmax_kernel, log_softmax_rows
 
 from tests.helpers import bits
 
@@ -34,3 +34,21 @@ def test_rows_are_batch_invariant():
     strided = torch.zeros(3, cols + 5, device=DEVICE)
     strided[1, :cols] = probe[0]
     assert torch.equal(bits(log_softmax_rows(strided[:, :cols])[1]), bits(alone[0]))
+
+
+def test_one_row_slice_of_a_padded_tensor():
+    """A one-row slice keeps its parent's padded stride (a multiple of 16 here); its bits must be
+    those of the same row inside a dense batch (the kernel is not specialised on the stride)."""
+    g = torch.Generator().manual_seed(2)
+    cols, padded = 5003, 5008
+    parent = (torch.randn(1, padded, generator=g) * 8).to(DEVICE)
+    one = parent[:, :cols].float()
+    assert one.stride(0) == padded  # what torch does; the case the kernel must not specialise on
+    batch = torch.cat([one, (torch.randn(1, cols, generator=g) * 3).to(DEVICE)]).contiguous()
+    assert torch.equal(bits(log_softmax_rows(one)[0]), bits(log_softmax_rows(batch)[0]))
+    # Under the interpreter nothing is specialised; on the GPU a stride that is a multiple of 16
+    # compiled another layout (another summation order) until these were excluded.
+    jit = _log_softmax_kernel  # the interpreter wraps the JITFunction and keeps its options
+    unspecialised = getattr(jit, "do_not_specialize", None) or jit.kwargs["do_not_specialize"]
+    names = {jit.arg_names[a] if isinstance(a, int) else a for a in unspecialised}  # indices on some versions
+    assert {"num_cols", "stride_x"} <= names
