@@ -55,18 +55,14 @@ def _gemm(quick: bool, sweep: bool) -> list[dict]:
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", generator=g).half()
             rec = dict(model=model, layer=layer, n=n, k=k, m=m, cublas_us=_bench(lambda: F.linear(x, w)),
-                       ours_us=_bench(lambda: im.invariant_linear(x, w)), config=list(im.config(n, k)))
+                       ours_us=_bench(lambda: im.invariant_linear(x, w)), config=list(im.config(n, k, m)))
             if sweep and not quick:
-                default = im.config
                 swept = {}
                 for c in SWEEP:
-                    im.config = lambda n_, k_, c=c: im.MatmulConfig(*c)
                     try:
-                        swept[str(c)] = _bench(lambda: im.invariant_linear(x, w))
+                        swept[str(c)] = _bench(lambda: im.invariant_linear(x, w, cfg=im.MatmulConfig(*c)))
                     except Exception as e:  # noqa: BLE001 - a config the shape cannot take (shared memory)
                         swept[str(c)] = repr(e)[:80]
-                    finally:
-                        im.config = default
                 rec["sweep_us"] = swept
             rows.append(rec)
             print(f"{model:9s} {layer:8s} M={m:5d} cublas {rec['cublas_us']:8.1f} us  ours {rec['ours_us']:8.1f} us",
@@ -81,18 +77,12 @@ def _config_equivalence() -> dict:
     import kernels.invariant_matmul as im
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    default, out = im.config, {}
+    out = {}
     for model, layer, n, k in SHAPES[:10]:
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).half()
         for m in (1, 64, 300, 2048):
             x = torch.randn(m, k, device="cuda", generator=g).half()
-            res = {}
-            try:
-                for c in SWEEP:
-                    im.config = lambda n_, k_, c=c: im.MatmulConfig(*c)
-                    res[str(c)] = im.invariant_linear(x, w)
-            finally:
-                im.config = default
+            res = {str(c): im.invariant_linear(x, w, cfg=im.MatmulConfig(*c)) for c in SWEEP}
             first = next(iter(res.values()))
             out[f"{model}/{layer}/M={m}"] = {c: int((r.view(torch.int16) != first.view(torch.int16)).sum())
                                              for c, r in res.items()}

@@ -59,6 +59,11 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2 of differences stays finite
 
 
+def num_segments(block_tables: torch.Tensor, block_size: int) -> int:
+    """The segments of the longest context these page tables can hold (the max_segments argument)."""
+    return -(-block_tables.shape[1] * block_size // SEGMENT)
+
+
 def positions_per_tile(group: int) -> int:
     """Query positions a tile holds for a GQA group of `group` query heads (what the tile map
     must be built with)."""
@@ -134,6 +139,21 @@ def _fold(mx, num, den, o, lse, active):
     return (tl.where(active, m_new, mx), tl.where(active[:, None], num_new, num), tl.where(active, den_new, den))
 
 
+@triton.jit
+def _fold_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The empty (max, numerator, denominator) that _fold starts from."""
+    return (tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+            tl.zeros([BLOCK_M], dtype=tl.float32))
+
+
+@triton.jit
+def _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride_oh):
+    """out = num / den for the valid rows (+0.0: one sign of zero), in both kernels alike."""
+    out = num / den[:, None] + 0.0
+    tl.store(O + row.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+
+
 # The block-table width and the segment count follow the batch (eager steps) or the graph: without
 # this Triton would compile a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["max_segments", "stride_bts", "stride_pt"])
@@ -165,17 +185,13 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
             tl.store(PLSE + at, lse, mask=active)
             tl.store(PO + at[:, None] * HEAD_DIM + offs_d[None, :], o, mask=active[:, None] & d_ok[None, :])
     else:  # every segment of the tile, folded in order
-        mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        den = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mx, num, den = _fold_start(BLOCK_M, BLOCK_D)
         for seg in range(0, n_seg):
             o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
                               kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                               BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
             mx, num, den = _fold(mx, num, den, o, lse, valid & (pos >= seg * SEGMENT))
-        out = num / den[:, None] + 0.0
-        tl.store(O + row.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+        _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride_oh)
 
 
 @triton.jit(do_not_specialize=["max_segments", "stride_pt"])
@@ -188,18 +204,14 @@ def _merge_kernel(CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE, max_segments, s
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
-    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mx, num, den = _fold_start(BLOCK_M, BLOCK_D)
     for seg in range(0, n_seg):
         active = valid & (pos >= seg * SEGMENT)
         at = row.to(tl.int64) * stride_pt + head * max_segments + seg
         lse = tl.load(PLSE + at, mask=active, other=float("-inf"))
         o = tl.load(PO + at[:, None] * HEAD_DIM + offs_d[None, :], mask=active[:, None] & d_ok[None, :], other=0.0)
         mx, num, den = _fold(mx, num, den, o, lse, active)
-    out = num / den[:, None] + 0.0
-    tl.store(O + row.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+    _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride_oh)
 
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -10,9 +10,9 @@ row 1 of a batch, and the same request's log-probabilities differ in the last bi
 position in the batch (measured on an H100 by benchmarks/bench_determinism.py: up to 49 distinct
 logprob sequences for one greedy prompt, identical tokens). Here one program owns a row and reads
 it in fixed CHUNK-column chunks in ascending order (an online max and rescaled sum), so the order
-of every operation is a function of the column index only, whatever the row count or stride. Used by the deterministic mode
-(server/worker/runner.py, scoring.py, sampler.py); -inf entries (masked tokens) are fine, a row
-of all -inf gives NaN as torch does.
+of every operation is a function of the column index only, whatever the row count or stride.
+Used by the deterministic mode (server/worker/sampler.py's softmax helpers); -inf entries (masked
+tokens) are fine, a row of all -inf gives NaN as torch does.
 """
 
 from __future__ import annotations

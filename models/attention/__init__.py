@@ -19,7 +19,8 @@ def make_backend(kind: str, head_dim: int, group: int = 1, deterministic: bool =
 
         return TritonAttention(head_dim, group, deterministic)
     if deterministic:
-        raise ValueError(f"deterministic mode needs the triton attention backend, not {kind!r}")
+        raise ValueError(f"deterministic mode needs the triton attention backend (its batch-invariant kernels), "
+                         f"not {kind!r}: pass --attention triton (off the GPU only under TRITON_INTERPRET=1)")
     if kind in ("eager", "sdpa"):
         from models.attention.torch_backend import TorchAttention
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kernels.flash_prefill import block_m, flash_prefill, tile_map
-from kernels.invariant_attention import SEGMENT, invariant_attention, positions_per_tile
+from kernels.invariant_attention import invariant_attention, num_segments, positions_per_tile
 from kernels.kv_write import kv_write
 from kernels.paged_decode import paged_decode, warmup_split_variants
 from kernels.rope import rope_kv_write
@@ -37,6 +37,7 @@ class TritonAttention:
         self.head_dim, self.group, self.deterministic = head_dim, group, deterministic
         self._block_m: dict[int, int] = {}  # captured token count -> flash_prefill's BLOCK_M for it
         self._iota: torch.Tensor | None = None  # 0, 1, 2, ...: decode rows as one-row chunks
+        self._zeros: torch.Tensor | None = None
 
     def _positions_per_tile(self, max_seqlen: int, device: torch.device) -> int:
         if self.deterministic:
@@ -68,9 +69,9 @@ class TritonAttention:
         if meta.context_lens is None or not meta.context_lens.numel():
             return
         n = meta.context_lens.shape[0]
-        if self._iota is None or self._iota.numel() < 2 * n + 1 or self._iota.device != meta.context_lens.device:
+        if self._iota is None or self._iota.numel() < n + 1 or self._iota.device != meta.context_lens.device:
             # allocated at warm-up (before any capture) for the largest batch; never shrinks
-            self._iota = torch.arange(max(2 * n + 1, 1 << 12), dtype=torch.int32, device=meta.context_lens.device)
+            self._iota = torch.arange(max(n + 1, 1 << 12), dtype=torch.int32, device=meta.context_lens.device)
             self._zeros = torch.zeros_like(self._iota)
         meta.decode_chunks = (self._iota[: n + 1], meta.context_lens - 1, (self._iota[:n], self._zeros[:n]))
 
@@ -110,7 +111,7 @@ class TritonAttention:
         if p:
             tables = meta.prefill_block_tables
             invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
-                                scale, -(-tables.shape[1] * block_size // SEGMENT), out=out[:p])
+                                scale, num_segments(tables, block_size), out=out[:p])
         if q.shape[0] > p:
             cu, prefix, tiles = meta.decode_chunks
             tables = meta.decode_block_tables
@@ -118,7 +119,7 @@ class TritonAttention:
             # faster at every decode batch measured on the H100, 1 to 256 rows
             # (benchmarks/results/invariant_kernels_h100.json); prompt chunks have tiles enough.
             invariant_attention(q[p:], k_cache, v_cache, tables, cu, prefix, tiles, scale,
-                                -(-tables.shape[1] * block_size // SEGMENT), split=True, out=out[p:])
+                                num_segments(tables, block_size), split=True, out=out[p:])
         return out
 
     def warmup(self, kv_caches, num_heads: int) -> None:

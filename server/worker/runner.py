@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.log_softmax import log_softmax_rows
-
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import StepControls, TokenCounts, to_device
-from server.worker.sampler import sample
+from server.worker.sampler import log_softmax, sample
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 
 
@@ -262,7 +260,7 @@ class ModelRunner:
         ids, _ = sample(logits, [s.params for s in rows], gens, invariant=invariant)
         logprobs = None
         if any(w is not None for w in want):  # per-row bits independent of the batch where asked
-            logprobs = log_softmax_rows(raw) if invariant else torch.log_softmax(raw, dim=-1)
+            logprobs = log_softmax(raw, invariant)
         self.last_ids[: len(rows)].copy_(ids)
         if c is not None and c.penalty is not None:
             self.counts.add(c.penalty[1], ids[c.penalty[0]])

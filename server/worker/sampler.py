@@ -14,6 +14,17 @@ from server.sampling_params import SamplingParams
 from server.worker.logits import to_device
 
 
+def log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Row-wise log-softmax of fp32 logits [n, V]; `invariant` (the deterministic mode): each row's
+    bits independent of its place in the batch (kernels/log_softmax.py; torch's are not)."""
+    return log_softmax_rows(x) if invariant else torch.log_softmax(x, dim=-1)
+
+
+def softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Row-wise softmax, likewise."""
+    return log_softmax_rows(x).exp() if invariant else torch.softmax(x, dim=-1)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                         invariant: bool = False) -> torch.Tensor:
     """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf.
@@ -24,7 +35,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     kept = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = log_softmax_rows(kept).exp() if invariant else torch.softmax(kept, dim=-1)
+    probs = softmax(kept, invariant)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop[:, 0] = False
@@ -41,7 +52,7 @@ def sample(
     (the deterministic mode): the sampling distribution comes from kernels/log_softmax.py, whose
     rows' bits do not depend on their place in the batch (torch's softmax's do)."""
     n = logits.shape[0]
-    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logprobs = log_softmax(logits, invariant) if want_logprobs else None
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]  # greedy: temperature < GREEDY_BELOW
     if not rows:
@@ -58,7 +69,7 @@ def sample(
         top_k = to_device([params[i].top_k for i in rows], torch.long, dev)
         top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, invariant)
-    probs = log_softmax_rows(scaled).exp() if invariant else torch.softmax(scaled, dim=-1)
+    probs = softmax(scaled, invariant)
     # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each
     # seeded row take its noise from its own generator.
     noise = torch.empty_like(probs).exponential_()

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.log_softmax import log_softmax_rows
-
 from server.worker.logits import to_device
+from server.worker.sampler import log_softmax
 
 SLICE = 128
 
@@ -56,9 +55,7 @@ def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int,
             parts = []
             for a in range(0, m, SLICE):
                 b = min(m, a + SLICE)
-                logits = lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float()
-                # the deterministic mode's log-softmax: a row's bits independent of the slice
-                logprobs = log_softmax_rows(logits) if invariant else torch.log_softmax(logits, dim=-1)
+                logprobs = log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), invariant)
                 chosen = logprobs.gather(1, targets[a:b, None])
                 top_v, top_i = logprobs.topk(max(k, 1), dim=-1)
                 parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))

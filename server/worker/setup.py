@@ -44,9 +44,6 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
-    if config.deterministic and attention != "triton":
-        raise ValueError(f"--deterministic runs on the triton attention backend (its batch-invariant kernels), not "
-                         f"{attention!r}: pass --attention triton (off the GPU only under TRITON_INTERPRET=1)")
     log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
              ", deterministic" if config.deterministic else "")
     model = load_model(path, dtype, device, attention, deterministic=config.deterministic)

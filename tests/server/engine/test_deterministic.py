@@ -102,7 +102,7 @@ def test_probe_is_bitwise_the_same(ckpt, alone, case):
 
 
 def test_needs_the_triton_backend(ckpt):
-    with pytest.raises(ValueError, match="--deterministic runs on the triton attention backend"):
+    with pytest.raises(ValueError, match="deterministic mode needs the triton attention backend .*pass --attention triton"):
         LLMEngine(EngineConfig(model=str(ckpt), device="cpu", attention="sdpa", deterministic=True))
 
 
