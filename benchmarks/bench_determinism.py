@@ -77,6 +77,7 @@ class Output:
     tokens: list[str]
     logprobs: list[float]
     digest: str
+    parts: dict[str, str] = field(default_factory=dict)  # digest of each compared field
 
 
 @dataclass
@@ -148,9 +149,11 @@ async def send_probe(client: httpx.AsyncClient, url: str, model: str, prompt: Pr
     lp = choice["logprobs"]
     # json.dumps writes floats by repr, the shortest string that round-trips the double: equal
     # strings are equal bits (the server's float32 logprobs widen to doubles exactly).
-    material = json.dumps([lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], choice["text"],
-                           choice["finish_reason"]], sort_keys=True)
-    return Output(lp["tokens"], lp["token_logprobs"], hashlib.sha256(material.encode()).hexdigest()[:16])
+    fields = {"tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"], "top_logprobs": lp["top_logprobs"],
+              "text": choice["text"], "finish_reason": choice["finish_reason"]}
+    material = json.dumps(list(fields.values()), sort_keys=True)
+    parts = {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in fields.items()}
+    return Output(lp["tokens"], lp["token_logprobs"], hashlib.sha256(material.encode()).hexdigest()[:16], parts)
 
 
 async def background_client(client: httpx.AsyncClient, url: str, model: str, rng: random.Random, prefix: list[int],
@@ -217,7 +220,8 @@ def divergence(a: Output, b: Output) -> dict:
     tok = next((i for i in range(n) if a.tokens[i] != b.tokens[i]), None)
     lp = next((i for i in range(n) if a.logprobs[i] != b.logprobs[i]), None)
     diff = max((abs(a.logprobs[i] - b.logprobs[i]) for i in range(n if tok is None else tok)), default=0.0)
-    return {"first_token_diff": tok, "first_logprob_diff": lp, "max_abs_logprob_diff": diff}
+    return {"first_token_diff": tok, "first_logprob_diff": lp, "max_abs_logprob_diff": diff,
+            "fields_differing": [k for k in a.parts if a.parts[k] != b.parts.get(k)]}
 
 
 def summarize_tallies(tallies: dict, prompts: list[Prompt], phases: list[str]) -> dict:
@@ -289,9 +293,13 @@ def run_mode(mode: str, model_dir: Path | None, cfg: argparse.Namespace, vocab: 
         print_row(batch1)
         if server.proc.poll() is not None:
             raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        # A 5xx to a background request is a server fault, not load: keep what the server logged.
+        faults = sum(v for row in phase_rows for k, v in row["background_requests"].items() if k.startswith("http_5"))
+        errors_logged = [ln for ln in server.log_text().splitlines() if "Error" in ln or "error" in ln][-20:]
     finally:
         server.stop()
     return {"server_command": server.cmd[1:], "prompt_lengths": [len(p.token_ids) for p in prompts],
+            "background_server_errors": faults, "server_error_lines": errors_logged if faults else [],
             "probe_requests": len(probes), "probe_errors": sum(r["errors"] for r in phase_rows),
             "phases": phase_rows, **summarize_tallies(tallies, prompts, phases),
             "throughput": throughput, "batch1": batch1}
@@ -415,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                   "random_weights": not cfg.model and model_dir is not None, "vocab_size": vocab,
                   "context": ctx, "targets": TARGETS, "modes": {},
                   "config": {k: v for k, v in vars(cfg).items() if k not in ("quick", "merge", "out_dir")}}
-        path = out_dir / f"determinism_{gpu_slug(info['device'])}.json"
+        # one file per model: determinism_<gpu>.json for GPT-2 small, determinism_<shape>_<gpu>.json else
+        name = "determinism" if cfg.model or cfg.model_shape in ("gpt2", "embedded") else f"determinism_{cfg.model_shape}"
+        path = out_dir / f"{name}_{gpu_slug(info['device'])}.json"
         if cfg.merge and path.exists():  # one mode per device call: the other's results come from the file
             old = json.loads(path.read_text())
             if old.get("model") != result["model"]:
@@ -427,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         result["modes"] = {m: result["modes"][m] for m in ("default", "deterministic") if m in result["modes"]}
         result["ratios"], result["criteria"] = compare_modes(result["modes"])
         result["rows"] = summary_rows(result)
-        print("wrote", write_result(result, out_dir, "determinism"), file=sys.stderr)
+        print("wrote", write_result(result, out_dir, name), file=sys.stderr)
         print(report(result))
         ok = all(m["probe_errors"] == 0 for m in result["modes"].values())
     except RuntimeError as e:

@@ -33,7 +33,7 @@ SHAPES = [("gpt2", "qkv", 2304, 768), ("gpt2", "o", 768, 768), ("gpt2", "fc", 30
           ("llama-1b", "down", 2048, 8192), ("llama-1b", "head", 128256, 2048),
           ("llama-8b", "qkv", 6144, 4096), ("llama-8b", "down", 4096, 14336)]
 ROWS = (1, 16, 64, 256, 1024, 8192)
-SWEEP = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+SWEEP = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
          (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)]
 
 
@@ -54,8 +54,12 @@ def _gemm(quick: bool, sweep: bool) -> list[dict]:
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).half()
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", generator=g).half()
+            cfg, seg_k = im.config(n, k, m), im.segment_k(k)
             rec = dict(model=model, layer=layer, n=n, k=k, m=m, cublas_us=_bench(lambda: F.linear(x, w)),
-                       ours_us=_bench(lambda: im.invariant_linear(x, w)), config=list(im.config(n, k, m)))
+                       ours_us=_bench(lambda: im.invariant_linear(x, w)), config=list(cfg), segment_k=seg_k,
+                       split=im.split_k(m, n, k, cfg, seg_k))
+            if seg_k < k:  # what the K segments cost or save: the same kernel summing K in one segment
+                rec["ours_one_segment_us"] = _bench(lambda: im.invariant_linear(x, w, seg_k=k, split=False))
             if sweep and not quick:
                 swept = {}
                 for c in SWEEP:
@@ -71,8 +75,8 @@ def _gemm(quick: bool, sweep: bool) -> list[dict]:
 
 
 def _config_equivalence() -> dict:
-    """Does the tile config change a row's bits? The same x @ w.T under every SWEEP config, compared
-    bitwise with the first (the k16 tensor-core steps accumulate in the same order whatever the
+    """Does the tile config (or the K split) change a row's bits? The same x @ w.T under every SWEEP
+    config, and split over K segments at small M, compared bitwise with the first (the k16 tensor-core steps accumulate in the same order whatever the
     tile; whether the instruction shapes round alike is the hardware's to answer)."""
     import kernels.invariant_matmul as im
 
@@ -82,7 +86,9 @@ def _config_equivalence() -> dict:
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).half()
         for m in (1, 64, 300, 2048):
             x = torch.randn(m, k, device="cuda", generator=g).half()
-            res = {str(c): im.invariant_linear(x, w, cfg=im.MatmulConfig(*c)) for c in SWEEP}
+            res = {str(c): im.invariant_linear(x, w, cfg=im.MatmulConfig(*c), split=False) for c in SWEEP}
+            if im.segment_k(k) < k and m <= 64:  # the segments spread over programs, folded by the last
+                res["split"] = im.invariant_linear(x, w, split=True)
             first = next(iter(res.values()))
             out[f"{model}/{layer}/M={m}"] = {c: int((r.view(torch.int16) != first.view(torch.int16)).sum())
                                              for c, r in res.items()}
@@ -174,11 +180,12 @@ def report(result: dict) -> str:
     ours = sum(max(v["ours"].values()) for v in inv.values())
     lines = [f"Rows (of 8) whose bits change when computed inside a larger batch (16 to 4096 rows): cuBLAS "
              f"{', '.join(f'{k} {v}' for k, v in changed.items()) or 'none'}; ours {ours} on every shape.", "",
-             "| weight | M | cuBLAS us | ours us |", "|---|---:|---:|---:|"]
+             "| weight | M | cuBLAS us | ours us | ours, K in one segment, us |", "|---|---:|---:|---:|---:|"]
     for g in (r for r in result["rows"] if r["impl"] == "gemm"):
         if g["m"] in (1, 256, 8192):
+            one = f"{g['ours_one_segment_us']:.1f}" if "ours_one_segment_us" in g else "-"
             lines.append(f"| {g['model']} {g['layer']} {g['n']}x{g['k']} | {g['m']} | {g['cublas_us']:.1f} | "
-                         f"{g['ours_us']:.1f} |")
+                         f"{g['ours_us']:.1f}{' (split)' if g.get('split') else ''} | {one} |")
     lines += ["", "| attention | heads/kv x d | batch x context | default us | ours us (unsplit / split) |",
               "|---|---|---|---:|---|"]
     for a in (r for r in result["rows"] if r["impl"] == "attention"):

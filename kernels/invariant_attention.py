@@ -7,7 +7,7 @@ below):
   q            [total_rows, num_heads, head_dim] fp16 / bf16, last dim contiguous
   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, last dim contiguous,
                block_size a power of two. Every key a row attends to is ALREADY in the cache (the
-               caller writes this step's K/V first).
+               caller writes this step's K/V first), but for new_kv's.
   block_tables [num_chunks, max_blocks] int32
   cu_seqlens   [num_chunks + 1] int32: chunk c owns rows cu[c] .. cu[c+1]-1, at positions
                prefix_lens[c] + 0, 1, ... (a decode is a chunk of one row at context_len - 1)
@@ -16,8 +16,13 @@ below):
                tile_start[i] .. + positions_per_tile() - 1 of chunk tile_seq[i] (-1: idle), as
                kernels/flash_prefill.py's tile_map builds them
   max_segments host int >= the segments of the longest context (cdiv(max context, SEGMENT))
-  split        host bool: one program per segment with a merge launch after (latency at small
-               batch), or one program per tile folding its segments in order (no partials)
+  split        host bool: segments spread over programs (each writes its segments' fp32 partials,
+               a merge launch folds them; latency at small batch), or one program per tile
+               folding its segments in order (no partials)
+  new_kv       optional (k_new, v_new [total_rows, num_kv_heads, head_dim], slot_mapping [total_rows]
+               int32/int64, -1 skipped): a decode launch (every chunk one row, split=True) that
+               writes this step's K/V itself, before its last segment reads them (one launch less
+               per layer than a separate kv_write); the cache then holds them as kv_write would
   returns      out [total_rows, num_heads, head_dim], q's dtype. Row at position p, head h attends
                to cache positions 0..p of its chunk's sequence with kv head h // group.
 
@@ -54,6 +59,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
 BLOCK_M = 64  # rows per tile (positions x padded group)
 BLOCK_N = 128 if _INTERPRET else 64  # keys per tile (the interpreter: fewer, larger numpy ops)
+MAX_SPLIT_PROGRAMS = 8192  # split path: programs of a launch, at most (bits do not depend on it)
 NUM_STAGES = 2  # software pipelining of the key loop (loads only: no effect on bits); 2 fastest on the H100
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2 of differences stays finite
@@ -129,6 +135,21 @@ def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, s
 
 
 @triton.jit
+def _write_new_kv(K_NEW, V_NEW, SLOTS, row, kc_base, vc_base, kv_head, offs_d, d_ok, stride_knt, stride_knh,
+                  stride_vnt, stride_vnh, stride_kcb, stride_kct, stride_vcb, stride_vct, CACHE_BLOCK: tl.constexpr):
+    """Token `row`'s K/V of this kv head into its cache slot (decode launches with new_kv)."""
+    slot = tl.load(SLOTS + row).to(tl.int64)
+    if slot >= 0:
+        blk = slot // CACHE_BLOCK
+        within = slot % CACHE_BLOCK
+        r = row.to(tl.int64)
+        k = tl.load(K_NEW + r * stride_knt + kv_head * stride_knh + offs_d, mask=d_ok)
+        v = tl.load(V_NEW + r * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_ok)
+        tl.store(kc_base + blk * stride_kcb + within * stride_kct + offs_d, k, mask=d_ok)
+        tl.store(vc_base + blk * stride_vcb + within * stride_vct + offs_d, v, mask=d_ok)
+
+
+@triton.jit
 def _fold(mx, num, den, o, lse, active):
     """Fold one segment's (o, lse) into the running (max, numerator, denominator) of active rows."""
     m_new = tl.maximum(mx, lse)
@@ -158,9 +179,10 @@ def _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride
 # this Triton would compile a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["max_segments", "stride_bts", "stride_pt"])
 def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE,
-                 qk_scale, split, max_segments,
+                 K_NEW, V_NEW, SLOTS, qk_scale, split, max_segments,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kcb, stride_kct, stride_kch,
                  stride_vcb, stride_vct, stride_vch, stride_bts, stride_pt,
+                 stride_knt, stride_knh, stride_vnt, stride_vnh, NEW_KV: tl.constexpr,
                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                  SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST_DOT: tl.constexpr):
@@ -174,9 +196,15 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
     kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
     vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
     n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
-    if split:  # this program: segment program_id(2) only, its partial to PO / PLSE
-        seg = tl.program_id(2)
-        if seg < n_seg:
+    if split:  # segments program_id(2), + num_programs(2), ...: each one's partial to PO / PLSE
+        first = tl.program_id(2)
+        if NEW_KV and n_seg > 0 and (n_seg - 1) % tl.num_programs(2) == first:
+            # a decode row's own K/V, by the program of its last segment (the only one to read them)
+            _write_new_kv(K_NEW, V_NEW, SLOTS, tl.load(CU + seq), kc_base, vc_base, kv_head, offs_d, d_ok,
+                          stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kcb, stride_kct, stride_vcb,
+                          stride_vct, CACHE_BLOCK)
+            tl.debug_barrier()  # written by every thread before any reads them back
+        for seg in range(first, n_seg, tl.num_programs(2)):
             o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
                               kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                               BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
@@ -216,8 +244,8 @@ def _merge_kernel(CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE, max_segments, s
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor],
-                        scale: float, max_segments: int, split: bool = False,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, max_segments: int, split: bool = False, out: torch.Tensor | None = None,
+                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """See the module docstring. No host sync; every shape comes from the host arguments."""
     rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -231,7 +259,10 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if rows == 0 or tile_seq.numel() == 0:
         return out
     max_segments = max(1, max_segments)
-    segs = max_segments if split else 1
+    # Programs per (kv head, tile) on the split path: one per segment, but no more than keeps the
+    # grid under MAX_SPLIT_PROGRAMS (the page tables of a 128k-context model give 512 segments,
+    # nearly all past any row's context: a million idle programs per launch at batch 256).
+    segs = max(1, min(max_segments, MAX_SPLIT_PROGRAMS // max(1, num_kv_heads * tile_seq.numel()))) if split else 1
     # partials [rows, heads, max_segments] of lse, then of o (x head_dim), fp32
     po = torch.empty(rows * num_heads * max_segments * (head_dim + 1) if split else 1,
                      device=q.device, dtype=torch.float32)
@@ -240,11 +271,18 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     consts = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, SEGMENT=SEGMENT, BLOCK_M=BLOCK_M,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     grid = (num_kv_heads, tile_seq.numel(), segs)
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        assert split and k_new.shape == v_new.shape == (rows, num_kv_heads, head_dim), "decode rows, split"
+        assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slots.shape == (rows,)
+    else:
+        k_new = v_new = slots = q  # never read
     _attn_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens, prefix_lens, tile_seq, tile_start, out, po, plse,
-                       scale * _LOG2E, int(split), max_segments,
+                       k_new, v_new, slots, scale * _LOG2E, int(split), max_segments,
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_pt,
+                       k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), NEW_KV=new_kv is not None,
                        CACHE_BLOCK=block_size, BLOCK_N=BLOCK_N, UPCAST_DOT=_INTERPRET and q.dtype == torch.bfloat16,
                        **consts,
                        num_warps=4, num_stages=NUM_STAGES, enable_fp_fusion=False)

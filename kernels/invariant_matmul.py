@@ -17,12 +17,17 @@ configuration never changes how an element is summed: every row goes through the
 of k16 tensor-core steps accumulated in fp32 in ascending k; rows past M are masked to zero and
 never stored. M is not specialised on (Triton would otherwise compile a separate
 variant for M == 1 and for M a multiple of 16). The tile shape does follow M (``config``), within
-configs that give the same bits (see _BUCKETS). No split-K: a K split would need a reduction
-whose order is fixed too, and at small M the N tiles alone keep enough programs busy for these
-shapes.
+configs that give the same bits (see _BUCKETS).
 
-Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), grouped along M so that consecutive programs share
-weight tiles in L2. Tile sizes from a sweep on an H100 (benchmarks/results/invariant_kernels_h100.json).
+K segments: a weight wider than ONE_SEGMENT_MAX_K columns is summed as SEGMENT_K-column segments
+at fixed positions, each from zero, the segment sums added in ascending order. That order is a
+function of K alone, and it lets a small batch spread the segments over programs (``split_k``):
+each writes its fp32 partial tile, and the tile's last program to finish (an atomic arrival
+count) adds the partials in the same ascending order, so split and unsplit give the same bits.
+
+Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), segments if split else 1), grouped along M so that
+consecutive programs share weight tiles in L2. Tile sizes from a sweep on an H100
+(benchmarks/results/invariant_kernels_h100.json).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.scratch import has_scratch, scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -54,11 +61,32 @@ class MatmulConfig(NamedTuple):
 _BUCKETS = ((128, MatmulConfig(64, 64, 128, 4, 3)),  # decode: weight-bandwidth bound, many programs
             (1024, MatmulConfig(64, 128, 64, 4, 3)),
             (1 << 62, MatmulConfig(128, 128, 64, 8, 3)))  # prefill: compute bound, big tiles
+# The decode bucket's narrow variant: 32-column tiles, twice the programs, for weights whose
+# segments x tiles would otherwise leave SMs idle at one row (GPT-2's projections at one row went
+# from 4.6 to 3.8 us on the H100; with more programs than NARROW_MAX_PROGRAMS, Llama-3.2-1B's split
+# down projection, from 13.7 to 19.4 us: hence the bound).
+_NARROW = MatmulConfig(64, 32, 128, 4, 3)
+NARROW_MAX_PROGRAMS = 256  # narrow tiles while segments x tiles stay under this (~2 per SM)
 _buckets_ok = True
+_split_ok = True
 # No FMA contraction: the epilogue (bias, GELU) is then the same IEEE operations in every config's
 # compiled kernel by construction, not by the compiler fusing alike per tile shape (on the H100 the
 # buckets measured bitwise equal with contraction on as well).
 FP_FUSION = False
+# K segments: a weight wider than ONE_SEGMENT_MAX_K is summed as SEGMENT_K-column segments, each
+# from zero, added in ascending order; segments can then be spread over programs at small batch
+# (their fp32 partials folded in the same order) without a bit changing.
+# Segments cost large batches a little (each restarts the software pipeline) and save small ones a
+# lot; measured on an H100 in graph replays when these constants were chosen: 1024-column segments
+# cost +4 to 8% at 8192 rows (512-column ones +15%), and took Llama-3.2-1B's down projection at one
+# row from 28.9 to 13.9 us, GPT-2's from 11.7 to 8.3; weights up to 2048 columns gained little at
+# one row and stay one segment. The benchmark's figures for the code as it is, against cuBLAS:
+# benchmarks/results/invariant_kernels_gemm_h100.txt.
+ONE_SEGMENT_MAX_K = 2048
+SEGMENT_K = 1024
+SPLIT_MAX_ROWS = 128  # split only launches of the first (decode) bucket ...
+SPLIT_MAX_TILES = 64  # ... with at most this many output tiles (the H100 has 132 SMs)
+COUNTERS = 1 << 16  # arrival counters kept per device: more than any split launch's tiles
 
 
 def config(n: int, k: int, m: int = 1) -> MatmulConfig:
@@ -68,28 +96,35 @@ def config(n: int, k: int, m: int = 1) -> MatmulConfig:
         return MatmulConfig(64, 64, 128, 1, 1)
     if not _buckets_ok:
         return _BUCKETS[0][1]
+    if m <= _BUCKETS[0][0] and triton.cdiv(n, _NARROW.block_n) * triton.cdiv(k, segment_k(k)) <= NARROW_MAX_PROGRAMS:
+        return _NARROW
     return next(cfg for most, cfg in _BUCKETS if m <= most)
 
 
 def check_buckets(device: torch.device, shapes: tuple = ((2304, 768), (3072, 768), (768, 3072), (4096, 4096))
                   ) -> bool:
-    """Whether every bucket's config gives the same bits as the first on this GPU, with and without
-    bias and GELU (it has on the H100); if not, one config serves every M from now on. Run once at
-    start-up, before graphs."""
-    global _buckets_ok
+    """Whether every config (buckets, narrow) gives the same bits as the first on this GPU, with and without
+    bias and GELU, and the split path the same bits as the unsplit one (both have on the H100); if
+    a bucket differs, one config serves every M from now on; if the split does, no launch splits.
+    Run once at start-up, before graphs (it also allocates the split path's counters)."""
+    global _buckets_ok, _split_ok
     if _INTERPRET or device.type != "cuda":
         return True
     g = torch.Generator(device=device).manual_seed(0)
-    ok = True
+    ok = split_ok = True
     for n, k in shapes:
         w = (torch.randn(n, k, device=device, generator=g) / k**0.5).half()
         b = torch.randn(n, device=device, generator=g).half()
         x = torch.randn(512, k, device=device, generator=g).half()
         for bias, gelu in ((None, False), (b, True)):
-            outs = [invariant_linear(x, w, bias, gelu, cfg=cfg) for _, cfg in _BUCKETS]
+            outs = [invariant_linear(x, w, bias, gelu, cfg=cfg) for cfg in (*(c for _, c in _BUCKETS), _NARROW)]
             ok &= all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
-    _buckets_ok = ok
-    return ok
+            for seg_k in {segment_k(k), SEGMENT_K}:
+                whole = invariant_linear(x[:3], w, bias, gelu, split=False, seg_k=seg_k)
+                split = invariant_linear(x[:3], w, bias, gelu, split=True, seg_k=seg_k)
+                split_ok &= torch.equal(whole.view(torch.int16), split.view(torch.int16))
+    _buckets_ok, _split_ok = ok, split_ok
+    return ok and split_ok
 
 
 @triton.jit
@@ -100,10 +135,39 @@ def _gelu_tanh(y):
     return 0.5 * y * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
 
 
+@triton.jit
+def _segment_dot(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """sum over k in [lo, hi) of x[m, k] * w[n, k] for the tile, from zero, in ascending k16 steps."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k_ok = offs_k + k0 < hi
+        a = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST_DOT:  # the interpreter has no bf16 matmul
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS: tl.constexpr,
+              GELU: tl.constexpr):
+    """bias, GELU, rounding and the store: one helper, so both paths do the same operations."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GELU:
+        acc = _gelu_tanh(acc)
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_om,
                    HAS_BIAS: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENT_K: tl.constexpr, SPLIT: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -120,27 +184,66 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     n_ok = offs_n < N
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k + k0 < K
-        a = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST_DOT:  # the interpreter has no bf16 matmul
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GELU:
-        acc = _gelu_tanh(acc)
-    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    num_seg = tl.cdiv(K, SEGMENT_K)
+    if SPLIT:  # this program: segment program_id(1); the last of the tile's programs to finish folds
+        seg = tl.program_id(1)
+        acc = _segment_dot(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, seg * SEGMENT_K, tl.minimum(K, seg * SEGMENT_K + SEGMENT_K),
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        # partials [num_seg, tiles, BLOCK_M, BLOCK_N] fp32, a tile's block contiguous
+        tile = pid_m * tiles_n + pid_n
+        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part_ptr + (seg * tiles_m * tiles_n + tile).to(tl.int64) * BLOCK_M * BLOCK_N + block, acc)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == num_seg - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, num_seg):  # ascending, whichever program arrived last
+                total += tl.load(part_ptr + (s * tiles_m * tiles_n + tile).to(tl.int64) * BLOCK_M * BLOCK_N + block,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
+            _epilogue(total, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS, GELU)
+    elif SEGMENT_K >= K:  # one segment: no fold
+        acc = _segment_dot(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        _epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS, GELU)
+    else:  # every segment in this program, folded in the same order
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(0, num_seg):
+            total += _segment_dot(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, s * SEGMENT_K,
+                                  tl.minimum(K, s * SEGMENT_K + SEGMENT_K), BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        _epilogue(total, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS, GELU)
+
+
+def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counters of the split path: zero between launches (a tile's last program
+    puts its counter back), shared by the split launches on a device, which one stream orders.
+    Made before graphs are captured (check_buckets at start-up makes them): made during a capture,
+    they would be the graph's memory."""
+    assert tiles <= COUNTERS
+    key = ("linear-counters", device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not has_scratch(key):
+        raise RuntimeError("invariant_linear: run check_buckets (or any split launch) before capturing graphs")
+    return scratch(key, tiles, torch.int32, device, min_size=COUNTERS, zeroed=True)
+
+
+def segment_k(k: int) -> int:
+    """Columns per K segment of a weight with k columns: a function of the weight alone, so a row's
+    summation order never depends on the batch."""
+    return k if k <= ONE_SEGMENT_MAX_K else SEGMENT_K
+
+
+def split_k(m: int, n: int, k: int, cfg: MatmulConfig, seg_k: int) -> bool:
+    """Whether to spread the K segments over programs: when the output tiles alone leave most of
+    the GPU idle (small batches on narrow weights). Either way gives the same bits."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return _split_ok and seg_k < k and m <= SPLIT_MAX_ROWS and tiles <= SPLIT_MAX_TILES
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,
-                     out: torch.Tensor | None = None, cfg: MatmulConfig | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, cfg: MatmulConfig | None = None,
+                     split: bool | None = None, seg_k: int | None = None) -> torch.Tensor:
     """act(x @ weight.T + bias), each row bitwise independent of the batch (see the module docstring).
-    `cfg`: a launch configuration other than ``config``'s (the start-up check, benchmarks)."""
+    `cfg`, `split`, `seg_k`: other than the defaults (the start-up check, tests, benchmarks); `seg_k`
+    changes the bits, `cfg` and `split` do not."""
     assert x.dim() == 2 and x.stride(1) == 1, "x: [M, K], last dim contiguous"
     m, k = x.shape
     n = weight.shape[0]
@@ -152,13 +255,22 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 0:
         return out
     cfg = cfg or config(n, k, m)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    seg_k = seg_k or segment_k(k)
+    assert seg_k >= k or seg_k % cfg.block_k == 0, "segments of whole K tiles"
+    split = split_k(m, n, k, cfg, seg_k) if split is None else split and seg_k < k
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    num_seg = triton.cdiv(k, seg_k)
+    if split:
+        part = torch.empty(num_seg * tiles * cfg.block_m * cfg.block_n, device=x.device, dtype=torch.float32)
+        counts = _arrival_counts(x.device, tiles)
+    else:
+        part = counts = out
     # One row's stride is never read, and torch keeps a parent's (say a padded one) on a one-row
     # slice: pass the dense one so that M = 1 compiles the variant every other M uses.
     stride_xm, stride_om = (k, n) if m == 1 else (x.stride(0), out.stride(0))
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, stride_xm, stride_om,
-                         HAS_BIAS=bias is not None, GELU=gelu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST_DOT=_INTERPRET and x.dtype == torch.bfloat16,
-                         num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
+    _linear_kernel[(tiles, num_seg if split else 1)](
+        x, weight, bias if bias is not None else weight, out, part, counts, m, n, k, stride_xm, stride_om,
+        HAS_BIAS=bias is not None, GELU=gelu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SEGMENT_K=seg_k, SPLIT=split, UPCAST_DOT=_INTERPRET and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION)
     return out

@@ -24,3 +24,8 @@ def scratch(key, n: int, dtype: torch.dtype, device: torch.device, min_size: int
         alloc = torch.zeros if zeroed else torch.empty
         buf = _BUFFERS[key] = alloc(max(n, min_size), device=device, dtype=dtype)
     return buf
+
+
+def has_scratch(key) -> bool:
+    """Whether a buffer exists under `key` (a launch being captured must not be the one to make it)."""
+    return key in _BUFFERS

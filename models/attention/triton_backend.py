@@ -10,10 +10,11 @@ step it lists exactly the chunks' tiles (prefill_arrays), so no program idles; i
 prefill graph, whose grid never changes, it fills a fixed number of slots, the rest idle.
 
 Deterministic mode (``deterministic=True``, the server's --deterministic): every row, prompt chunk or
-decode, goes through kernels/invariant_attention.py after this step's K/V are written, so that a
-position's output does not depend on the batch, the chunking or prefill versus decode. Decodes
-are chunks of one row at position context_len - 1, their keys split over programs by the kernel's
-fixed segments (same bits, more parallelism).
+decode, goes through kernels/invariant_attention.py, which reads every key from the cache after
+this step's K/V are written, so that a position's output does not depend on the batch, the chunking
+or prefill versus decode. Decodes are chunks of one row at position context_len - 1, their keys
+split over programs by the kernel's fixed segments (same bits, more parallelism); in a step of
+decodes only the attention launch writes their K/V itself, as the default decode kernel does.
 """
 
 from __future__ import annotations
@@ -101,18 +102,25 @@ class TritonAttention:
 
     def _forward_invariant(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                            rope: Rope | None) -> torch.Tensor:
+        p = meta.num_prefill_tokens
+        if not p:  # decodes only: the attention launch writes this step's K/V itself
+            if rope is not None:
+                rope_kv_write(q, k, None, rope.positions, rope.cos, rope.sin, None, None, None, write_cache=False)
+            cu, prefix, tiles = meta.decode_chunks
+            tables = meta.decode_block_tables
+            return invariant_attention(q, k_cache, v_cache, tables, cu, prefix, tiles, scale,
+                                       num_segments(tables, k_cache.shape[1]), split=True,
+                                       new_kv=(k, v, meta.slot_mapping))
         if rope is not None:
             rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
         else:
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        p = meta.num_prefill_tokens
         block_size = k_cache.shape[1]
-        if p:
-            tables = meta.prefill_block_tables
-            invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
-                                scale, num_segments(tables, block_size), out=out[:p])
-        if q.shape[0] > p:
+        tables = meta.prefill_block_tables
+        invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
+                            scale, num_segments(tables, block_size), out=out[:p])
+        if q.shape[0] > p:  # a mixed step's decodes: their K/V went in with the chunks'
             cu, prefix, tiles = meta.decode_chunks
             tables = meta.decode_block_tables
             # Keys split over programs by segment (the same bits as unsplit, the kernel's contract):

@@ -23,7 +23,7 @@ from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import StepControls, TokenCounts, to_device
-from server.worker.sampler import log_softmax, sample
+from server.worker.sampler import log_softmax, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 
 
@@ -268,7 +268,7 @@ class ModelRunner:
         if logprobs is not None:
             k = max(max(w or 0 for w in want), 1)
             chosen = logprobs.gather(1, ids[:, None])
-            top_v, top_i = logprobs.topk(k, dim=-1)
+            top_v, top_i = top_logprobs(logprobs, k, invariant)
             packed = torch.cat([chosen, top_i.float(), top_v], dim=1)
             handle.top = self._to_host(packed, torch.empty(packed.shape, pin_memory=self.on_cuda))
             handle.k = k

@@ -25,6 +25,22 @@ def softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
     return log_softmax_rows(x).exp() if invariant else torch.softmax(x, dim=-1)
 
 
+def top_logprobs(logprobs: torch.Tensor, k: int, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, token ids) [n, k] of each row's k most likely tokens. `invariant`: equal values in
+    the lowest token id first. torch.topk leaves the order of ties to its algorithm, which follows
+    the batch's shape; bf16 logits tie often (a random-weight Llama-3.2-1B's top alternative did,
+    and a request's top_logprobs changed with the traffic around it). So the ranking key is one
+    int64 per token, the value's order-preserving bits then the reversed id: no two are equal."""
+    if not invariant:
+        return logprobs.topk(k, dim=-1)
+    bits = logprobs.contiguous().view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in the float
+    vocab = logprobs.shape[-1]
+    reversed_id = vocab - 1 - torch.arange(vocab, device=logprobs.device)
+    _, ids = ((ordered << 32) | reversed_id).topk(k, dim=-1)
+    return logprobs.gather(-1, ids), ids
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                         invariant: bool = False) -> torch.Tensor:
     """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf.

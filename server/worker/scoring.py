@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from server.worker.logits import to_device
-from server.worker.sampler import log_softmax
+from server.worker.sampler import log_softmax, top_logprobs
 
 SLICE = 128
 
@@ -57,7 +57,7 @@ def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int,
                 b = min(m, a + SLICE)
                 logprobs = log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), invariant)
                 chosen = logprobs.gather(1, targets[a:b, None])
-                top_v, top_i = logprobs.topk(max(k, 1), dim=-1)
+                top_v, top_i = top_logprobs(logprobs, max(k, 1), invariant)
                 parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))
             packed = torch.cat(parts)
             host = torch.empty(packed.shape, pin_memory=pinned)

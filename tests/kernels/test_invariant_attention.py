@@ -134,3 +134,38 @@ def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens):
         want = whole[probe] if got.shape[0] == len(probe) else whole
         assert torch.equal(bits(got), bits(want)), f"{name}: not bitwise equal to the one-chunk prefill"
     assert not torch.isnan(whole).any()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,lens", CASES)
+@pytest.mark.parametrize("max_programs", [None, 1])
+def test_decode_writes_its_own_kv(heads, kv_heads, head_dim, dtype, lens, max_programs, monkeypatch):
+    """A decode launch given new_kv writes this step's K/V into the cache (slot -1 skipped) and
+    gives the bits of kv_write followed by the launch without it; also when the split grid is
+    capped (max_programs 1: one program per (kv head, tile) walks every segment) and the write
+    falls to a program that also computes other segments."""
+    from kernels import invariant_attention as ia
+    from kernels.kv_write import kv_write
+
+    if max_programs is not None:
+        monkeypatch.setattr(ia, "MAX_SPLIT_PROGRAMS", max_programs)
+
+    g = torch.Generator().manual_seed(5 + heads)
+    cache = Cache(g, lens, kv_heads, head_dim, dtype)
+    fused = Cache(torch.Generator().manual_seed(5 + heads), lens, kv_heads, head_dim, dtype)
+    rows = len(lens) + 1  # one decode per sequence at its last position, then a padding row
+    chunks = [(s, n - 1, 1) for s, n in enumerate(lens)]
+    q = torch.randn(rows, heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    k_new = torch.randn(rows, kv_heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    v_new = torch.randn(rows, kv_heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    slots = torch.tensor([int(cache.tables[s, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for s, n in enumerate(lens)]
+                         + [-1], dtype=torch.int64, device=DEVICE)
+    kv_write(k_new, v_new, cache.k, cache.v, slots)
+    want = _run(cache, q[:-1], chunks, heads // kv_heads, split=False)
+    cu = torch.arange(rows + 1, dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor([n - 1 for n in lens] + [-1], dtype=torch.int32, device=DEVICE)
+    tables = torch.cat([fused.tables, fused.tables[:1]])
+    tiles = (torch.arange(rows, dtype=torch.int32, device=DEVICE), torch.zeros(rows, dtype=torch.int32, device=DEVICE))
+    got = invariant_attention(q, fused.k, fused.v, tables, cu, prefix, tiles, head_dim**-0.5, fused.max_segments,
+                              split=True, new_kv=(k_new, v_new, slots))
+    assert torch.equal(bits(got[:-1]), bits(want))
+    assert torch.equal(bits(fused.k), bits(cache.k)) and torch.equal(bits(fused.v), bits(cache.v))

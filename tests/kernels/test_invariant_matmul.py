@@ -17,7 +17,8 @@ from kernels.reference import linear_ref
 from tests.helpers import bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(1, 40, 24), (7, 96, 72), (70, 33, 130)]  # (M, K, N): K and N not multiples of the tiles
+SHAPES = [(1, 40, 24), (7, 96, 72), (70, 33, 130), (5, 2100, 40)]  # (M, K, N): K and N not multiples
+# of the tiles; the last K is wider than one segment (summed in 1024-column segments)
 
 
 def _rand(g, *shape, dtype):
@@ -71,6 +72,8 @@ def test_config_buckets(monkeypatch):
     cfgs = {config(768, 3072, m) for m in (1, 128, 129, 1024, 1025, 8192)}
     assert len(cfgs) == 3 and all(c.block_m in (64, 128) and c.num_warps % 4 == 0 for c in cfgs)
     assert config(768, 3072, 1) == config(768, 3072, 128) != config(768, 3072, 8192)
+    # narrow decode tiles while segments x tiles leave SMs idle; 64-wide when the segments are many
+    assert config(768, 3072, 1) == im._NARROW and config(2048, 8192, 1) == im._BUCKETS[0][1]
     monkeypatch.setattr(im, "_buckets_ok", False)
     assert {config(768, 3072, m) for m in (1, 8192)} == {config(768, 3072, 1)}
 
@@ -89,3 +92,32 @@ def test_one_row_with_a_parent_stride():
     w = _rand(g, 20, 48, dtype=torch.float16)
     dense = torch.cat([x, _rand(g, 3, 48, dtype=torch.float16)])
     assert torch.equal(bits(invariant_linear(x, w)[0]), bits(invariant_linear(dense, w)[0]))
+
+
+def test_segments_are_fixed_by_k():
+    """The summation order is a function of the weight's width alone."""
+    assert im.segment_k(768) == 768 and im.segment_k(2048) == 2048
+    assert im.segment_k(3072) == im.segment_k(8192) == im.SEGMENT_K == 1024
+
+
+@pytest.mark.parametrize("bias,gelu", [(False, False), (True, True)])
+def test_split_over_segments_is_bitwise_unsplit(bias, gelu):
+    """A weight of several K segments: rows computed alone and in small batches (segments spread
+    over programs, the last to arrive folding) and inside a batch too large to split (segments
+    folded in one program) compare bitwise; the arrival counters are back to zero after each launch."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 2100, 40
+    w = _rand(g, n, k, dtype=torch.float16) / k**0.5
+    b = _rand(g, n, dtype=torch.float16) if bias else None
+    x = _rand(g, 200, k, dtype=torch.float16)
+    cfg = config(n, k, 1)
+    assert im.split_k(1, n, k, cfg, im.segment_k(k)) and not im.split_k(200, n, k, config(n, k, 200), im.segment_k(k))
+    whole = invariant_linear(x, w, b, gelu=gelu)
+    for rows in (slice(0, 1), slice(5, 12), slice(100, 170)):
+        for split in (True, False):
+            part = invariant_linear(x[rows], w, b, gelu=gelu, split=split)
+            assert torch.equal(bits(part), bits(whole[rows])), f"rows {rows} split={split}"
+            assert not im._arrival_counts(x.device, 1).any() if split else True
+    # one segment of the whole width: another summation order, the same values up to rounding
+    one = invariant_linear(x[:8], w, b, gelu=gelu, seg_k=4096)
+    torch.testing.assert_close(one.float(), whole[:8].float(), atol=4e-3, rtol=4e-3)

@@ -1,5 +1,5 @@
-"""The deterministic mode end to end on CPU (the batch-invariant kernels under Triton's
-interpreter): one probe request's tokens and log-probabilities, bitwise, whether it runs alone or
+"""The deterministic mode end to end, on CPU in CI (the batch-invariant kernels under Triton's
+interpreter) and on the GPU where there is one: one probe request's tokens and log-probabilities, bitwise, whether it runs alone or
 among other traffic, with its prompt chunked at other boundaries, after a prefix-cache hit, after
 preemption and recompute, with and without asynchronous scheduling; and a seeded sampled probe
 likewise. The probe's prompt passes the attention kernel's first key segment (256 positions), so
@@ -16,13 +16,14 @@ from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (tests/conftest.py)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True, logprobs=2)
 
 
 def _engine(path, **kw) -> LLMEngine:
     kw.setdefault("num_blocks", 96)
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float16", attention="triton",
+    return LLMEngine(EngineConfig(model=str(path), device=DEVICE, dtype="float16", attention="triton",
                                   deterministic=True, enforce_eager=True, **kw))
 
 

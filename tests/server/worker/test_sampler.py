@@ -141,3 +141,22 @@ def test_sub_epsilon_temperatures_are_greedy_never_nan(temperature):
     assert ids.tolist() == logits.argmax(-1).tolist()
     ids, _ = draw(logits, [SamplingParams(temperature=GREEDY_BELOW)] * 6)  # the smallest that samples
     assert ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_logprobs_ties_lowest_id_first():
+    """Deterministic mode: tied values rank by token id (torch.topk's tie order follows the batch
+    shape), values and ids otherwise as topk's; negatives, -inf and one row alike."""
+    from server.worker.sampler import top_logprobs
+
+    x = torch.tensor([[-1.5, -0.25, -0.25, -7.0, float("-inf"), -0.25],
+                      [0.5, -0.0, 0.0, 2.0, 2.0, -3.0]])
+    v, i = top_logprobs(x, 4, invariant=True)
+    assert i.tolist() == [[1, 2, 5, 0], [3, 4, 0, 2]]  # +0.0 (id 2) ranks over -0.0 (id 1)
+    assert torch.equal(v, x.gather(1, i))
+    assert top_logprobs(x[1:], 4, invariant=True)[1].tolist() == [[3, 4, 0, 2]]
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 1000, generator=g).log_softmax(-1)  # no ties: the same as topk
+    want_v, want_i = y.topk(7, dim=-1)
+    got_v, got_i = top_logprobs(y, 7, invariant=True)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+    assert torch.equal(top_logprobs(y, 7, invariant=False)[1], want_i)
