@@ -59,7 +59,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
 BLOCK_M = 64  # rows per tile (positions x padded group)
 BLOCK_N = 128 if _INTERPRET else 64  # keys per tile (the interpreter: fewer, larger numpy ops)
-MAX_SPLIT_PROGRAMS = 8192  # split path: programs of a launch, at most (bits do not depend on it)
+MAX_SPLIT_PROGRAMS = 8192  # split path: programs per segment axis, budget (bits do not depend on it)
 NUM_STAGES = 2  # software pipelining of the key loop (loads only: no effect on bits); 2 fastest on the H100
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2 of differences stays finite
@@ -259,9 +259,10 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if rows == 0 or tile_seq.numel() == 0:
         return out
     max_segments = max(1, max_segments)
-    # Programs per (kv head, tile) on the split path: one per segment, but no more than keeps the
-    # grid under MAX_SPLIT_PROGRAMS (the page tables of a 128k-context model give 512 segments,
-    # nearly all past any row's context: a million idle programs per launch at batch 256).
+    # Programs per (kv head, tile) on the split path: one per segment, but no more than
+    # MAX_SPLIT_PROGRAMS spread over the (kv head, tile) pairs, and at least one (the page tables of
+    # a 128k-context model give 512 segments, nearly all past any row's context: without the cap,
+    # a million idle programs per launch at batch 256).
     segs = max(1, min(max_segments, MAX_SPLIT_PROGRAMS // max(1, num_kv_heads * tile_seq.numel()))) if split else 1
     # partials [rows, heads, max_segments] of lse, then of o (x head_dim), fp32
     po = torch.empty(rows * num_heads * max_segments * (head_dim + 1) if split else 1,

@@ -26,18 +26,19 @@ def softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, token ids) [n, k] of each row's k most likely tokens. `invariant`: equal values in
-    the lowest token id first. torch.topk leaves the order of ties to its algorithm, which follows
-    the batch's shape; bf16 logits tie often (a random-weight Llama-3.2-1B's top alternative did,
-    and a request's top_logprobs changed with the traffic around it). So the ranking key is one
-    int64 per token, the value's order-preserving bits then the reversed id: no two are equal."""
+    """(values, token ids) [n, k] of each row's k most likely tokens. `invariant`: equal values
+    (-0.0 and +0.0 alike) in the lowest token id first. torch.topk leaves the order of ties to its
+    algorithm, which follows the batch's shape; bf16 logits tie often (a random-weight
+    Llama-3.2-1B's top alternative did, and a request's top_logprobs changed with the traffic around
+    it). So the ranking key is one int64 per token, the value's order-preserving bits then the
+    reversed id: no two are equal. (Built in place: one int64 [n, V] buffer.)"""
     if not invariant:
         return logprobs.topk(k, dim=-1)
-    bits = logprobs.contiguous().view(torch.int32)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in the float
+    bits = (logprobs + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0; a fresh contiguous copy
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in the float
     vocab = logprobs.shape[-1]
-    reversed_id = vocab - 1 - torch.arange(vocab, device=logprobs.device)
-    _, ids = ((ordered << 32) | reversed_id).topk(k, dim=-1)
+    key.bitwise_left_shift_(32).bitwise_or_(vocab - 1 - torch.arange(vocab, device=logprobs.device))
+    _, ids = key.topk(k, dim=-1)
     return logprobs.gather(-1, ids), ids
 
 

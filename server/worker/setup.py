@@ -50,9 +50,13 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     if config.deterministic and on_cuda:
         from kernels.invariant_matmul import check_buckets
 
-        if not check_buckets(device):
+        found = check_buckets(device)
+        if not found.configs_agree:
             log.warning("deterministic mode: this GPU's GEMM tile configs differ in bits; every batch size "
                         "uses one config (slower prefill)")
+        if not found.split_agrees:
+            log.warning("deterministic mode: this GPU's split GEMM differs in bits from the unsplit one; "
+                        "no GEMM splits over K (slower small batches)")
     spec = model.spec
     max_model_len = spec.max_position_embeddings
     if config.max_model_len is not None:  # never 0 for "the default": the CLI refuses 0

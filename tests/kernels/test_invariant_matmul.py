@@ -80,8 +80,8 @@ def test_config_buckets(monkeypatch):
 
 def test_check_buckets():
     """On the GPU the check must pass (the H100 gives the same bits for every bucket); off it, a no-op."""
-    assert im.check_buckets(torch.device(DEVICE)) is True
-    assert im._buckets_ok
+    assert im.check_buckets(torch.device(DEVICE)) == im.BucketCheck(configs_agree=True, split_agrees=True)
+    assert im._buckets_ok and im._split_ok
 
 
 def test_one_row_with_a_parent_stride():

@@ -151,9 +151,9 @@ def test_top_logprobs_ties_lowest_id_first():
     x = torch.tensor([[-1.5, -0.25, -0.25, -7.0, float("-inf"), -0.25],
                       [0.5, -0.0, 0.0, 2.0, 2.0, -3.0]])
     v, i = top_logprobs(x, 4, invariant=True)
-    assert i.tolist() == [[1, 2, 5, 0], [3, 4, 0, 2]]  # +0.0 (id 2) ranks over -0.0 (id 1)
+    assert i.tolist() == [[1, 2, 5, 0], [3, 4, 0, 1]]  # -0.0 and +0.0 tie: id 1 first
     assert torch.equal(v, x.gather(1, i))
-    assert top_logprobs(x[1:], 4, invariant=True)[1].tolist() == [[3, 4, 0, 2]]
+    assert top_logprobs(x[1:], 4, invariant=True)[1].tolist() == [[3, 4, 0, 1]]
     g = torch.Generator().manual_seed(0)
     y = torch.randn(5, 1000, generator=g).log_softmax(-1)  # no ties: the same as topk
     want_v, want_i = y.topk(7, dim=-1)
