@@ -106,29 +106,30 @@ class TritonAttention:
         if not p:  # decodes only: the attention launch writes this step's K/V itself
             if rope is not None:
                 rope_kv_write(q, k, None, rope.positions, rope.cos, rope.sin, None, None, None, write_cache=False)
-            cu, prefix, tiles = meta.decode_chunks
-            tables = meta.decode_block_tables
-            return invariant_attention(q, k_cache, v_cache, tables, cu, prefix, tiles, scale,
-                                       num_segments(tables, k_cache.shape[1]), split=True,
-                                       new_kv=(k, v, meta.slot_mapping))
+            return self._invariant_decodes(q, k_cache, v_cache, meta, scale, new_kv=(k, v, meta.slot_mapping))
         if rope is not None:
             rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
         else:
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        block_size = k_cache.shape[1]
         tables = meta.prefill_block_tables
         invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
-                            scale, num_segments(tables, block_size), out=out[:p])
+                            scale, num_segments(tables, k_cache.shape[1]), out=out[:p])
         if q.shape[0] > p:  # a mixed step's decodes: their K/V went in with the chunks'
-            cu, prefix, tiles = meta.decode_chunks
-            tables = meta.decode_block_tables
-            # Keys split over programs by segment (the same bits as unsplit, the kernel's contract):
-            # faster at every decode batch measured on the H100, 1 to 256 rows
-            # (benchmarks/results/invariant_kernels_h100.json); prompt chunks have tiles enough.
-            invariant_attention(q[p:], k_cache, v_cache, tables, cu, prefix, tiles, scale,
-                                num_segments(tables, block_size), split=True, out=out[p:])
+            self._invariant_decodes(q[p:], k_cache, v_cache, meta, scale, out=out[p:])
         return out
+
+    @staticmethod
+    def _invariant_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None,
+                           new_kv=None) -> torch.Tensor:
+        """The decode rows as one-row chunks (meta.decode_chunks), their keys split over programs by
+        segment (the same bits as unsplit, the kernel's contract): faster at every decode batch
+        measured on the H100, 1 to 256 rows (benchmarks/results/invariant_kernels_h100.json);
+        prompt chunks have tiles enough without."""
+        cu, prefix, tiles = meta.decode_chunks
+        tables = meta.decode_block_tables
+        return invariant_attention(q, k_cache, v_cache, tables, cu, prefix, tiles, scale,
+                                   num_segments(tables, k_cache.shape[1]), split=True, out=out, new_kv=new_kv)
 
     def warmup(self, kv_caches, num_heads: int) -> None:
         """Compile every split variant of the decode kernel (kernels/paged_decode.py). The
