@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks. Run from the repo root on the GPU machine
 # with .whl carried (fastapi/uvicorn/pydantic wheels, see ../shared/device/fetch-wheels.sh).
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism]...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
@@ -29,6 +29,26 @@ for step in "${@:-tests throughput prefix}"; do
         python3 benchmarks/compare.py --api-server-counts 1 2 4 --concurrency 1 256 "${LOAD[@]}" \
           --offline-json "$(ls "$OUT"/offline/throughput_*.json)" > "$OUT/sweep.log" 2>&1 || status=1
         tail -4 "$OUT/offline.log"; tail -12 "$OUT/load.log"; tail -12 "$OUT/sweep.log" ;;
+      # Issue 21: one replica per GPU of this host behind vllm-router (needs the vllm-router wheel carried).
+      scaleout)
+        python3 benchmarks/bench_scaleout.py --replicas "$(nvidia-smi -L | wc -l)" --device cuda --out-dir "$OUT" \
+          > "$OUT/scaleout.log" 2>&1 || status=1
+        tail -14 "$OUT/scaleout.log" ;;
+      # Issue 22: both modes of GPT-2 small and of the Llama-3.2-1B shape; on a host of two GPUs the
+      # two shapes run at once, one per GPU (each shape's two modes still share one GPU, in turn).
+      determinism)
+        DET=(--min-requests 1024 --out-dir "$OUT")
+        if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+          CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_determinism.py "${DET[@]}" > "$OUT/det_gpt2.log" 2>&1 &
+          CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_determinism.py --model-shape llama-3.2-1b "${DET[@]}" \
+            > "$OUT/det_llama.log" 2>&1 || status=1
+          wait $! || status=1
+        else
+          for shape in gpt2 llama-3.2-1b; do
+            python3 benchmarks/bench_determinism.py --model-shape $shape "${DET[@]}" > "$OUT/det_$shape.log" 2>&1 || status=1
+          done
+        fi
+        tail -n 12 "$OUT"/det_*.log ;;
       profile)
         for n in 1 4; do
           python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \
