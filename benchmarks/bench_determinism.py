@@ -432,12 +432,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"--merge: {path} measured {old.get('model')}, not {result['model']}")
             result["modes"] = {m: v for m, v in old["modes"].items() if m not in cfg.modes}
             result["command"] = old["command"] + " && " + result["command"]
-        for mode in cfg.modes:
+        for mode in cfg.modes:  # the file is written after each mode: a run cut off keeps what it finished
             result["modes"][mode] = run_mode(mode, model_dir, cfg, vocab, ctx, tmp)
-        result["modes"] = {m: result["modes"][m] for m in ("default", "deterministic") if m in result["modes"]}
-        result["ratios"], result["criteria"] = compare_modes(result["modes"])
-        result["rows"] = summary_rows(result)
-        print("wrote", write_result(result, out_dir, name), file=sys.stderr)
+            result["modes"] = {m: result["modes"][m] for m in ("default", "deterministic") if m in result["modes"]}
+            result["ratios"], result["criteria"] = compare_modes(result["modes"])
+            result["rows"] = summary_rows(result)
+            print("wrote", write_result(result, out_dir, name), file=sys.stderr)
         print(report(result))
         ok = all(m["probe_errors"] == 0 for m in result["modes"].values())
     except RuntimeError as e:

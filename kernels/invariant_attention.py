@@ -35,8 +35,8 @@ What is fixed, and why each row's bits are a function of its own query and keys 
     ascending order by one helper (``_fold``), in registers (split=False) or by the merge kernel
     from fp32 partials (split=True): the same operations on the same fp32 values, so the choice
     of path (made per launch from the batch, for speed) does not change a bit;
-  * one tile shape (BLOCK_M rows = query positions x the GQA group's heads, BLOCK_N, warps)
-    whatever the batch, so every tl.dot is the same tensor-core instruction; rows of other
+  * one tile shape (``tile_rows``: query positions x the GQA group's heads, BLOCK_N, warps)
+    per model whatever the batch, so every tl.dot is the same tensor-core instruction; rows of other
     positions or sequences in a tile only add masked entries, and a masked entry contributes an
     exact 0 (p = 0, alpha = 1);
   * FMA contraction is off (``enable_fp_fusion=False``): the fold is the same IEEE operations in
@@ -57,8 +57,14 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
-BLOCK_M = 64  # rows per tile (positions x padded group)
+# Rows per tile (positions x padded group; more when a group is larger): the tile every prompt
+# chunk and decode goes through, so its size and warps fix the bits. A decode fills only a group's
+# rows of its tile; at 64 rows an MHA decode computed 64x the softmax it needs (1.5x the default
+# decode kernel's time at batch 256), while prefill, a small share of a served step's attention,
+# loses little with small tiles.
+BLOCK_M = 16
 BLOCK_N = 128 if _INTERPRET else 64  # keys per tile (the interpreter: fewer, larger numpy ops)
+NUM_WARPS = 4
 MAX_SPLIT_PROGRAMS = 8192  # split path: programs per segment axis, budget (bits do not depend on it)
 NUM_STAGES = 2  # software pipelining of the key loop (loads only: no effect on bits); 2 fastest on the H100
 _LOG2E = 1.4426950408889634
@@ -70,10 +76,15 @@ def num_segments(block_tables: torch.Tensor, block_size: int) -> int:
     return -(-block_tables.shape[1] * block_size // SEGMENT)
 
 
+def tile_rows(group: int) -> int:
+    """Rows of a tile for a GQA group of `group` query heads: BLOCK_M, or the padded group if larger."""
+    return max(BLOCK_M, triton.next_power_of_2(group))
+
+
 def positions_per_tile(group: int) -> int:
     """Query positions a tile holds for a GQA group of `group` query heads (what the tile map
     must be built with)."""
-    return BLOCK_M // triton.next_power_of_2(group)
+    return tile_rows(group) // triton.next_power_of_2(group)
 
 
 @triton.jit
@@ -252,7 +263,7 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype == v_cache.dtype
-    assert group_pad <= BLOCK_M and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     if out is None:
         out = torch.empty_like(q)
     tile_seq, tile_start = tiles
@@ -269,7 +280,7 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                      device=q.device, dtype=torch.float32)
     plse = po[rows * num_heads * max_segments * head_dim:] if split else po
     stride_pt = num_heads * max_segments
-    consts = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, SEGMENT=SEGMENT, BLOCK_M=BLOCK_M,
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, SEGMENT=SEGMENT, BLOCK_M=tile_rows(group),
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     grid = (num_kv_heads, tile_seq.numel(), segs)
     if new_kv is not None:
@@ -286,9 +297,9 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), NEW_KV=new_kv is not None,
                        CACHE_BLOCK=block_size, BLOCK_N=BLOCK_N, UPCAST_DOT=_INTERPRET and q.dtype == torch.bfloat16,
                        **consts,
-                       num_warps=4, num_stages=NUM_STAGES, enable_fp_fusion=False)
+                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if split:
         _merge_kernel[grid[:2]](cu_seqlens, prefix_lens, tile_seq, tile_start, out, po, plse, max_segments,
-                                out.stride(0), out.stride(1), stride_pt, **consts, num_warps=4,
+                                out.stride(0), out.stride(1), stride_pt, **consts, num_warps=NUM_WARPS,
                                 enable_fp_fusion=False)
     return out

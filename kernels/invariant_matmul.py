@@ -17,7 +17,7 @@ configuration never changes how an element is summed: every row goes through the
 of k16 tensor-core steps accumulated in fp32 in ascending k; rows past M are masked to zero and
 never stored. M is not specialised on (Triton would otherwise compile a separate
 variant for M == 1 and for M a multiple of 16). The tile shape does follow M (``config``), within
-configs that give the same bits (see _BUCKETS).
+configs that give the same bits (see CONFIGS).
 
 K segments: a weight wider than ONE_SEGMENT_MAX_K columns is summed as SEGMENT_K-column segments
 at fixed positions, each from zero, the segment sums added in ascending order. That order is a
@@ -26,8 +26,7 @@ each writes its fp32 partial tile, and the tile's last program to finish (an ato
 count) adds the partials in the same ascending order, so split and unsplit give the same bits.
 
 Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), segments if split else 1), grouped along M so that
-consecutive programs share weight tiles in L2. Tile sizes from a sweep on an H100
-(benchmarks/results/invariant_kernels_h100.json).
+consecutive programs share weight tiles in L2. Tile sizes from a sweep on an H100 (``config``).
 """
 
 from __future__ import annotations
@@ -53,25 +52,30 @@ class MatmulConfig(NamedTuple):
     group_m: int = 8
 
 
-# (most rows, config) by the launch's row count. Every config is a 64- or 128-row tile of Hopper's
-# wgmma, whose k16 steps accumulate each output element in the same order whatever the tile's M, N,
-# BLOCK_K, warps or stages; measured bitwise equal on an H100 (bench_invariant_kernels.py,
-# config_equivalence: 40 of 40 shapes x row counts, 7 configs) and checked again at start-up by
-# ``check_buckets``, which falls back to the first config for every M where it fails.
-_BUCKETS = ((128, MatmulConfig(64, 64, 128, 4, 3)),  # decode: weight-bandwidth bound, many programs
-            (1024, MatmulConfig(64, 128, 64, 4, 3)),
-            (1 << 62, MatmulConfig(128, 128, 64, 8, 3)))  # prefill: compute bound, big tiles
-# The decode bucket's narrow variant: 32-column tiles, twice the programs, for weights whose
-# segments x tiles would otherwise leave SMs idle at one row (GPT-2's projections at one row went
-# from 4.6 to 3.8 us on the H100; with more programs than NARROW_MAX_PROGRAMS, Llama-3.2-1B's split
-# down projection, from 13.7 to 19.4 us: hence the bound).
-_NARROW = MatmulConfig(64, 32, 128, 4, 3)
-NARROW_MAX_PROGRAMS = 256  # narrow tiles while segments x tiles stay under this (~2 per SM)
-_buckets_ok = True
+# The tile configs, all 64- or 128-row tiles of Hopper's wgmma, whose k16 steps accumulate each
+# output element in the same order whatever the tile's M, N, BLOCK_K, warps or stages: measured
+# bitwise equal on an H100 (bench_invariant_kernels.py, config_equivalence) and checked again at
+# start-up by ``check_configs``, which falls back to SMALL for every launch where they differ.
+SMALL = MatmulConfig(64, 64, 128, 4, 3)  # decode: weight-bandwidth bound, many programs
+NARROW = MatmulConfig(64, 32, 128, 4, 3)  # twice SMALL's programs, for launches that would idle SMs
+MEDIUM = MatmulConfig(128, 128, 64, 8, 4)  # compute bound; the large tile of segmented weights
+LARGE = MatmulConfig(128, 256, 64, 8, 3)  # compute bound, unsegmented weights (LM heads, gate/up, QKV)
+CONFIGS = (SMALL, NARROW, MEDIUM, LARGE)
+# Which one: the largest tile that still gives the launch at least MIN_TILES output tiles (about
+# 3/4 of the H100's 132 SMs), else SMALL, or NARROW while that gives under NARROW_MAX_PROGRAMS
+# programs (~2 per SM). Rows up to DECODE_MAX_ROWS always take a small tile. The H100 sweep these
+# come from (10 weights of GPT-2 small and Llama-3.2-1B x 256..4096 rows x 12 configs; totals in
+# units of cuBLAS time, the best config per case 115.3, this rule 117.6, the old row-count buckets
+# 148.2): GPT-2's MLP projection at 256 rows went from 21.7 to 11.3 us, Llama's LM head from 418
+# to 316 us (cuBLAS 6.9 and 240). 128x256 tiles lost to 128x128 on segmented weights (K > 2048).
+MIN_TILES = 96
+NARROW_MAX_PROGRAMS = 256
+DECODE_MAX_ROWS = 128
+_configs_ok = True
 _split_ok = True
 # No FMA contraction: the epilogue (bias, GELU) is then the same IEEE operations in every config's
 # compiled kernel by construction, not by the compiler fusing alike per tile shape (on the H100 the
-# buckets measured bitwise equal with contraction on as well).
+# configs measured bitwise equal with contraction on as well).
 FP_FUSION = False
 # K segments: a weight wider than ONE_SEGMENT_MAX_K is summed as SEGMENT_K-column segments, each
 # from zero, added in ascending order; segments can then be spread over programs at small batch
@@ -84,38 +88,41 @@ FP_FUSION = False
 # benchmarks/results/invariant_kernels_gemm_h100.txt.
 ONE_SEGMENT_MAX_K = 2048
 SEGMENT_K = 1024
-SPLIT_MAX_ROWS = 128  # split only launches of the first (decode) bucket ...
-SPLIT_MAX_TILES = 64  # ... with at most this many output tiles (the H100 has 132 SMs)
+SPLIT_MAX_TILES = 64  # split launches of at most this many output tiles (the H100 has 132 SMs)
 COUNTERS = 1 << 16  # arrival counters kept per device: more than any split launch's tiles
 
 
 def config(n: int, k: int, m: int = 1) -> MatmulConfig:
-    """The launch configuration of a weight [n, k] for m rows (only ever one config per weight
-    if the start-up check found that the buckets differ in bits)."""
+    """The launch configuration of a weight [n, k] for m rows (SMALL for every launch if the
+    start-up check found that the configs differ in bits)."""
     if _INTERPRET:  # programs run one by one in numpy: few, large tiles
         return MatmulConfig(64, 64, 128, 1, 1)
-    if not _buckets_ok:
-        return _BUCKETS[0][1]
-    if m <= _BUCKETS[0][0] and triton.cdiv(n, _NARROW.block_n) * triton.cdiv(k, segment_k(k)) <= NARROW_MAX_PROGRAMS:
-        return _NARROW
-    return next(cfg for most, cfg in _BUCKETS if m <= most)
+    if not _configs_ok:
+        return SMALL
+    segments = triton.cdiv(k, segment_k(k))
+    if m > DECODE_MAX_ROWS:
+        for cfg in (MEDIUM, ) if segments > 1 else (LARGE, MEDIUM):
+            if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= MIN_TILES:
+                return cfg
+    narrow = triton.cdiv(m, NARROW.block_m) * triton.cdiv(n, NARROW.block_n) * segments
+    return NARROW if narrow < NARROW_MAX_PROGRAMS else SMALL
 
 
-class BucketCheck(NamedTuple):
-    """What check_buckets found on this GPU."""
-    configs_agree: bool  # every tile config gave the first's bits (else one config from now on)
+class ConfigCheck(NamedTuple):
+    """What check_configs found on this GPU."""
+    configs_agree: bool  # every tile config gave SMALL's bits (else SMALL from now on)
     split_agrees: bool  # the K split gave the unsplit bits (else no launch splits from now on)
 
 
-def check_buckets(device: torch.device, shapes: tuple = ((2304, 768), (3072, 768), (768, 3072), (4096, 4096))
-                  ) -> BucketCheck:
-    """Whether every config (buckets, narrow) gives the same bits as the first on this GPU, with and
-    without bias and GELU, and the split path the same bits as the unsplit one (both have on the
-    H100); what fails is turned off. Run once at start-up, before graphs (it also makes the split
-    path's counters)."""
-    global _buckets_ok, _split_ok
+def check_configs(device: torch.device, shapes: tuple = ((2304, 768), (3072, 768), (768, 3072), (4096, 4096))
+                  ) -> ConfigCheck:
+    """Whether every config gives the same bits as SMALL on this GPU, with and without bias and
+    GELU, and the split path the same bits as the unsplit one (both have on the H100); what fails
+    is turned off, and so is a config this GPU cannot run (shared memory). Run once at start-up,
+    before graphs (it also makes the split path's counters)."""
+    global _configs_ok, _split_ok
     if _INTERPRET or device.type != "cuda":
-        return BucketCheck(True, True)
+        return ConfigCheck(True, True)
     g = torch.Generator(device=device).manual_seed(0)
     ok = split_ok = True
     for n, k in shapes:
@@ -123,14 +130,18 @@ def check_buckets(device: torch.device, shapes: tuple = ((2304, 768), (3072, 768
         b = torch.randn(n, device=device, generator=g).half()
         x = torch.randn(512, k, device=device, generator=g).half()
         for bias, gelu in ((None, False), (b, True)):
-            outs = [invariant_linear(x, w, bias, gelu, cfg=cfg) for cfg in (*(c for _, c in _BUCKETS), _NARROW)]
-            ok &= all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+            first = invariant_linear(x, w, bias, gelu, cfg=SMALL)
+            for cfg in CONFIGS[1:]:
+                try:
+                    ok &= torch.equal(invariant_linear(x, w, bias, gelu, cfg=cfg).view(torch.int16), first.view(torch.int16))
+                except triton.runtime.errors.OutOfResources:
+                    ok = False
             # two row tiles; 256-column segments so that every shape has several
             whole = invariant_linear(x[:70], w, bias, gelu, split=False, seg_k=256)
             split = invariant_linear(x[:70], w, bias, gelu, split=True, seg_k=256)
             split_ok &= torch.equal(whole.view(torch.int16), split.view(torch.int16))
-    _buckets_ok, _split_ok = ok, split_ok
-    return BucketCheck(ok, split_ok)
+    _configs_ok, _split_ok = ok, split_ok
+    return ConfigCheck(ok, split_ok)
 
 
 @triton.jit
@@ -222,12 +233,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s
 def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-tile arrival counters of the split path: zero between launches (a tile's last program
     puts its counter back), shared by the split launches on a device, which one stream orders.
-    Made before graphs are captured (check_buckets at start-up makes them): made during a capture,
+    Made before graphs are captured (check_configs at start-up makes them): made during a capture,
     they would be the graph's memory."""
     assert tiles <= COUNTERS
     key = ("linear-counters", device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not has_scratch(key):
-        raise RuntimeError("invariant_linear: run check_buckets (or any split launch) before capturing graphs")
+        raise RuntimeError("invariant_linear: run check_configs (or any split launch) before capturing graphs")
     return scratch(key, tiles, torch.int32, device, min_size=COUNTERS, zeroed=True)
 
 
@@ -241,7 +252,7 @@ def split_k(m: int, n: int, k: int, cfg: MatmulConfig, seg_k: int) -> bool:
     """Whether to spread the K segments over programs: when the output tiles alone leave most of
     the GPU idle (small batches on narrow weights). Either way gives the same bits."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return _split_ok and seg_k < k and m <= SPLIT_MAX_ROWS and tiles <= SPLIT_MAX_TILES
+    return _split_ok and seg_k < k and tiles <= SPLIT_MAX_TILES
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,

@@ -48,12 +48,12 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
              ", deterministic" if config.deterministic else "")
     model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
     if config.deterministic and on_cuda:
-        from kernels.invariant_matmul import check_buckets
+        from kernels.invariant_matmul import check_configs
 
-        found = check_buckets(device)
+        found = check_configs(device)
         if not found.configs_agree:
             log.warning("deterministic mode: this GPU's GEMM tile configs differ in bits; every batch size "
-                        "uses one config (slower prefill)")
+                        "uses the small-tile config (slower prefill and large batches)")
         if not found.split_agrees:
             log.warning("deterministic mode: this GPU's split GEMM differs in bits from the unsplit one; "
                         "no GEMM splits over K (slower small batches)")

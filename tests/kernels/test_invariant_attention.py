@@ -74,6 +74,7 @@ CASES = [  # (heads, kv_heads, head_dim, dtype, context lengths)
     (2, 2, 32, torch.float16, [1, 300, 37]),
     (4, 1, 48, torch.bfloat16, [530, 17]),  # MQA, head_dim not a power of two
     (6, 2, 16, torch.float16, [260, 64, 3]),  # group 3 (padded to 4)
+    (20, 1, 16, torch.float16, [70, 5]),  # a group wider than BLOCK_M: one position per tile of 32 rows
 ]
 
 

@@ -65,23 +65,28 @@ def test_strided_rows_and_out():
     assert invariant_linear(x[:0], w).shape == (0, 20)
 
 
-def test_config_buckets(monkeypatch):
-    """The GPU table: tiles by row count, all of them 64- or 128-row wgmma tiles (whose bits agree,
-    see kernels/invariant_matmul.py); after a failed start-up check, one config for every M."""
+def test_config_choice(monkeypatch):
+    """The GPU rule: small tiles for decode rows; past them, the largest tile that still fills the
+    GPU (128x256 only for unsegmented weights), else small or narrow tiles; every config a 64- or
+    128-row wgmma tile (whose bits agree, see kernels/invariant_matmul.py). After a failed start-up
+    check, SMALL for every launch."""
     monkeypatch.setattr(im, "_INTERPRET", False)
-    cfgs = {config(768, 3072, m) for m in (1, 128, 129, 1024, 1025, 8192)}
-    assert len(cfgs) == 3 and all(c.block_m in (64, 128) and c.num_warps % 4 == 0 for c in cfgs)
-    assert config(768, 3072, 1) == config(768, 3072, 128) != config(768, 3072, 8192)
-    # narrow decode tiles while segments x tiles leave SMs idle; 64-wide when the segments are many
-    assert config(768, 3072, 1) == im._NARROW and config(2048, 8192, 1) == im._BUCKETS[0][1]
-    monkeypatch.setattr(im, "_buckets_ok", False)
-    assert {config(768, 3072, m) for m in (1, 8192)} == {config(768, 3072, 1)}
+    assert all(c.block_m in (64, 128) and c.num_warps % 4 == 0 for c in im.CONFIGS)
+    assert config(768, 3072, 1) == config(768, 3072, 128) == im.NARROW  # 24 tiles x 3 segments at one row
+    assert config(2048, 8192, 1) == im.SMALL  # 64 x 8 segments: narrow would be 512 programs
+    assert config(768, 768, 256) == im.NARROW and config(2304, 768, 256) == im.SMALL
+    assert config(768, 3072, 1024) == im.SMALL  # MEDIUM would be 48 tiles
+    assert config(50304, 768, 129) == im.LARGE and config(50304, 768, 8192) == im.LARGE
+    assert config(2048, 8192, 8192) == im.MEDIUM  # segmented: never LARGE
+    assert config(2048, 2048, 1024) == im.MEDIUM  # LARGE would be 64 tiles, MEDIUM 128
+    monkeypatch.setattr(im, "_configs_ok", False)
+    assert {config(n, k, m) for n, k in ((768, 3072), (50304, 768)) for m in (1, 256, 8192)} == {im.SMALL}
 
 
-def test_check_buckets():
-    """On the GPU the check must pass (the H100 gives the same bits for every bucket); off it, a no-op."""
-    assert im.check_buckets(torch.device(DEVICE)) == im.BucketCheck(configs_agree=True, split_agrees=True)
-    assert im._buckets_ok and im._split_ok
+def test_check_configs():
+    """On the GPU the check must pass (the H100 gives the same bits for every config); off it, a no-op."""
+    assert im.check_configs(torch.device(DEVICE)) == im.ConfigCheck(configs_agree=True, split_agrees=True)
+    assert im._configs_ok and im._split_ok
 
 
 def test_one_row_with_a_parent_stride():
@@ -101,7 +106,7 @@ def test_segments_are_fixed_by_k():
 
 
 @pytest.mark.parametrize("bias,gelu", [(False, False), (True, True)])
-def test_split_over_segments_is_bitwise_unsplit(bias, gelu):
+def test_split_over_segments_is_bitwise_unsplit(bias, gelu, monkeypatch):
     """A weight of several K segments: rows computed alone and in small batches (segments spread
     over programs, the last to arrive folding) and inside a batch too large to split (segments
     folded in one program) compare bitwise; the arrival counters are back to zero after each launch."""
@@ -111,6 +116,7 @@ def test_split_over_segments_is_bitwise_unsplit(bias, gelu):
     b = _rand(g, n, dtype=torch.float16) if bias else None
     x = _rand(g, 200, k, dtype=torch.float16)
     cfg = config(n, k, 1)
+    monkeypatch.setattr(im, "SPLIT_MAX_TILES", 2)  # 200 rows are 4 tiles: folded in one program
     assert im.split_k(1, n, k, cfg, im.segment_k(k)) and not im.split_k(200, n, k, config(n, k, 200), im.segment_k(k))
     whole = invariant_linear(x, w, b, gelu=gelu)
     for rows in (slice(0, 1), slice(5, 12), slice(100, 170)):
