@@ -34,6 +34,7 @@ from server.api.fields import refusal, unknown_fields, warn_ignored
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
+from server.api.render import router as render_router
 from server.api.openai_serving import DONE, EventStream, encode_json, sse
 from server.api.tokens import install_tokens
 from server.api.tokenize import encode
@@ -307,6 +308,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
     install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors
     install_tokens(app, limits)  # POST /tokenize, /detokenize (vLLM's shapes), OpenAI errors
+    app.include_router(render_router)  # POST /v1/completions/render, /v1/chat/completions/render (vLLM's)
     install_metrics(app, engine.engine)  # GET /metrics
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response
     return app

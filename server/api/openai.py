@@ -59,11 +59,25 @@ async def completions(body: CompletionRequest, request: Request):
 async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
     admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
+    max_tokens = completion_max_tokens(body)
+    await check_structured_output(request, engine, body)
+    choices = await completion_choices(engine, limits, body, max_tokens)
+    log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(choices) // body.n, body.n,
+             max_tokens, body.stream, f", user={clip(body.user)}" if body.user else "")
+    return await respond(request, COMPLETION, body, choices, sum(len(c.ids) for c in choices[::body.n]))
+
+
+def completion_max_tokens(body: CompletionRequest) -> int:
     max_tokens = DEFAULTS.max_tokens if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:
         raise OpenAIError(400, "'max_tokens' may be 0 only with 'echo': true (to score the prompt)",
                           param="max_tokens")
-    await check_structured_output(request, engine, body)
+    return max_tokens
+
+
+async def completion_choices(engine, limits: ServerLimits, body: CompletionRequest, max_tokens: int) -> list[Choice]:
+    """The body's choices, prompt by prompt (`body.n` each): its prompts tokenized and each choice's
+    parameters validated, as /v1/completions runs them and /v1/completions/render shows them."""
     prompts = await parse_prompts(body.prompt, engine.tokenizer, limits)
     # echo with logprobs scores the prompt in the prefill pass (0 alternatives suffice for echo alone)
     scored = (body.logprobs if body.logprobs is not None else 0) if body.echo and (
@@ -72,9 +86,7 @@ async def _completions(body: CompletionRequest, request: Request):
     for text, ids in prompts:
         for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt", scored):
             choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer))
-    log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(prompts), body.n, max_tokens,
-             body.stream, f", user={clip(body.user)}" if body.user else "")
-    return await respond(request, COMPLETION, body, choices, sum(len(ids) for _, ids in prompts))
+    return choices
 
 
 router.add_api_route("/chat/completions", chat_completions, methods=["POST"], responses=ROUTE_ERRORS)

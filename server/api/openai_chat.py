@@ -31,7 +31,7 @@ import logging
 from fastapi import Request
 
 from server.api.chat_template import ChatTemplateError, render_chat
-from server.api.guards import LimitError, check_prompt_tokens
+from server.api.guards import LimitError, ServerLimits, check_prompt_tokens
 from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
 from server.api.openai_protocol import OpenAIError
 from server.api.openai_serving import (Route, admit_choices, answer, begin, check_structured_output, choice_params,
@@ -50,18 +50,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def _chat_completions(body: ChatCompletionRequest, request: Request):
     engine, limits = begin(body, request)
     admit_choices(request, 1, body.n)  # before rendering and tokenizing
-    limit, top_n = body.completion_limit(), body.top_n()
     messages = body.conversation(limits)
     await check_structured_output(request, engine, body)
+    choices = await chat_choices(engine, limits, body, messages)
+    ids, max_tokens = choices[0].ids, choices[0].params.max_tokens
+    log.info("chat completion: %d message(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s%s",
+             len(messages), len(ids), body.n, max_tokens, body.stream,
+             f", user={clip(body.user)}" if body.user else "")
+    return await respond(request, CHAT, body, choices, len(ids))
+
+
+async def chat_choices(engine, limits: ServerLimits, body: ChatCompletionRequest, messages: list[dict]
+                       ) -> list[ChatChoice]:
+    """The body's `n` choices: the conversation rendered by the chat template and tokenized, each
+    choice's parameters validated, as /v1/chat/completions runs them and its /render shows them."""
+    limit, top_n = body.completion_limit(), body.top_n()
     try:
         _, ids = await asyncio.to_thread(render_chat, engine.tokenizer, messages, limits.chat_template)
         check_prompt_tokens(len(ids), limits, "messages")
     except (ChatTemplateError, LimitError) as e:
         raise OpenAIError(400, str(e), param="messages") from None
     max_tokens = limit if limit is not None else max(1, engine.max_model_len - len(ids))
-    choices = [ChatChoice(j, ids, params, engine.tokenizer)
-               for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]
-    log.info("chat completion: %d message(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s%s",
-             len(messages), len(ids), body.n, max_tokens, body.stream,
-             f", user={clip(body.user)}" if body.user else "")
-    return await respond(request, CHAT, body, choices, len(ids))
+    return [ChatChoice(j, ids, params, engine.tokenizer)
+            for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]

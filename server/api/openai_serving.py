@@ -164,10 +164,15 @@ def admit_choices(request: Request, prompts: int, n: int) -> None:
     """Caps on the sequences a request asks for, checked before any per-prompt work (tokenizing,
     rendering): at most MAX_CHOICES, and no more than may wait for the batch (400 if they never
     could, 503 if the queue is full now; `respond` checks the queue again once they are built)."""
+    cap_choices(prompts, n)
+    _admit(request.app.state.engine, prompts * n)
+
+
+def cap_choices(prompts: int, n: int) -> None:
+    """At most MAX_CHOICES sequences (prompts x n) per request: a 400."""
     if prompts * n > MAX_CHOICES:
         raise OpenAIError(400, f"{prompts} prompt(s) x n={n} = {prompts * n} sequences; at most {MAX_CHOICES} are "
                           "allowed per request", param="n")
-    _admit(request.app.state.engine, prompts * n)
 
 
 async def check_structured_output(request: Request, engine, body: SamplingRequest) -> None:

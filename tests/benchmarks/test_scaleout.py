@@ -7,6 +7,7 @@ once per replica it happens to reach."""
 
 import argparse
 import json
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +18,8 @@ from benchmarks import bench_scaleout as so
 
 # --no-engine-process: the engine on a thread, one Python process per replica to start instead of
 # two; routing, retries and prefix-cache hits do not depend on where the engine steps.
-REPLICA_ARGS = ["--num-blocks", "512", "--block-size", "16", "--no-engine-process"]
+# Access lines (INFO) show what the router asked each replica.
+REPLICA_ARGS = ["--num-blocks", "512", "--block-size", "16", "--no-engine-process", "--log-level", "info"]
 # 16 system prompts (~5 blocks each with this tokenizer), each used ~3 times, one client: on the
 # CPU the two policies measured 0.35-0.37 (round_robin) and 0.57-0.60 (cache_aware).
 SHARED = argparse.Namespace(system_prompts=16, system_words=[30, 32], user_words=[1, 3], max_tokens=2, block_size=16)
@@ -55,6 +57,25 @@ def test_routed_api(router):
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == whole.json()["choices"][0]["text"]
+
+
+def test_cache_aware_tokenizes_through_render(replicas, router):
+    """cache_aware asks every replica for each request's tokens: /v1/completions/render and
+    /v1/chat/completions/render answer (vLLM's routes; before they existed, each request cost every
+    replica a 404 and a /tokenize before it was sent)."""
+    url = router("cache_aware").url
+    chat = {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    logs = [len(p.log_text()) for p in replicas]
+    body = {"model": "model", "prompt": "The quick brown", "max_tokens": 2, "temperature": 0}
+    for _ in range(3):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    # no chat template here: the chat render's 400 (as the chat route's), then the route's own
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 400
+    for p, start in zip(replicas, logs):
+        seen = re.findall(r"(POST \S+) (\d+)", p.log_text()[start:])
+        assert seen.count(("POST /v1/completions/render", "200")) == 3, seen
+        assert ("POST /v1/chat/completions/render", "400") in seen
+        assert not [s for s in seen if s[0] == "POST /tokenize" or s[1] == "404"], seen
 
 
 def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replicas, router):
