@@ -225,11 +225,13 @@ def test_triton_graph_metadata_matches_metadata(kind):
     on the host. Real rows must match the ordinary metadata over the unpadded step, and padding
     rows must write nothing. In the deterministic mode the real rows are bitwise those of the
     ordinary metadata (the tile map's padding and idle tiles change no row)."""
-    T, max_chunks, d = 64, 16, 64
-    backend = _backend(kind, d)
+    T, max_chunks, d, heads, kv_heads = 64, 16, 64, 4, 2
+    # the step's GQA group: the tile map holds positions_per_tile(group) positions a tile, which the
+    # kernel reads the map with (a backend of another group would leave positions uncomputed)
+    backend = _backend(kind, d, heads // kv_heads)
     n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE))
     assert n > 0
-    step = _build(4, 2, d, torch.float16, decodes=[], pad=0)
+    step = _build(heads, kv_heads, d, torch.float16, decodes=[], pad=0)
     lens, prefix = step.rows.chunk_lens, step.rows.chunk_prefix
     real = sum(lens)
     tile_seq, tile_start = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
