@@ -205,11 +205,16 @@ def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int
     return out
 
 
+def request_id(request: Request) -> str:
+    """The request's id (RequestIdMiddleware's, else the client's header, else a fresh one)."""
+    return request_id_var.get() or request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
 async def respond(request: Request, route: Route, body: SamplingRequest, choices: list[ChoiceBase],
                   prompt_tokens: int):
     """Run every choice on the engine and answer: a JSON response, or an SSE stream."""
     aengine = request.app.state.engine
-    rid = request_id_var.get() or request.headers.get("x-request-id") or uuid.uuid4().hex
+    rid = request_id(request)
     head = {"id": route.id_prefix + rid, "object": route.chunk_object if body.stream else route.object,
             "created": int(time.time()), "model": aengine.engine.model_name}
     tag = uuid.uuid4().hex[:8]  # engine ids stay unique even when a client reuses its X-Request-ID

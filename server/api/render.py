@@ -19,7 +19,6 @@ that runs the request compiles it and answers its 400).
 from __future__ import annotations
 
 import dataclasses
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,8 +28,7 @@ from server.api.openai import completion_choices, completion_max_tokens
 from server.api.openai_chat import chat_choices
 from server.api.openai_chat_protocol import ChatCompletionRequest
 from server.api.openai_protocol import ChoiceBase, CompletionRequest, prompt_count
-from server.api.openai_serving import ROUTE_ERRORS, answer, begin, cap_choices
-from server.logs import request_id_var
+from server.api.openai_serving import ROUTE_ERRORS, answer, begin, cap_choices, request_id
 
 router = APIRouter(prefix="/v1")
 
@@ -72,7 +70,7 @@ async def _render_chat(body: ChatCompletionRequest, request: Request) -> JSONRes
 
 
 def _answer(request: Request, prefix: str, model: str, body, firsts: list[ChoiceBase]) -> JSONResponse:
-    rid = request_id_var.get() or request.headers.get("x-request-id") or uuid.uuid4().hex
+    rid = request_id(request)
     # A JSONResponse, not the models: FastAPI would validate every id list against them again.
     return JSONResponse([{"request_id": f"{prefix}{rid}-{i}", "token_ids": c.ids,
                           "sampling_params": {**dataclasses.asdict(c.params), "n": body.n},
