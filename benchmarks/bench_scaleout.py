@@ -44,9 +44,16 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ServerProcess, free_port, summarize, write_result  # noqa: E402
+from benchmarks.scaleout_observe import Observer  # noqa: E402
 from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
-POLICIES = ("round_robin", "cache_aware")
+# Router configurations: a name, and the router arguments it runs with. `cache_aware` is the
+# router's own thresholds (it balances by load only once the busiest replica has 64 more requests
+# in flight than the idlest and 1.5x as many); `cache_aware_tight` balances sooner (16 and 1.25).
+POLICIES = {"round_robin": ["--policy", "round_robin"],
+            "cache_aware": ["--policy", "cache_aware"],
+            "cache_aware_tight": ["--policy", "cache_aware", "--balance-abs-threshold", "16",
+                                  "--balance-rel-threshold", "1.25"]}
 WORKLOADS = ("shared", "nosharing")
 # Plain words, so that a system prompt tokenizes to about 1.3 tokens a word with GPT-2's tokenizer.
 WORDS = ("the of and to in is was for on that with as by at from his her are were this be had not but "
@@ -89,9 +96,10 @@ def router_bin() -> str:
 
 
 def start_router(workers: list[str], policy: str, log_path: Path) -> ServerProcess:
-    """vllm-router in front of `workers` with `policy`, health-checking /health, retries on."""
+    """vllm-router in front of `workers` as POLICIES[policy] configures it, health-checking /health,
+    retries on."""
     port, metrics_port = free_port(), free_port()
-    cmd = [router_bin(), "--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [router_bin(), "--worker-urls", *workers, *POLICIES[policy], "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
            "--health-failure-threshold", "1", *RESILIENCE, "--log-level", "warning"]
@@ -99,14 +107,42 @@ def start_router(workers: list[str], policy: str, log_path: Path) -> ServerProce
     return router.wait_healthy(60)
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """(prompt tokens, prefix-cache hits in blocks) of a replica, from its /metrics. (Its lookup
-    count is no denominator for a hit rate: a lookup stops at a prompt's first missing block.)"""
+@dataclass
+class ReplicaCounters:
+    """A replica's /metrics at one instant: what a run's deltas are taken of."""
+    prompt_tokens: float
+    prefix_hit_blocks: float  # (its lookup count is no denominator for a hit rate: a lookup stops at
+    # a prompt's first missing block)
+    ttft_buckets: dict[float, float]  # upper bound (s) -> requests whose engine-side TTFT was within it
+
+
+def replica_counters(url: str) -> ReplicaCounters:
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-              for s in fam.samples}
-    return values["flashpage_prompt_tokens_total"], values["flashpage_prefix_cache_hits_total"]
+    samples = [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+               for s in fam.samples]
+    values = {s.name: s.value for s in samples}
+    buckets = {float(s.labels["le"]): s.value for s in samples
+               if s.name == "flashpage_time_to_first_token_seconds_bucket"}
+    return ReplicaCounters(values["flashpage_prompt_tokens_total"], values["flashpage_prefix_cache_hits_total"],
+                           buckets)
+
+
+def replica_ttft_p50_ms(before: list[ReplicaCounters], after: list[ReplicaCounters]) -> float | None:
+    """The replicas' own time to first token over a run (from a request reaching the engine), p50
+    interpolated within the histogram's buckets: the client's TTFT minus this is what the router
+    and the HTTP hops add."""
+    bounds = sorted(after[0].ttft_buckets)
+    counts = [sum(a.ttft_buckets[le] - b.ttft_buckets.get(le, 0.0) for a, b in zip(after, before)) for le in bounds]
+    if not counts or not counts[-1]:
+        return None
+    half, lo, below = counts[-1] / 2, 0.0, 0.0
+    for le, n in zip(bounds, counts):
+        if n >= half:
+            hi = le if le != float("inf") else lo
+            return 1e3 * (lo + (hi - lo) * (half - below) / max(n - below, 1e-9))
+        lo, below = le, n
+    return None
 
 
 # ------------------------------------------------------------------------------- load
@@ -212,12 +248,15 @@ def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, 
     """One closed-loop run against `targets` (a router, or the replicas themselves), with the
     replicas' prefix-cache hit rates over it."""
     prompts = make_prompts(workload, seed, num_requests, args)
-    before = [prefix_counters(r) for r in replicas]
+    before = [replica_counters(r) for r in replicas]
+    observer = Observer(replicas, "model", make_prompts("nosharing", -seed, 1, args)[0])
+    observer.start()
     records, elapsed, skew = drive(targets, prompts, clients, args.max_tokens, getattr(args, "client_processes", 1))
-    after = [prefix_counters(r) for r in replicas]
+    observed = observer.stop()
+    after = [replica_counters(r) for r in replicas]
     ok = [r for r in records if "error" not in r]
-    tokens = [a[0] - b[0] for a, b in zip(after, before)]
-    hits = [(a[1] - b[1]) * args.block_size for a, b in zip(after, before)]  # blocks -> tokens
+    tokens = [a.prompt_tokens - b.prompt_tokens for a, b in zip(after, before)]
+    hits = [(a.prefix_hit_blocks - b.prefix_hit_blocks) * args.block_size for a, b in zip(after, before)]  # tokens
     kinds: dict[str, int] = {}
     for r in records:
         if "error" in r:
@@ -226,10 +265,11 @@ def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, 
             "error_kinds": kinds, "duration_s": elapsed, "start_skew_s": skew,
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
             "requests_per_s": len(ok) / elapsed, "ttft_ms": summarize([r["ttft"] for r in ok if r["ttft"]], 1e3),
+            "replica_ttft_p50_ms": replica_ttft_p50_ms(before, after),
             "e2e_s": summarize([r["e2e"] for r in ok]),
             "prompt_tokens": tokens, "cached_tokens": hits,
             "hit_rate": sum(hits) / sum(tokens) if sum(tokens) else None,
-            "replica_hit_rates": [h / t if t else None for h, t in zip(hits, tokens)]}
+            "replica_hit_rates": [h / t if t else None for h, t in zip(hits, tokens)], **observed}
 
 
 # ------------------------------------------------------------------------------- main
@@ -243,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                          "running sequences on either workload and about half the shared workload's system "
                          "prompts: the memory pressure of a GPU serving a model larger than GPT-2")
     ap.add_argument("--server-args", default="", help="extra arguments for every replica, one string")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--clients-per-replica", type=int, default=64,
                     help="closed-loop clients per replica behind the target, so N replicas see the load one does")

@@ -35,13 +35,17 @@ for step in "${@:-tests throughput prefix}"; do
           > "$OUT/scaleout.log" 2>&1 || status=1
         tail -14 "$OUT/scaleout.log" ;;
       # Issue 22: both modes of GPT-2 small and of the Llama-3.2-1B shape; on a host of two GPUs the
-      # two shapes run at once, one per GPU (each shape's two modes still share one GPU, in turn).
+      # two shapes run at once, one per GPU, each pinned to its own half of the cores (unpinned, the
+      # two servers and their load clients share every core, which moves the batch-1 TPOT; each
+      # shape's two modes still share one GPU, in turn).
       determinism)
         DET=(--min-requests 1024 --out-dir "$OUT")
         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-          CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_determinism.py "${DET[@]}" > "$OUT/det_gpt2.log" 2>&1 &
-          CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_determinism.py --model-shape llama-3.2-1b "${DET[@]}" \
-            > "$OUT/det_llama.log" 2>&1 || status=1
+          half=$(( $(nproc) / 2 ))
+          CUDA_VISIBLE_DEVICES=0 taskset -c 0-$((half - 1)) python3 benchmarks/bench_determinism.py "${DET[@]}" \
+            > "$OUT/det_gpt2.log" 2>&1 &
+          CUDA_VISIBLE_DEVICES=1 taskset -c $half-$((2 * half - 1)) python3 benchmarks/bench_determinism.py \
+            --model-shape llama-3.2-1b "${DET[@]}" > "$OUT/det_llama.log" 2>&1 || status=1
           wait $! || status=1
         else
           for shape in gpt2 llama-3.2-1b; do

@@ -4,7 +4,9 @@ benchmarks/make_report.py) and its plot.
 
 Rows carry replicas, policy ("direct": clients talk to the replicas themselves, dealt evenly; any
 other: vllm-router's policy in front of them), workload, output tokens/s, TTFT percentiles, and per
-replica the prompt tokens it was sent and the share of them it found in its prefix cache.
+replica the prompt tokens it was sent and the share of them it found in its prefix cache; rows
+measured since the observer (benchmarks/scaleout_observe.py) also carry a render's time on the
+loaded replicas and the gap between their loads.
 """
 
 from __future__ import annotations
@@ -22,11 +24,28 @@ def _split(r: dict) -> str:
     return " / ".join(f"{100 * t / total:.0f}%" for t in r["prompt_tokens"]) if total else "-"
 
 
+def _render(r: dict) -> str:
+    """A render's p50 on the loaded replicas (ms): what cache_aware adds to every first token."""
+    return "-" if not r.get("render_ms") else f"{r['render_ms']['p50']:.1f}"
+
+
+def _engine_ttft(r: dict) -> str:
+    """The replicas' own TTFT p50 (from a request reaching the engine), from their histograms."""
+    return "-" if r.get("replica_ttft_p50_ms") is None else f"{r['replica_ttft_p50_ms']:.1f}"
+
+
+def _gap(r: dict) -> str:
+    """Mean gap between the most and the least loaded replica, in requests in flight."""
+    return "-" if r.get("load_gap_mean") is None else f"{r['load_gap_mean']:.1f}"
+
+
 def print_row(r: dict) -> None:
     t = r["ttft_ms"]
-    print(f"{r['replicas']} x {r['policy']:12s} {r['workload']:9s} {r['output_tokens_per_s']:9.0f} tok/s  "
-          f"TTFT p50 {t['p50'] or 0:7.1f} ms p99 {t['p99'] or 0:7.1f} ms  hit rate {_pct(r['hit_rate'])}  "
-          f"split {_split(r)}  errors {r['errors']}  {r['duration_s']:.1f} s", flush=True)
+    print(f"{r['replicas']} x {r['policy']:17s} {r['workload']:9s} {r['output_tokens_per_s']:9.0f} tok/s  "
+          f"TTFT p50 {t['p50'] or 0:7.1f} ms (engine {_engine_ttft(r)}) p99 {t['p99'] or 0:7.1f} ms  "
+          f"hit rate {_pct(r['hit_rate'])}  "
+          f"split {_split(r)}  render p50 {_render(r)} ms  load gap {_gap(r)}  errors {r['errors']}  "
+          f"{r['duration_s']:.1f} s", flush=True)
 
 
 def baseline(rows: list[dict]) -> float | None:
@@ -48,14 +67,21 @@ def report(result: dict) -> str:
              f"nothing in common. Replica arguments: `{w['server_args'] or '(defaults)'}`. "
              f"{result.get('router', 'vllm-router')}; policy `direct`: no router, the clients dealt evenly over the "
              "replicas. Hit rate = prompt tokens the replicas found in their prefix caches / prompt tokens, over the "
-             "run; split = each replica's share of the prompt tokens.", "",
-             "| replicas | policy | workload | output tok/s | vs 1 replica | TTFT p50 ms | TTFT p99 ms | hit rate "
-             "| per replica | split | errors |", "|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+             "run; split = each replica's share of the prompt tokens; engine TTFT = the replicas' own TTFT p50, from "
+             "a request reaching the engine (interpolated in their histogram's buckets); render = a POST /v1/completions/render's "
+             "time on the loaded replicas, p50 (`cache_aware` renders on every replica before it routes, so the "
+             "slowest render is in each first token); load gap = requests in flight on the busiest replica minus "
+             "the idlest, mean over the run.", "",
+             "| replicas | policy | workload | output tok/s | vs 1 replica | TTFT p50 ms | engine TTFT p50 ms "
+             "| TTFT p99 ms | hit rate | per replica | split | render ms | load gap | errors |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         vs = f"{r['output_tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['replicas']} | {r['policy']} | {r['workload']} | {r['output_tokens_per_s']:,.0f} | {vs} "
-                     f"| {r['ttft_ms']['p50'] or 0:.1f} | {r['ttft_ms']['p99'] or 0:.1f} | {_pct(r['hit_rate'])} "
-                     f"| {' / '.join(_pct(x) for x in r['replica_hit_rates'])} | {_split(r)} | {r['errors']} |")
+                     f"| {r['ttft_ms']['p50'] or 0:.1f} | {_engine_ttft(r)} | {r['ttft_ms']['p99'] or 0:.1f} "
+                     f"| {_pct(r['hit_rate'])} "
+                     f"| {' / '.join(_pct(x) for x in r['replica_hit_rates'])} | {_split(r)} | {_render(r)} "
+                     f"| {_gap(r)} | {r['errors']} |")
     if result.get("plot"):
         lines += ["", f"![scale-out](benchmarks/results/scaleout_{gpu_slug(result['device'])}.png)"]
     return "\n".join(lines)
@@ -70,7 +96,8 @@ def plot(result: dict, path: str) -> None:
 
     rows = result["rows"]
     labels = [f"{r['replicas']}x {r['policy']}\n{r['workload']}" for r in rows]
-    colors = ["C7" if r["policy"] == "direct" else "C0" if r["policy"] == "round_robin" else "C2" for r in rows]
+    palette = {"direct": "C7", "round_robin": "C0", "cache_aware": "C2"}
+    colors = [palette.get(r["policy"], "C1") for r in rows]
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     bars = tput.bar(labels, [r["output_tokens_per_s"] / 1e3 for r in rows], color=colors)
     tput.bar_label(bars, labels=[f"hit {_pct(r['hit_rate'])}" for r in rows], fontsize=7)

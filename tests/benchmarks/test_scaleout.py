@@ -85,6 +85,9 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replica
         row = so.run_once([router(policy).url], urls, "shared", seed, SHARED, clients=1, num_requests=48)
         assert row["errors"] == 0
         rates[policy] = row["hit_rate"]
+        # what the run's observer saw from the side: renders answered on both replicas, loads sampled
+        assert row["samples"] > 0 and row["observer_errors"] == 0 and row["render_ms"]["p50"] > 0, row
+        assert len(row["load_mean"]) == 2 and row["replica_ttft_p50_ms"] > 0, row
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
 
 
@@ -97,6 +100,18 @@ def test_direct_runs_deal_the_clients_over_the_replicas_from_one_start(replicas,
     assert row["errors"] == 0 and row["requests"] == 8
     assert all(t > 0 for t in row["prompt_tokens"]), row["prompt_tokens"]  # each replica got its share
     assert 0 <= row["start_skew_s"] < 1.0 and row["duration_s"] > 0
+
+
+def test_replica_ttft_p50_interpolates_the_runs_histogram_deltas():
+    """The replicas' engine-side TTFT over a run: bucket counts summed over replicas, less what they
+    held before the run, p50 interpolated inside the bucket that holds it."""
+    def counters(*cumulative):
+        return so.ReplicaCounters(0, 0, dict(zip([0.01, 0.02, 0.04, float("inf")], cumulative)))
+
+    before = [counters(5, 5, 5, 5), counters(0, 0, 0, 0)]
+    after = [counters(7, 8, 15, 15), counters(2, 3, 10, 10)]  # this run: 4 <= 10 ms, 2 more <= 20, 14 more <= 40
+    assert so.replica_ttft_p50_ms(before, after) == pytest.approx(20 + 20 * 4 / 14)
+    assert so.replica_ttft_p50_ms(after, after) is None  # no request in the run
 
 
 # Last in this file: it kills one of the module's replicas (rather than starting two more of its own).
