@@ -18,7 +18,9 @@ are compared with one under the same pressure each, and the client processes sta
 Every run draws its own prompts, so no run finds the last one's blocks cached. Reported per run:
 output tokens/s, time to first token (p50/p90/p99), requests/s, errors, and per replica the prompt
 tokens it was sent and its prefix-cache hit rate over the run (prompt tokens found cached / prompt
-tokens, from its /metrics). Before the router runs, two `direct` runs on the nosharing workload:
+tokens, from its /metrics), the replicas' own TTFT p50 (their histograms), and what
+benchmarks/scaleout_observe.py sees from the side: a render's time on the loaded replicas and the
+gap between their loads. Before the router runs, two `direct` runs on the nosharing workload:
 one replica alone (the baseline N replicas are compared with) and the N replicas with the clients
 dealt evenly over them, no router (what the replicas scale to before any router cost). Writes
 scaleout_<device>.json and its plot; benchmarks/scaleout_report.py renders the README section.
@@ -55,6 +57,7 @@ POLICIES = {"round_robin": ["--policy", "round_robin"],
             "cache_aware_tight": ["--policy", "cache_aware", "--balance-abs-threshold", "16",
                                   "--balance-rel-threshold", "1.25"]}
 WORKLOADS = ("shared", "nosharing")
+SERVED_NAME = "model"  # every replica's --served-model-name, what the requests name
 # Plain words, so that a system prompt tokenizes to about 1.3 tokens a word with GPT-2's tokenizer.
 WORDS = ("the of and to in is was for on that with as by at from his her are were this be had not but "
          "they which one you all their there an has been would more when will who time some can about "
@@ -73,7 +76,7 @@ def start_replicas(model: str, n: int, device: str, extra: list[str], log_dir: P
     procs = []
     for i in range(n):
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if device == "cuda" else {}
-        procs.append(ServerProcess.python_server(["--model", model, "--served-model-name", "model",
+        procs.append(ServerProcess.python_server(["--model", model, "--served-model-name", SERVED_NAME,
                                                   "--device", device, *extra], log_dir / f"replica{i}.log",
                                                  extra_env=env))
     for p in procs:
@@ -111,8 +114,9 @@ def start_router(workers: list[str], policy: str, log_path: Path) -> ServerProce
 class ReplicaCounters:
     """A replica's /metrics at one instant: what a run's deltas are taken of."""
     prompt_tokens: float
-    prefix_hit_blocks: float  # (its lookup count is no denominator for a hit rate: a lookup stops at
-    # a prompt's first missing block)
+    # (not its lookup count: that is no denominator for a hit rate, a lookup stops at a prompt's
+    # first missing block)
+    prefix_hit_blocks: float
     ttft_buckets: dict[float, float]  # upper bound (s) -> requests whose engine-side TTFT was within it
 
 
@@ -160,7 +164,7 @@ def make_prompts(workload: str, seed: int, num_requests: int, args) -> list[str]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     t0, ttft, chunks = time.perf_counter(), None, 0
     try:
@@ -249,7 +253,7 @@ def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, 
     replicas' prefix-cache hit rates over it."""
     prompts = make_prompts(workload, seed, num_requests, args)
     before = [replica_counters(r) for r in replicas]
-    observer = Observer(replicas, "model", make_prompts("nosharing", -seed, 1, args)[0])
+    observer = Observer(replicas, SERVED_NAME, make_prompts("nosharing", -seed, 1, args)[0])
     observer.start()
     records, elapsed, skew = drive(targets, prompts, clients, args.max_tokens, getattr(args, "client_processes", 1))
     observed = observer.stop()

@@ -25,7 +25,8 @@ def _split(r: dict) -> str:
 
 
 def _render(r: dict) -> str:
-    """A render's p50 on the loaded replicas (ms): what cache_aware adds to every first token."""
+    """A render's p50 on the loaded replicas (ms): the replicas' part of what cache_aware adds to a
+    first token (it waits for every replica's render)."""
     return "-" if not r.get("render_ms") else f"{r['render_ms']['p50']:.1f}"
 
 
