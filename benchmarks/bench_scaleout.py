@@ -19,8 +19,8 @@ Every run draws its own prompts, so no run finds the last one's blocks cached. R
 output tokens/s, time to first token (p50/p90/p99), requests/s, errors, and per replica the prompt
 tokens it was sent and its prefix-cache hit rate over the run (prompt tokens found cached / prompt
 tokens, from its /metrics), the replicas' own TTFT p50 (their histograms), and what
-benchmarks/scaleout_observe.py sees from the side: a render's time on the loaded replicas and the
-gap between their loads. Before the router runs, two `direct` runs on the nosharing workload:
+benchmarks/scaleout_observe.py sees from the side: a render's time on the loaded replicas, the
+gap between their loads, and the router's counters (prefix hits and misses, usable renders). Before the router runs, two `direct` runs on the nosharing workload:
 one replica alone (the baseline N replicas are compared with) and the N replicas with the clients
 dealt evenly over them, no router (what the replicas scale to before any router cost). Writes
 scaleout_<device>.json and its plot; benchmarks/scaleout_report.py renders the README section.
@@ -46,7 +46,7 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ServerProcess, free_port, summarize, write_result  # noqa: E402
-from benchmarks.scaleout_observe import Observer  # noqa: E402
+from benchmarks.scaleout_observe import Observer, counter_deltas, router_counters  # noqa: E402
 from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
 # Router configurations: a name, and the router arguments it runs with. `cache_aware` is the
@@ -98,7 +98,21 @@ def router_bin() -> str:
     return found
 
 
-def start_router(workers: list[str], policy: str, log_path: Path) -> ServerProcess:
+@dataclass
+class Router:
+    """A started vllm-router: its process, and its Prometheus endpoint (how it routed)."""
+    process: ServerProcess
+    metrics_url: str
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def stop(self, timeout: float) -> None:
+        self.process.stop(timeout)
+
+
+def start_router(workers: list[str], policy: str, log_path: Path) -> Router:
     """vllm-router in front of `workers` as POLICIES[policy] configures it, health-checking /health,
     retries on."""
     port, metrics_port = free_port(), free_port()
@@ -106,8 +120,7 @@ def start_router(workers: list[str], policy: str, log_path: Path) -> ServerProce
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
            "--health-failure-threshold", "1", *RESILIENCE, "--log-level", "warning"]
-    router = ServerProcess(cmd, port, log_path)
-    return router.wait_healthy(60)
+    return Router(ServerProcess(cmd, port, log_path).wait_healthy(60), f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 @dataclass
@@ -248,16 +261,19 @@ def drive(urls: list[str], prompts: list[str], clients: int, max_tokens: int, pr
 
 
 def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, args, clients: int,
-             num_requests: int) -> dict:
+             num_requests: int, router_metrics: str | None = None) -> dict:
     """One closed-loop run against `targets` (a router, or the replicas themselves), with the
-    replicas' prefix-cache hit rates over it."""
+    replicas' prefix-cache hit rates over it (and, given its metrics URL, how the router routed)."""
     prompts = make_prompts(workload, seed, num_requests, args)
     before = [replica_counters(r) for r in replicas]
+    routed = router_counters(router_metrics) if router_metrics else None
     observer = Observer(replicas, SERVED_NAME, make_prompts("nosharing", -seed, 1, args)[0])
     observer.start()
     records, elapsed, skew = drive(targets, prompts, clients, args.max_tokens, getattr(args, "client_processes", 1))
     observed = observer.stop()
     after = [replica_counters(r) for r in replicas]
+    if routed is not None:
+        observed["router_counters"] = counter_deltas(routed, router_counters(router_metrics))
     ok = [r for r in records if "error" not in r]
     tokens = [a.prompt_tokens - b.prompt_tokens for a, b in zip(after, before)]
     hits = [(a.prefix_hit_blocks - b.prefix_hit_blocks) * args.block_size for a, b in zip(after, before)]  # tokens
@@ -321,13 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     urls = [p.url for p in procs]
     rows, seed = [], 0
 
-    def run(impl: str, policy: str, targets: list[str], replicas: list[str], workload: str) -> None:
+    def run(impl: str, policy: str, targets: list[str], replicas: list[str], workload: str,
+            router_metrics: str | None = None) -> None:
         nonlocal seed
         seed += 1
         n = len(replicas)
         rows.append({"impl": impl, "replicas": n, "policy": policy,
                      **run_once(targets, replicas, workload, seed, args, args.clients_per_replica * n,
-                                args.requests_per_replica * n)})
+                                args.requests_per_replica * n, router_metrics)})
         print_row(rows[-1])
 
     try:
@@ -338,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             router = start_router(urls, policy, work / f"router-{policy}.log")
             try:
                 for workload in args.workloads:
-                    run(f"flashpage + vllm-router ({policy})", policy, [router.url], urls, workload)
+                    run(f"flashpage + vllm-router ({policy})", policy, [router.url], urls, workload,
+                        router.metrics_url)
             finally:
                 router.stop(10)
     finally:

@@ -1,5 +1,6 @@
-"""What the replicas look like from the side during a scale-out run (benchmarks/bench_scaleout.py):
-how far apart their loads drift, and how long a render takes on them under that load.
+"""What the replicas and the router look like from the side during a scale-out run
+(benchmarks/bench_scaleout.py): how far apart the replicas' loads drift, how long a render takes on
+them under that load, and the router's own counters of how it routed.
 
 Why the second: vllm-router's `cache_aware` asks every replica's POST /v1/completions/render for
 the prompt's tokens and waits for all of them before it forwards the request (seen with stub
@@ -60,3 +61,30 @@ class Observer(threading.Thread):
 def _in_flight(client: httpx.Client, url: str) -> int:
     kv = client.get(url + "/debug/kv").json()
     return kv["requests_running"] + kv["requests_waiting"]
+
+
+# The router's own counters of how it routed, by the label that tells the cases apart: whether the
+# prefix lookup found a replica (`prefix_hit`, `prefix_miss`, `missing_tokens`: no usable token ids),
+# and what each replica's render gave it (`render`; anything else is a render it could not use).
+ROUTER_COUNTERS = {"vllm_router_prefix_routing_decisions_total": "outcome",
+                   "vllm_router_kv_routing_inputs_total": "result"}
+Counters = dict[str, dict[str, float]]  # counter name -> label value -> count
+
+
+def router_counters(metrics_url: str) -> Counters:
+    """ROUTER_COUNTERS as vllm-router's Prometheus endpoint has them now: name -> label value -> count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Counters = {name: {} for name in ROUTER_COUNTERS}
+    for fam in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
+        for s in fam.samples:
+            if s.name in ROUTER_COUNTERS:
+                key = s.labels.get(ROUTER_COUNTERS[s.name], "")
+                out[s.name][key] = out[s.name].get(key, 0.0) + s.value
+    return out
+
+
+def counter_deltas(before: Counters, after: Counters) -> Counters:
+    """What the counters moved by over a run (label values that did not move are left out)."""
+    return {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in values.items()
+                   if v != before.get(name, {}).get(k, 0.0)} for name, values in after.items()}

@@ -47,6 +47,8 @@ def print_row(r: dict) -> None:
           f"hit rate {_pct(r['hit_rate'])}  "
           f"split {_split(r)}  render p50 {_render(r)} ms  load gap {_gap(r)}  errors {r['errors']}  "
           f"{r['duration_s']:.1f} s", flush=True)
+    for name, moved in (r.get("router_counters") or {}).items():  # how the router routed this run
+        print(f"    {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(moved.items())), flush=True)
 
 
 def baseline(rows: list[dict]) -> float | None:
@@ -69,8 +71,8 @@ def report(result: dict) -> str:
              f"{result.get('router', 'vllm-router')}; policy `direct`: no router, the clients dealt evenly over the "
              "replicas. Hit rate = prompt tokens the replicas found in their prefix caches / prompt tokens, over the "
              "run; split = each replica's share of the prompt tokens; engine TTFT = the replicas' own TTFT p50, from "
-             "a request reaching the engine (interpolated in their histogram's buckets); render = a POST /v1/completions/render's "
-             "time on the loaded replicas, p50 (`cache_aware` renders on every replica before it routes, so the "
+             "a request reaching the engine (interpolated in their histogram's buckets); render = a "
+             "POST /v1/completions/render's time on the loaded replicas, p50 (`cache_aware` renders on every replica before it routes, so the "
              "slowest render is in each first token); load gap = requests in flight on the busiest replica minus "
              "the idlest, mean over the run.", "",
              "| replicas | policy | workload | output tok/s | vs 1 replica | TTFT p50 ms | engine TTFT p50 ms "

@@ -82,12 +82,19 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replica
     urls = [p.url for p in replicas]
     rates = {}
     for seed, policy in enumerate(["round_robin", "cache_aware"]):
-        row = so.run_once([router(policy).url], urls, "shared", seed, SHARED, clients=1, num_requests=48)
+        started = router(policy)
+        row = so.run_once([started.url], urls, "shared", seed, SHARED, clients=1, num_requests=48,
+                          router_metrics=started.metrics_url)
         assert row["errors"] == 0
         rates[policy] = row["hit_rate"]
         # what the run's observer saw from the side: renders answered on both replicas, loads sampled
         assert row["samples"] > 0 and row["observer_errors"] == 0 and row["render_ms"]["p50"] > 0, row
         assert len(row["load_mean"]) == 2 and row["replica_ttft_p50_ms"] > 0, row
+        if policy == "cache_aware":  # the router's counters: it routed on the renders' token ids, 2 per request
+            moved = row["router_counters"]
+            assert moved["vllm_router_kv_routing_inputs_total"] == {"render": 96}, moved
+            decisions = moved["vllm_router_prefix_routing_decisions_total"]
+            assert sum(decisions.values()) == 48 and decisions.get("prefix_hit", 0) > 0, moved
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
 
 
