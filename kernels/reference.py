@@ -129,6 +129,20 @@ def argmax_ref(logits, num_cols):
     return torch.where(x.isnan(), float("inf"), x).argmax(dim=-1)
 
 
+def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                        in_prompt: torch.Tensor, penalties: torch.Tensor) -> None:
+    """vLLM's repetition, frequency and presence penalties on logits[rows] (fp32, in place), from
+    their sequences' slots (kernels/penalties.py has the layout). Also the CPU path of
+    server/worker/logits.py."""
+    rep, freq, pres = penalties[slots].unbind(dim=1)
+    c = counts[slots]
+    seen = in_prompt[slots] | (c > 0)
+    lg = logits[rows]
+    lg = torch.where(seen, torch.where(lg > 0, lg / rep[:, None], lg * rep[:, None]), lg)
+    lg -= freq[:, None] * c + pres[:, None] * (c > 0)
+    logits.index_copy_(0, rows, lg)
+
+
 # -- Model-dtype references (rope.py, rms_norm.py, silu_mul.py) --------------------------------------
 # Unlike the attention references above, these follow torch's own op-by-op rounding in the model
 # dtype: they are the exact math a Hugging Face-style model runs in eager PyTorch, which the kernels

@@ -17,8 +17,9 @@ turns them into a few index tensors; `apply` then edits the fp32 logits [rows, v
    grammar allows only its end, and the grammar wins).
 
 No host loop touches the vocabulary; the per-sequence counts never go to the host, so asynchronous
-scheduling keeps working (the sampled ids are added on the device after each step). The PyTorch
-reference of every formula is in tests/server/worker/test_logits.py.
+scheduling keeps working (the sampled ids are added on the device after each step). The penalties
+are one kernel launch on the GPU (kernels/penalties.py). The PyTorch reference of every formula is
+in tests/server/worker/test_logits.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.penalties import apply_penalties
+from kernels.reference import apply_penalties_ref
 from server.sampling_params import SamplingParams
 
 
@@ -147,14 +150,9 @@ class StepControls:
             rows, ids, vals = self.bias
             logits.view(-1).index_add_(0, rows * logits.shape[1] + ids, vals)
         if self.penalty is not None and counts is not None:
-            rows, slots = self.penalty
-            rep, freq, pres = counts.penalties[slots].unbind(dim=1)
-            c = counts.counts[slots]
-            seen = counts.in_prompt[slots] | (c > 0)
-            lg = logits[rows]
-            lg = torch.where(seen, torch.where(lg > 0, lg / rep[:, None], lg * rep[:, None]), lg)
-            lg -= freq[:, None] * c + pres[:, None] * (c > 0)
-            logits.index_copy_(0, rows, lg)
+            # one launch on the GPU (kernels/penalties.py); its PyTorch reference on the CPU
+            penalize = apply_penalties if logits.is_cuda else apply_penalties_ref
+            penalize(logits, *self.penalty, counts.counts, counts.in_prompt, counts.penalties)
         if bitmask is not None:
             bits, rows = bitmask
             logits.index_copy_(0, rows, logits[rows].masked_fill(~allowed_tokens(bits, logits.shape[1]), float("-inf")))
