@@ -45,7 +45,8 @@ def print_row(r: dict) -> None:
     print(f"{r['replicas']} x {r['policy']:17s} {r['workload']:9s} {r['output_tokens_per_s']:9.0f} tok/s  "
           f"TTFT p50 {t['p50'] or 0:7.1f} ms (engine {_engine_ttft(r)}) p99 {t['p99'] or 0:7.1f} ms  "
           f"hit rate {_pct(r['hit_rate'])}  "
-          f"split {_split(r)}  render p50 {_render(r)} ms  load gap {_gap(r)}  errors {r['errors']}  "
+          f"split {_split(r)}  render p50 {_render(r)} ms  load gap {_gap(r)}  busiest client "
+          f"{_pct(r.get('client_cpu_util'))}  errors {r['errors']}  "
           f"{r['duration_s']:.1f} s", flush=True)
     for name, moved in (r.get("router_counters") or {}).items():  # how the router routed this run
         print(f"    {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(moved.items())), flush=True)

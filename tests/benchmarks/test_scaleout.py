@@ -107,6 +107,7 @@ def test_direct_runs_deal_the_clients_over_the_replicas_from_one_start(replicas,
     assert row["errors"] == 0 and row["requests"] == 8
     assert all(t > 0 for t in row["prompt_tokens"]), row["prompt_tokens"]  # each replica got its share
     assert 0 <= row["start_skew_s"] < 1.0 and row["duration_s"] > 0
+    assert 0 < row["client_cpu_util"] <= 1.5, row["client_cpu_util"]  # one process: about a core at most
 
 
 def test_replica_ttft_p50_interpolates_the_runs_histogram_deltas():
