@@ -20,9 +20,10 @@ output tokens/s, time to first token (p50/p90/p99), requests/s, errors, and per 
 tokens it was sent and its prefix-cache hit rate over the run (prompt tokens found cached / prompt
 tokens, from its /metrics), the replicas' own TTFT p50 (their histograms), and what
 benchmarks/scaleout_observe.py sees from the side: a render's time on the loaded replicas, the
-gap between their loads, and the router's counters (prefix hits and misses, usable renders). Before the router runs, two `direct` runs on the nosharing workload:
-one replica alone (the baseline N replicas are compared with) and the N replicas with the clients
-dealt evenly over them, no router (what the replicas scale to before any router cost). Writes
+gap between their loads, and the router's counters (prefix hits and misses, usable renders).
+Before the router runs, two `direct` runs on the nosharing workload: one replica alone (the
+baseline N replicas are compared with) and the N replicas with the clients dealt evenly over them,
+no router (what the replicas scale to before any router cost). Writes
 scaleout_<device>.json and its plot; benchmarks/scaleout_report.py renders the README section.
 """
 
@@ -46,7 +47,7 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ServerProcess, free_port, summarize, write_result  # noqa: E402
-from benchmarks.scaleout_observe import Observer, counter_deltas, router_counters  # noqa: E402
+from benchmarks.scaleout_observe import Observer, counter_deltas, metric_samples, router_counters  # noqa: E402
 from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
 # Router configurations: a name, and the router arguments it runs with. `cache_aware` is the
@@ -134,10 +135,7 @@ class ReplicaCounters:
 
 
 def replica_counters(url: str) -> ReplicaCounters:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-               for s in fam.samples]
+    samples = metric_samples(url + "/metrics")
     values = {s.name: s.value for s in samples}
     buckets = {float(s.labels["le"]): s.value for s in samples
                if s.name == "flashpage_time_to_first_token_seconds_bucket"}

@@ -71,16 +71,20 @@ ROUTER_COUNTERS = {"vllm_router_prefix_routing_decisions_total": "outcome",
 Counters = dict[str, dict[str, float]]  # counter name -> label value -> count
 
 
-def router_counters(metrics_url: str) -> Counters:
-    """ROUTER_COUNTERS as vllm-router's Prometheus endpoint has them now: name -> label value -> count."""
+def metric_samples(metrics_url: str) -> list:
+    """Every sample a Prometheus endpoint serves now (a replica's /metrics, the router's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    return [s for fam in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text) for s in fam.samples]
+
+
+def router_counters(metrics_url: str) -> Counters:
+    """ROUTER_COUNTERS as vllm-router's Prometheus endpoint has them now: name -> label value -> count."""
     out: Counters = {name: {} for name in ROUTER_COUNTERS}
-    for fam in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
-        for s in fam.samples:
-            if s.name in ROUTER_COUNTERS:
-                key = s.labels.get(ROUTER_COUNTERS[s.name], "")
-                out[s.name][key] = out[s.name].get(key, 0.0) + s.value
+    for s in metric_samples(metrics_url):
+        if s.name in ROUTER_COUNTERS:
+            key = s.labels.get(ROUTER_COUNTERS[s.name], "")
+            out[s.name][key] = out[s.name].get(key, 0.0) + s.value
     return out
 
 
