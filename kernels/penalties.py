@@ -47,7 +47,9 @@ def _penalties_kernel(logits_ptr, stride_logits, rows_ptr, slots_ptr, counts_ptr
     x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=0.0)
     c = tl.load(counts_ptr + slot * vocab + cols, mask=ok, other=0)
     seen = (tl.load(prompt_ptr + slot * vocab + cols, mask=ok, other=0) != 0) | (c > 0)
-    x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+    # IEEE division (Triton's `/` is the approximate one) and no multiply-add contraction (the launch
+    # sets enable_fp_fusion=False): the same roundings as the reference's separate torch ops.
+    x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, rep), x * rep), x)
     x = x - (freq * c.to(tl.float32) + pres * (c > 0).to(tl.float32))
     tl.store(logits_ptr + row * stride_logits + cols, x, mask=ok)
 
@@ -66,4 +68,4 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     block = 256 if _INTERPRET else BLOCK  # the interpreter runs programs one by one: any size is slow
     _penalties_kernel[(rows.numel(), triton.cdiv(vocab, block))](
         logits, logits.stride(0), rows, slots, counts, in_prompt.view(torch.uint8), penalties, vocab, BLOCK=block,
-        num_warps=1 if _INTERPRET else 4)
+        num_warps=1 if _INTERPRET else 4, enable_fp_fusion=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from server.sampling_params import StructuredOutput
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+SWITCH_INTERVAL_S = 1e-4  # the engine process's GIL switch interval once a grammar is in use (see Grammars)
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[19:35:30] /project/cpp/regex_converter.cc:83: "
 
 
@@ -60,7 +62,13 @@ class Grammars:
         threads = min(8, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.stop_token_ids = stop_token_ids
         self.end = min(stop_token_ids) if stop_token_ids else None  # what a dead-end grammar may do
+        # The engine's thread runs Python (detokenizing, scheduling) while the grammar thread's job
+        # runs; each time the job comes back from XGrammar or torch it needs the GIL, which Python
+        # hands over only every switch interval (5 ms by default): a job of ~0.5 ms of C++ then
+        # took until the engine's thread blocked. A short interval lets it through within ~0.1 ms.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.thread: ThreadPoolExecutor | None = None  # the grammar thread, started by the first job
         self.compile_thread: ThreadPoolExecutor | None = None
 
@@ -93,22 +101,28 @@ class Grammars:
             self.compile_thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
         return self.compile_thread.submit(self.matcher, s)
 
-    def fill_bitmask(self, matchers: list, out: torch.Tensor) -> list[int]:
-        """The rows j whose matchers[j] is live (not None, not ended); row i of `out` = what the
-        i-th of them allows next. XGrammar's thread pool fills them (64 rows one by one would
-        outlast a decode step)."""
-        live = [j for j, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    def fill_bitmask(self, matchers: list, out: torch.Tensor, ended: frozenset[int] = frozenset()) -> list[int]:
+        """The rows j whose matchers[j] is live (not None, and not in `ended`: the ids of matchers
+        that just took an end token); row j of `out` = what it allows next (the rows of `out` are
+        the step's rows). XGrammar's thread pool fills them (64 rows one by one would outlast a
+        decode step)."""
+        live = [j for j, m in enumerate(matchers) if m is not None and id(m) not in ended]
         if len(live) == 1:
-            matchers[live[0]].fill_next_token_bitmask(out, 0)
+            matchers[live[0]].fill_next_token_bitmask(out, live[0])
         elif live:
-            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], out)
-        if live and self.vocab_size % 32:  # bits past the vocabulary in the last word: never allowed
-            out[: len(live), -1] &= (1 << (self.vocab_size % 32)) - 1
-        if live and self.end is not None:
+            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], out, live)
+        if not live:
+            return live
+        n = live[-1] + 1
+        if self.vocab_size % 32:  # bits past the vocabulary in the last word: never allowed
+            out[:n, -1] &= (1 << (self.vocab_size % 32)) - 1
+        if self.end is not None:
             # A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
             # its row would pick an arbitrary token forever. Let it end instead.
-            for i in (~out[: len(live)].any(dim=1)).nonzero().flatten().tolist():
-                out[i, self.end // 32] = _word(1 << (self.end % 32))
+            rows = set(live)
+            for i in (~out[:n].any(dim=1)).nonzero().flatten().tolist():
+                if i in rows:
+                    out[i, self.end // 32] = _word(1 << (self.end % 32))
         return live
 
     def bitmask(self, rows: int, pinned: bool) -> torch.Tensor:
@@ -128,18 +142,22 @@ class Grammars:
         return self.thread.submit(self._job, accept, fill, out)
 
     def _job(self, accept: tuple[list, list[int]] | None, fill: list | None, out: torch.Tensor) -> list[int] | None:
-        if accept is not None:
-            self.accept(*accept)
-        return None if fill is None else self.fill_bitmask(fill, out)
+        ended = self.accept(*accept) if accept is not None else frozenset()
+        return None if fill is None else self.fill_bitmask(fill, out, ended)
 
-    def accept(self, matchers: list, tokens: list[int]) -> None:
+    def accept(self, matchers: list, tokens: list[int]) -> frozenset[int]:
         """Advance each matcher by its sequence's sampled token (the bitmask allowed only what it
-        accepts), in XGrammar's thread pool when there are several."""
-        live = [(m, t) for m, t in zip(matchers, tokens) if not m.is_terminated()]
-        if len(live) == 1:
-            live[0][0].accept_token(live[0][1])
-        elif live:
-            self.batch.batch_accept_token([m for m, _ in live], [t for _, t in live])
+        accepts), in XGrammar's thread pool when there are several. Returns the ids of the matchers
+        that took an end token: they have terminated, and the engine finishes their sequences.
+        (The engine never hands a terminated matcher back, so nothing here asks XGrammar whether
+        one is: each such call lets go of the GIL, and 64 of them a step waited on the engine's
+        thread for it 64 times.)"""
+        if len(matchers) == 1:
+            matchers[0].accept_token(tokens[0])
+        elif matchers:
+            self.batch.batch_accept_token(matchers, tokens)
+        stop = self.stop_token_ids
+        return frozenset(id(m) for m, t in zip(matchers, tokens) if t in stop)
 
 
 def _word(bits: int) -> int:

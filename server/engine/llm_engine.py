@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from dataclasses import dataclass
 
 from kvcache import BlockManager
 from models import eos_token_ids, load_tokenizer, resolve_model_path
@@ -29,6 +30,14 @@ from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
 log = logging.getLogger("flashpage.engine")
+
+
+@dataclass(slots=True)
+class LaunchFailure:
+    """A batch whose launch raised: step() fails its requests after finishing the step in flight."""
+
+    batch: SchedulerOutput
+    error: Exception
 
 
 class LLMEngine:
@@ -60,6 +69,8 @@ class LLMEngine:
         self.faults = FaultInjector.from_env()  # test-only (server/engine/faults.py); None in production
         self.stats: StatsHooks | None = None  # the metrics (server/api/metrics.py) or the engine process's recorder
         self.inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet turned into outputs
+        # launched (or failed to) before the step() call that finishes it (see step)
+        self.ahead: tuple[SchedulerOutput, StepHandle] | LaunchFailure | None = None
         self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id); stale entries skipped
 
     # -- requests -----------------------------------------------------------------------------
@@ -132,7 +143,7 @@ class LLMEngine:
         self.runner.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None
+        return self.scheduler.has_work() or self.inflight is not None or self.ahead is not None
 
     def _expire(self) -> list[RequestOutput]:
         """End every request whose deadline has passed (queued or running), with the text so far."""
@@ -172,35 +183,52 @@ class LLMEngine:
         """Schedule and launch a step, then turn the sampled tokens of the step launched before it
         into outputs (asynchronous scheduling: the host works on step k-1's results while the
         device runs step k). With `async_scheduling` off, a step's own results come back at once.
-        Requests past their deadline end first, so that no step is spent on them."""
+        Requests past their deadline end first, so that no step is spent on them.
+
+        A step with a grammar-constrained row is chosen only once the grammars have its bitmask,
+        near the end of this call; the next step is then launched before returning (`ahead`), so
+        that its forward follows this one's sampling on the device instead of waiting for the
+        caller to hand out the outputs and call again."""
         expired = self._expire() if self.deadlines else []
         if self.compiling:
             expired += self._compiled()
-        batch = self.scheduler.schedule()
-        launched = None
-        if not batch.is_empty:
-            try:
-                if self.faults is not None:
-                    self.faults.before_step(batch)
-                launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
-            except Exception as e:
-                return expired + self._finish(self.inflight) + self._fail_step(batch, e)
-            self.scheduler.after_step(batch)
-            max_len = self.max_model_len
-            for row, seq in enumerate(launched[1].rows):
-                seq.add_placeholder(row)
-                n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
-                seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
+        launched, self.ahead = self.ahead, None
+        if launched is None:
+            launched = self._launch()
+        if isinstance(launched, LaunchFailure):
+            return expired + self._finish(self.inflight) + self._fail_step(launched.batch, launched.error)
         if self.config.async_scheduling:
             # A deferred step (grammar-constrained rows) gets its bitmask from the grammar job that
             # _finish starts once step k-1's ids are in; detokenizing overlaps it.
             outputs = self._finish(self.inflight, deferred=launched)
+            deferred = launched is not None and launched[1].deferred
             self.inflight, failed = self._complete(launched)
+            if deferred and self.inflight is not None:
+                self.ahead = self._launch()  # a failure is reported by the next call, as it would be
         else:
             launched, failed = self._complete(launched)
             outputs = self._finish(launched)
         outputs = failed + outputs if failed else outputs
         return expired + outputs if expired else outputs
+
+    def _launch(self) -> tuple[SchedulerOutput, StepHandle] | LaunchFailure | None:
+        """Schedule a batch and launch it (None: nothing to run)."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return None
+        try:
+            if self.faults is not None:
+                self.faults.before_step(batch)
+            launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
+        except Exception as e:
+            return LaunchFailure(batch, e)
+        self.scheduler.after_step(batch)
+        max_len = self.max_model_len
+        for row, seq in enumerate(launched[1].rows):
+            seq.add_placeholder(row)
+            n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
+            seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
+        return launched
 
     def _complete(self, launched: tuple[SchedulerOutput, StepHandle] | None
                   ) -> tuple[tuple[SchedulerOutput, StepHandle] | None, list[RequestOutput]]:
@@ -215,7 +243,7 @@ class LLMEngine:
             if job is None:  # no earlier step to collect: fill now
                 job = self._submit_grammar(None, handle)
             live = job.result()
-            self.runner.complete(handle, self._bitmask[: len(live)], live)
+            self.runner.complete(handle, self._bitmask[: len(handle.rows)], live)
         except Exception as e:
             return None, self._fail_step(batch, e)
         return launched, []

@@ -59,6 +59,7 @@ class TokenCounts:
         # Released slots are reused only after the next step's update: a step launched before a
         # sequence finished may still add its last (discarded) id to the slot.
         self.released: list[int] = []
+        self.ones = torch.ones(0, dtype=torch.int32, device=device)  # what add() adds, kept between steps
 
     def slot(self, request_id: str, prompt_token_ids: list[int], p: SamplingParams) -> int:
         """The sequence's slot; a new one is zeroed, its prompt's tokens and penalties written."""
@@ -93,8 +94,10 @@ class TokenCounts:
     def add(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """counts[slots[i], ids[i]] += 1 (the step's sampled ids, still on the device). index_add_ on
         the flat view: atomic adds, where index_put_(accumulate=True) sorts its indices first."""
-        flat = slots * self.vocab_size + ids.long()
-        self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        flat = torch.add(ids.long(), slots, alpha=self.vocab_size)
+        if self.ones.numel() < flat.numel():
+            self.ones = torch.ones(max(64, 2 * flat.numel()), dtype=torch.int32, device=self.device)
+        self.counts.view(-1).index_add_(0, flat, self.ones[: flat.numel()])
         self.free.extend(self.released)
         self.released.clear()
 
@@ -145,7 +148,8 @@ class StepControls:
     def apply(self, logits: torch.Tensor, counts: TokenCounts | None,
               bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Edit logits [rows, vocab] fp32 in place (the order of the module docstring). `bitmask`:
-        (bits [k, words] int32, the k rows they constrain)."""
+        (bits [>= the last constrained row + 1, words] int32, row r for logits row r; the rows they
+        constrain, int32), see apply_bitmask."""
         if self.bias is not None:
             rows, ids, vals = self.bias
             logits.view(-1).index_add_(0, rows * logits.shape[1] + ids, vals)
@@ -154,8 +158,7 @@ class StepControls:
             penalize = apply_penalties if logits.is_cuda else apply_penalties_ref
             penalize(logits, *self.penalty, counts.counts, counts.in_prompt, counts.penalties)
         if bitmask is not None:
-            bits, rows = bitmask
-            logits.index_copy_(0, rows, logits[rows].masked_fill(~allowed_tokens(bits, logits.shape[1]), float("-inf")))
+            apply_bitmask(logits, *bitmask)
         if self.masked is not None:
             rows, ids = self.masked
             kept = logits[rows, ids]
@@ -165,16 +168,14 @@ class StepControls:
                 logits.index_put_(self.masked, torch.where(empty[rows], kept, logits[rows, ids]))
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask [rows, words] int32 (XGrammar's layout) -> allowed [rows, vocab_size] bool. Tokens
-    past the bitmask's 32 * words (logits rows no tokenizer id reaches) are not allowed."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1).bool()
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[r, t] = -inf for each r in `rows` (int32, on the logits' device) and each token t that
+    bits[r] (int32 words, XGrammar's layout: bit t % 32 of word t // 32) does not allow, and for
+    every t past the bits (logits rows beyond the tokenizer's vocabulary are never text). XGrammar's
+    own kernel (one Triton launch on a GPU, its C++ loop on the CPU)."""
+    import xgrammar as xgr  # imported already by the engine's grammars when a bitmask exists
 
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Tokens the bitmask does not allow -> -inf."""
-    logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+    covered = min(bits.shape[1] * 32, logits.shape[1])
+    xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=covered, indices=rows)
+    if covered < logits.shape[1]:
+        logits[:, covered:].index_fill_(0, rows.long(), float("-inf"))

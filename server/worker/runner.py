@@ -222,13 +222,15 @@ class ModelRunner:
             return self._finish_launch(handle)
 
     def complete(self, handle: StepHandle, bitmask: torch.Tensor, rows: list[int]) -> StepHandle:
-        """Choose a deferred step's tokens: the second part of `launch`. Row i of `bitmask` [len(rows),
-        words] int32 (host, pinned on a GPU: XGrammar's layout) is what row rows[i] may choose."""
+        """Choose a deferred step's tokens: the second part of `launch`. `bitmask` [len(handle.rows),
+        words] int32 (host, pinned on a GPU: XGrammar's layout), row r what row r may choose, for
+        the rows in `rows` (the others' are not read)."""
         with torch.inference_mode():
             parts, handle.parts = handle.parts, None
             grammar = None
             if rows:
-                grammar = (bitmask.to(self.device, non_blocking=True), to_device(rows, torch.long, self.device))
+                grammar = (bitmask[: rows[-1] + 1].to(self.device, non_blocking=True),
+                           to_device(rows, torch.int32, self.device))
             self._sample(handle, parts, grammar)
             return self._finish_launch(handle)
 
@@ -251,11 +253,13 @@ class ModelRunner:
         rows = handle.rows
         raw = (torch.cat(parts) if len(parts) > 1 else parts[0])[:, : self.model.vocab_size].float()
         logits, c = raw, handle.controls
+        want = [s.params.logprobs for s in rows]
         if (c is not None and not c.empty) or bitmask is not None:
-            logits = raw.clone()
+            # The controls edit in place: a copy only where logprobs need the raw rows (else raw is
+            # the step's own fp32 copy, or a view of a graph's output buffer the next replay rewrites).
+            logits = raw.clone() if any(w is not None for w in want) else raw
             (c or StepControls()).apply(logits, self.counts, bitmask)
         gens = [self._generator(s.request_id, s.params.seed) for s in rows]
-        want = [s.params.logprobs for s in rows]
         invariant = self.model.deterministic
         ids, _ = sample(logits, [s.params for s in rows], gens, invariant=invariant)
         logprobs = None

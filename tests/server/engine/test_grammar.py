@@ -138,3 +138,45 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
     assert final["c1"].text in ("red", "green", "blue sky", 'say "hi"') and final["c1"].finish_reason == "stop"
     assert final["c2"].finish_reason == "error" and "invalid regular expression" in final["c2"].error
     assert engine.block_manager.check_all_free() and not engine.compiling
+
+
+def test_the_next_step_is_launched_ahead_while_a_constrained_row_runs(engine):
+    """Once a grammar-constrained step is chosen, step() launches the next one before returning
+    (its forward then follows on the device without waiting for the caller); a plain batch does not."""
+    engine.add_request("a1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+    engine.add_request("a2", prompt(engine), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()  # the prompts' step: launched, deferred, completed, and the first decode launched ahead
+    assert engine.ahead is not None and engine.ahead[1].deferred
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.ahead is None and engine.block_manager.check_all_free()
+    engine.generate([prompt(engine)], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    engine.add_request("p", prompt(engine), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    engine.step()
+    assert engine.ahead is None
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call():
+    """The fault lands in a step launched ahead (once a request has 3 tokens): the next step()
+    finishes the step in flight first (its tokens are kept), then fails the batch's requests, as a
+    failed launch at the start of a call would; no block leaks and the engine serves on."""
+    from server.engine.faults import FaultInjector
+
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
+    doomed = prompt(eng, "Fails: ")
+    eng.faults = FaultInjector(raise_token=doomed[0], after=3)
+    assert doomed[0] not in prompt(eng)
+    eng.add_request("bad", doomed, SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+    eng.add_request("other", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    for rid in ("bad", "other"):  # both were in the failed batch
+        assert final[rid].finish_reason == "error" and len(final[rid].token_ids) == 3
+    assert eng.block_manager.check_all_free() and not eng.seqs
+    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)

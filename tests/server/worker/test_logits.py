@@ -7,10 +7,20 @@ import pytest
 import torch
 
 from server.sampling_params import SamplingParams
-from server.worker.logits import StepControls, TokenCounts, allowed_tokens, apply_bitmask
+from server.worker.logits import StepControls, TokenCounts, apply_bitmask
 
 V = 50
 CPU = torch.device("cpu")
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [rows, words] int32 (XGrammar's layout) -> allowed [rows, vocab_size] bool, bit by
+    bit; tokens past the bitmask's 32 * words are not allowed."""
+    out = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
+    for r in range(bitmask.shape[0]):
+        for t in range(min(vocab_size, 32 * bitmask.shape[1])):
+            out[r, t] = bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+    return out
 
 
 def reference(logits, params, generated, prompts, sampled, stop_ids, allowed=None):
@@ -50,7 +60,7 @@ def run(params, generated, prompts, stop_ids=frozenset({0}), bitmask=None, seed=
     sampled = [len(g) for g in generated]
     c = StepControls.build(params, sampled, ids, prompts, stop_ids, counts, CPU)
     got = logits.clone()
-    c.apply(got, counts, None if bitmask is None else (bitmask, torch.arange(len(params))))
+    c.apply(got, counts, None if bitmask is None else (bitmask, torch.arange(len(params), dtype=torch.int32)))
     allowed = None if bitmask is None else allowed_tokens(bitmask, V)
     return got, reference(logits, params, generated, prompts, sampled, stop_ids, allowed)
 
@@ -105,25 +115,20 @@ def test_counts_grow_past_their_first_capacity():
     assert counts.counts[:, 7].sum() == 40 and counts.penalties[slots[-1], 2] == 39 / 40
 
 
-def test_bitmask_unpacks_as_xgrammar_packs_it():
-    xgr = pytest.importorskip("xgrammar")
+def test_the_bitmask_masks_what_its_bits_rule_out_in_its_rows_only():
+    """Bits as XGrammar packs them; rows 0 and 2 constrained (row 1's bits are not read), and the
+    logits wider than the bits (a model vocabulary past its tokenizer's): those columns never allowed."""
     torch.manual_seed(1)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 1), dtype=torch.int32)  # 32 ids covered of V = 50
+    bits[1] = 0  # would rule out every token of row 1, were it read
     logits = torch.randn(3, V)
-    ours, theirs = logits.clone(), logits.clone()
-    apply_bitmask(ours, bitmask)
-    xgr.apply_token_bitmask_inplace(theirs, bitmask)
-    assert torch.equal(ours, theirs)
-
-
-def test_the_bitmask_constrains_only_its_rows_and_no_id_past_it():
-    torch.manual_seed(2)
-    logits = torch.randn(3, V)
-    bits = torch.full((1, 1), -1, dtype=torch.int32)  # row 1 only; 32 ids covered of V = 50
     got = logits.clone()
-    StepControls().apply(got, None, (bits, torch.tensor([1])))
-    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
-    assert torch.equal(got[1, :32], logits[1, :32]) and torch.isinf(got[1, 32:]).all()
+    apply_bitmask(got, bits, torch.tensor([0, 2], dtype=torch.int32))
+    assert torch.equal(got[1], logits[1])
+    allowed = allowed_tokens(bits, V)
+    for r in (0, 2):
+        assert torch.equal(got[r], logits[r].masked_fill(~allowed[r], float("-inf")))
+    assert torch.isinf(got[[0, 2], 32:]).all()
 
 
 def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end():
@@ -132,6 +137,7 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end():
     bitmask[1, 0] |= 1 << 6  # row 1: token 6 too
     params = [SamplingParams(min_tokens=5), SamplingParams(min_tokens=5)]
     got, want = run(params, [[], []], [[1], [1]], stop_ids=frozenset({0}), bitmask=bitmask)
+    assert torch.isinf(got[:, 32:]).all()  # past the bits
     torch.testing.assert_close(got, want)
     assert torch.isfinite(got[0, 0]) and torch.isinf(got[0, 1:]).all()  # the grammar's end survives
     assert torch.isinf(got[1, 0]) and torch.isfinite(got[1, 6])  # min_tokens holds EOS back where it can
