@@ -96,6 +96,76 @@ def penalty_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
     return dict(tokens=tokens, with_tok_s=tokens / dt_p, without_tok_s=tokens / dt_u)
 
 
+def phase_times(engine: LLMEngine, prompts, max_tokens: int) -> str:
+    """Where a constrained step's time goes: each phase's mean milliseconds per step, timed on the
+    host by wrapping the engine's methods (the grammar job runs on its own thread; "wait" phases
+    are the engine's thread blocked on the device or on that job)."""
+    from collections import defaultdict
+    from server.engine.grammar import Grammars
+
+    spent, calls, longest = defaultdict(float), defaultdict(int), defaultdict(float)
+
+    def timed_method(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                spent[label] += dt
+                calls[label] += 1
+                longest[label] = max(longest[label], dt)
+        setattr(owner, name, wrapper)
+        return fn
+
+    runner, grammars = engine.runner, engine.grammars
+    saved = [(runner, n, timed_method(runner, n, f"runner.{n}")) for n in ("launch", "collect", "complete")]
+    saved += [(engine, n, timed_method(engine, n, f"engine.{n}")) for n in ("step", "_launch", "_finish", "_complete")
+              if hasattr(engine, n)]
+    saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
+    # inside runner.complete
+    import server.worker.logits as logits_mod
+    import server.worker.runner as runner_mod
+    saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_sample", "_finish_launch")]
+    saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
+    saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask",) if hasattr(logits_mod, n)]
+    submit = grammars.submit
+
+    def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result
+        fut = submit(*a, **kw)
+        result = fut.result
+
+        def waited(*ra, **rk):
+            t0 = time.perf_counter()
+            try:
+                return result(*ra, **rk)
+            finally:
+                dt = time.perf_counter() - t0
+                spent["engine waits for the grammar job"] += dt
+                calls["engine waits for the grammar job"] += 1
+                longest["engine waits for the grammar job"] = max(longest["engine waits for the grammar job"], dt)
+        fut.result = waited
+        return fut
+    grammars.submit = submit_timed
+    try:
+        spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, [sampling(0.0, i, max_tokens=max_tokens, structured=spec)
+                                         for i in range(len(prompts))])
+        wall = time.perf_counter() - t0
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        grammars.submit = submit
+    steps = calls["engine.step"]
+    lines = [f"{sum(len(o.token_ids) for o in outs)} tokens, {steps} steps, {wall / steps * 1e3:.3f} ms a step",
+             f"{'phase':40} {'calls':>6} {'ms / step':>10} {'longest ms':>10}"]
+    lines += [f"{k:40} {calls[k]:6d} {spent[k] / steps * 1e3:10.3f} {longest[k] * 1e3:10.3f}" for k in sorted(spent)]
+    return "\n".join(lines)
+
+
 def summary(runs: list[dict]) -> dict:
     w = statistics.median(r["with_tok_s"] for r in runs)
     wo = statistics.median(r["without_tok_s"] for r in runs)
@@ -133,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--profile", choices=["structured_json", "penalties"],
                     help="only profile one greedy run of that pair on the host (cProfile, by own time)")
+    ap.add_argument("--phases", action="store_true",
+                    help="only time one greedy structured run's step phases on the host (see phase_times)")
+    ap.add_argument("--grammar-threads", type=int, nargs="*", help="with --phases: XGrammar thread counts to try")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,6 +217,16 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
         engine.generate(prompts[:4], [SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"),
                                                      **PENALTIES)] * 4)  # warm-up: compile, first matchers
+        if args.phases:
+            import xgrammar as xgr
+
+            for threads in args.grammar_threads or [None]:
+                if threads:
+                    engine.grammars.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+                for _ in range(2):  # the first run compiles what it first meets
+                    text = phase_times(engine, prompts, args.max_tokens)
+                print(f"-- grammar threads {threads or 'default'}\n{text}")
+            return {}
         if args.profile:
             import cProfile
             import pstats
