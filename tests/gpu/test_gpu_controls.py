@@ -1,0 +1,74 @@
+"""GPU-only checks (skipped without CUDA) of what changes a row's logits on the device path: grammar
+bitmasks applied after the captured decode graph (XGrammar's Triton kernel), a step launched ahead
+while constrained rows run, the penalties kernel inside the engine, in a batch beside plain rows."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.sampling_params import SamplingParams, StructuredOutput
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+REGEX = StructuredOutput("regex", r"[a-z]{3,6}-[0-9]{2}")
+CHOICE = StructuredOutput("choice", json.dumps(["red", "green", "blue sky"]))
+SCHEMA = StructuredOutput("json", json.dumps({"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 50},
+    "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 5}}},
+    "required": ["n", "tags"]}))
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """The embedded model on the GPU: CUDA graphs, asynchronous scheduling."""
+    return LLMEngine(EngineConfig(device="cuda", num_blocks=512))
+
+
+def _params(**kw):
+    kw.setdefault("max_tokens", 60)
+    return SamplingParams(temperature=0, **kw)
+
+
+def test_constrained_rows_match_their_grammar_beside_plain_rows(gpu):
+    prompt = gpu.tokenizer.encode("Value: ")
+    specs = [REGEX, CHOICE, SCHEMA, StructuredOutput("json_object")] * 8  # 32 rows: a captured decode batch
+    params = [_params(structured=s) for s in specs] + [_params(ignore_eos=True, max_tokens=40)] * 8
+    outs = gpu.generate([prompt] * len(params), params)
+    for spec, out in zip(specs, outs):
+        if spec is REGEX:
+            assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text), out.text
+        elif spec is CHOICE:
+            assert out.text in ("red", "green", "blue sky")
+        else:
+            doc = json.loads(out.text)
+            assert isinstance(doc, dict)
+            if spec is SCHEMA:
+                assert 0 <= doc["n"] <= 50 and len(doc["tags"]) <= 2
+        assert out.finish_reason == "stop"
+    assert all(len(o.token_ids) == 40 for o in outs[len(specs):])
+    assert gpu.ahead is None and gpu.block_manager.check_all_free()
+
+
+def test_launching_ahead_changes_no_token():
+    """The same requests with asynchronous scheduling (constrained steps launch the next one ahead)
+    and without: the same tokens. Deterministic mode, so that the two runs' different batch shapes
+    (async scheduling runs a finished row one more step) cannot move a near-tie."""
+    prompt_text = "def main():\n"
+    params = [_params(structured=SCHEMA), _params(structured=REGEX, repetition_penalty=1.3),
+              _params(ignore_eos=True, max_tokens=30, frequency_penalty=0.8, presence_penalty=0.4),
+              _params(ignore_eos=True, max_tokens=30, repetition_penalty=1.2, logit_bias={11: 5.0}),
+              _params(max_tokens=20, min_tokens=15)]
+    runs = []
+    for async_scheduling in (True, False):
+        eng = LLMEngine(EngineConfig(device="cuda", num_blocks=512, deterministic=True,
+                                     async_scheduling=async_scheduling))
+        prompt = eng.tokenizer.encode(prompt_text)
+        runs.append([o.token_ids for o in eng.generate([prompt] * len(params), params)])
+        assert eng.block_manager.check_all_free()
+        eng.close()
+    assert runs[0] == runs[1]
+    assert len(runs[0][4]) >= 15  # min_tokens held the end back
