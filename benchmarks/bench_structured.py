@@ -96,7 +96,7 @@ def penalty_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
     return dict(tokens=tokens, with_tok_s=tokens / dt_p, without_tok_s=tokens / dt_u)
 
 
-def phase_times(engine: LLMEngine, prompts, max_tokens: int) -> str:
+def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "structured_json") -> str:
     """Where a constrained step's time goes: each phase's mean milliseconds per step, timed on the
     host by wrapping the engine's methods (the grammar job runs on its own thread; "wait" phases
     are the engine's thread blocked on the device or on that job)."""
@@ -130,7 +130,19 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int) -> str:
     import server.worker.runner as runner_mod
     saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_sample", "_finish_launch")]
     saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
-    saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask",) if hasattr(logits_mod, n)]
+    saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask", "apply_penalties")
+              if hasattr(logits_mod, n)]
+    saved += [(runner.counts, "add", timed_method(runner.counts, "add", "  TokenCounts.add"))]
+    build = logits_mod.StepControls.build
+
+    def build_timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return build(*a, **kw)
+        finally:
+            spent["StepControls.build"] += time.perf_counter() - t0
+            calls["StepControls.build"] += 1
+    logits_mod.StepControls.build = staticmethod(build_timed)
     submit = grammars.submit
 
     def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result
@@ -150,15 +162,20 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int) -> str:
         return fut
     grammars.submit = submit_timed
     try:
-        spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+        if kind == "structured_json":
+            spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+            params = [sampling(0.0, i, max_tokens=max_tokens, structured=spec) for i in range(len(prompts))]
+        else:  # "penalties", or "plain" (the same requests without them)
+            extra = PENALTIES if kind == "penalties" else {}
+            params = [sampling(0.0, i, max_tokens=max_tokens, ignore_eos=True, **extra) for i in range(len(prompts))]
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, [sampling(0.0, i, max_tokens=max_tokens, structured=spec)
-                                         for i in range(len(prompts))])
+        outs = engine.generate(prompts, params)
         wall = time.perf_counter() - t0
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
         grammars.submit = submit
+        logits_mod.StepControls.build = staticmethod(build)
     steps = calls["engine.step"]
     lines = [f"{sum(len(o.token_ids) for o in outs)} tokens, {steps} steps, {wall / steps * 1e3:.3f} ms a step",
              f"{'phase':40} {'calls':>6} {'ms / step':>10} {'longest ms':>10}"]
@@ -203,8 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--profile", choices=["structured_json", "penalties"],
                     help="only profile one greedy run of that pair on the host (cProfile, by own time)")
-    ap.add_argument("--phases", action="store_true",
-                    help="only time one greedy structured run's step phases on the host (see phase_times)")
+    ap.add_argument("--phases", choices=["structured_json", "penalties", "plain"],
+                    help="only time one greedy run's step phases on the host (see phase_times)")
     ap.add_argument("--grammar-threads", type=int, nargs="*", help="with --phases: XGrammar thread counts to try")
     args = ap.parse_args(argv)
 
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if threads:
                     engine.grammars.batch = xgr.BatchGrammarMatcher(max_threads=threads)
                 for _ in range(2):  # the first run compiles what it first meets
-                    text = phase_times(engine, prompts, args.max_tokens)
+                    text = phase_times(engine, prompts, args.max_tokens, args.phases)
                 print(f"-- grammar threads {threads or 'default'}\n{text}")
             return {}
         if args.profile:

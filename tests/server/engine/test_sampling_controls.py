@@ -139,6 +139,27 @@ def test_penalties_equal_their_reference_and_change_the_output(eng, hf, prompts,
     assert eng.block_manager.check_all_free()
 
 
+def test_controls_are_built_again_only_when_the_rows_change(eng, hf, prompts, monkeypatch):
+    """Steady decoding reuses the previous step's controls (server/worker/runner.py _controls); a
+    row that finishes early changes the rows, and the controls built then still give each
+    remaining row its own penalties."""
+    from server.worker.logits import StepControls
+
+    built = []
+    build = StepControls.build
+    monkeypatch.setattr(StepControls, "build", staticmethod(lambda *a, **kw: built.append(1) or build(*a, **kw)))
+    eos = set(eng.eos_token_ids)
+    long_ = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8, logit_bias={7: 2.0})
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, frequency_penalty=1.5)
+    other = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=2.0)
+    outs = eng.generate([prompts[1], prompts[3], prompts[2]], [long_, short, other])
+    for prompt, p, out in zip([prompts[1], prompts[3], prompts[2]], [long_, short, other], outs):
+        assert out.token_ids == reference_greedy(hf, prompt, p, eos)
+    # built for the prompts' step (whose rows the decodes keep) and again once the short one ended,
+    # not for each of the 12 steps
+    assert 2 <= len(built) <= 4
+
+
 def test_logit_bias_forces_and_bans_tokens(eng, prompts):
     forced = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
                                                        logit_bias={42: 100.0}))[0]
