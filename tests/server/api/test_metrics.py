@@ -15,6 +15,7 @@ from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.logs import JsonFormatter, RequestIdFilter, TextFormatter, request_id_var
 from server.api.metrics import EngineStats
+from server.bridge.engine_loop import SNAPSHOT_EVERY_S
 from server.sampling_params import SamplingParams
 
 
@@ -110,7 +111,14 @@ def test_running_gauge_and_abort_frees_cache(served, tiny_ckpt):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         it = r.iter_lines()
         next(line for line in it if line.startswith("data: "))
-        during = scrape(url)
+        # With several API processes the scrape may reach one that is not streaming this request:
+        # its gauges are the engine's snapshot of at most SNAPSHOT_EVERY_S ago, so wait for one.
+        deadline = time.monotonic() + 1.0
+        while True:
+            during = scrape(url)
+            if m(during, "flashpage_requests_running") == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(SNAPSHOT_EVERY_S / 2)
         assert m(during, "flashpage_requests_running") == 1 and m(during, "flashpage_kv_cache_blocks_used") >= 1
         assert 0 < m(during, "flashpage_kv_cache_usage_ratio") < 1
     deadline = time.monotonic() + 20
