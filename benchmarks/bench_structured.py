@@ -101,13 +101,13 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     host by wrapping the engine's methods (the grammar job runs on its own thread; "wait" phases
     are the engine's thread blocked on the device or on that job)."""
     from collections import defaultdict
-    from server.engine.grammar import Grammars
+
+    import server.worker.logits as logits_mod
+    import server.worker.runner as runner_mod
 
     spent, calls, longest = defaultdict(float), defaultdict(int), defaultdict(float)
 
-    def timed_method(owner, name, label):
-        fn = getattr(owner, name)
-
+    def timing(fn, label):
         def wrapper(*a, **kw):
             t0 = time.perf_counter()
             try:
@@ -117,7 +117,11 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
                 spent[label] += dt
                 calls[label] += 1
                 longest[label] = max(longest[label], dt)
-        setattr(owner, name, wrapper)
+        return wrapper
+
+    def timed_method(owner, name, label):
+        fn = getattr(owner, name)
+        setattr(owner, name, timing(fn, label))
         return fn
 
     runner, grammars = engine.runner, engine.grammars
@@ -126,39 +130,18 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
               if hasattr(engine, n)]
     saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
     # inside runner.complete
-    import server.worker.logits as logits_mod
-    import server.worker.runner as runner_mod
     saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_sample", "_finish_launch")]
     saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
     saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask", "apply_penalties")
               if hasattr(logits_mod, n)]
     saved += [(runner.counts, "add", timed_method(runner.counts, "add", "  TokenCounts.add"))]
     build = logits_mod.StepControls.build
-
-    def build_timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return build(*a, **kw)
-        finally:
-            spent["StepControls.build"] += time.perf_counter() - t0
-            calls["StepControls.build"] += 1
-    logits_mod.StepControls.build = staticmethod(build_timed)
+    logits_mod.StepControls.build = staticmethod(timing(build, "StepControls.build"))
     submit = grammars.submit
 
     def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result
         fut = submit(*a, **kw)
-        result = fut.result
-
-        def waited(*ra, **rk):
-            t0 = time.perf_counter()
-            try:
-                return result(*ra, **rk)
-            finally:
-                dt = time.perf_counter() - t0
-                spent["engine waits for the grammar job"] += dt
-                calls["engine waits for the grammar job"] += 1
-                longest["engine waits for the grammar job"] = max(longest["engine waits for the grammar job"], dt)
-        fut.result = waited
+        fut.result = timing(fut.result, "engine waits for the grammar job")
         return fut
     grammars.submit = submit_timed
     try:
