@@ -21,7 +21,7 @@ for step in "${@:-tests throughput prefix}"; do
       # file's peers) and the API-process sweep, in one call; then py-spy on every server process.
       frontend)
         # offline, the load test's request shape (prompts 512 +- 128, outputs 256 +- 64)
-        python3 benchmarks/bench_throughput.py --skip flashpage_eager hf_eager steps --input-len 384 640 \
+        python3 benchmarks/bench_throughput.py --skip flashpage_eager hf_eager hf_sdpa steps --input-len 384 640 \
           --output-len 192 320 --num-requests 1024 --out-dir "$OUT/offline" > "$OUT/offline.log" 2>&1 || status=1
         cp benchmarks/results/load_*.json "$OUT/" 2>/dev/null
         LOAD=(--duration 10 --grace 3 --requests-factor 8 --out-dir "$OUT" --no-progress)

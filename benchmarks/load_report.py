@@ -66,7 +66,14 @@ def report(result: dict) -> str:
         "clients, each streaming `POST /generate` requests back to back")
     if s:
         lines[-1] += f"; {_shape(s)}, each level with prompts of its own (no prefix-cache hits carried over)"
-    lines[-1] += (f". torch {result.get('torch')}, triton {result.get('triton')}, {result.get('date')}. "
+    dates = result.get("impl_dates") or {}
+    when = result.get("date")
+    if len(set(dates.values())) > 1:  # a merged file: say which rows are of which day
+        by_day: dict[str, list[str]] = {}
+        for impl in present:
+            by_day.setdefault(dates.get(impl, result.get("date")), []).append(f"`{impl}`")
+        when = "; ".join(f"{', '.join(impls)} rows {day}" for day, impls in sorted(by_day.items(), reverse=True))
+    lines[-1] += (f". torch {result.get('torch')}, triton {result.get('triton')}, {when}. "
                   f"`{result.get('command')}`")
     lines += ["", "TTFT: time to first token; TPOT: (end-to-end − TTFT) / (output tokens − 1) per request; "
               "ITL: gap between streamed events, per token. Latencies in ms.", ""]

@@ -12,7 +12,7 @@ import time
 from server.api.chat_template import read_chat_template
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, EngineConfig
+from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 
 def device(text: str) -> str:
@@ -30,7 +30,8 @@ def name(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Every engine flag's default comes from EngineConfig, and every number is checked against its
+    # Every engine flag's default comes from server/config.py (EngineConfig; the step budget is the
+    # server's own, SERVE_MAX_NUM_BATCHED_TOKENS), and every number is checked against its
     # range (Bound) as it is parsed: a setting the server cannot run with exits 2 naming the flag.
     # A count or size of 0 is refused rather than read as "the default" (leave the flag out for that).
     d = EngineConfig()
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=Bound(float, above=0, high=1), default=d.gpu_memory_utilization,
                    help="on CUDA, the fraction of GPU memory the process may use, KV cache included")
     p.add_argument("--max-num-seqs", type=Bound(int, 1), default=d.max_num_seqs, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=Bound(int, 1), default=d.max_num_batched_tokens,
-                   help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=Bound(int, 1), default=SERVE_MAX_NUM_BATCHED_TOKENS,
+                   help="token budget of one step (larger: fewer, longer prefill steps, which delay the "
+                        "tokens of every request decoding beside them)")
     p.add_argument("--max-model-len", type=Bound(int, 1), default=d.max_model_len,
                    help="context limit (default: the model's max_position_embeddings)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)

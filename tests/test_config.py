@@ -18,3 +18,16 @@ def test_help_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_server_step_budget_fits_the_largest_prefill_graph():
+    """The server's default budget is there so that every prefill step replays a captured graph
+    (short steps beside hundreds of decodes); were the graph ladder to shrink, steps past it would
+    run eagerly again. Offline engines keep the larger EngineConfig budget."""
+    from server.cli import build_parser
+    from server.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+    from server.worker.cuda_graphs import PREFILL_GRAPH_MAX_TOKENS
+
+    assert SERVE_MAX_NUM_BATCHED_TOKENS == PREFILL_GRAPH_MAX_TOKENS
+    assert build_parser().parse_args([]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig().max_num_batched_tokens > SERVE_MAX_NUM_BATCHED_TOKENS

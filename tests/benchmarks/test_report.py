@@ -65,3 +65,21 @@ def test_report_api_sweep_only_and_merge_checks():
     assert merged["failures"] == [] and merged["command"] == "c && c2" and len(merged["rows"]) == 2
     add_row(merged, dict(rows[1], output_tokens_per_s=5.0))
     assert [r["output_tokens_per_s"] for r in merged["rows"]] == [1000.0, 5.0]
+
+
+def test_merged_rows_of_another_day_say_so():
+    """A file whose triton rows were measured again after the peers' says which rows are of which
+    day (the header's single date would claim the peers ran beside the new code)."""
+    from benchmarks.compare import report
+    from benchmarks.load_sweep import merge
+
+    settings = {"input_len": 16, "concurrency": [1], "impls": ["triton", "eager"]}
+    row = {"concurrency": 1, "output_tokens_per_s": 10.0, "errors": 0, "ttft_p50_ms": 1.0}
+    old = {"device": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01", "command": "c", "slug": "cpu",
+           "settings": settings, "rows": [dict(row, impl="triton"), dict(row, impl="eager")]}
+    new = {"device": "cpu", "date": "2026-02-02", "command": "c2", "settings": dict(settings, impls=["triton"]),
+           "rows": []}
+    merged = merge(old, new, [("triton", None, [1])])
+    assert merged["impl_dates"] == {"triton": "2026-02-02", "eager": "2026-01-01"}
+    assert "`triton` rows 2026-02-02; `eager` rows 2026-01-01" in report(merged)
+    assert "rows 2026" not in report(old)  # one day: the date alone
