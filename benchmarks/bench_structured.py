@@ -130,7 +130,8 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
               if hasattr(engine, n)]
     saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
     # inside runner.complete
-    saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_sample", "_finish_launch")]
+    saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_plan", "_sample", "_penalized_greedy",
+                                                                                    "_finish_launch")]
     saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
     saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask", "apply_penalties")
               if hasattr(logits_mod, n)]
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--phases", choices=["structured_json", "penalties", "plain"],
                     help="only time one greedy run's step phases on the host (see phase_times)")
     ap.add_argument("--grammar-threads", type=int, nargs="*", help="with --phases: XGrammar thread counts to try")
+    ap.add_argument("--kinds", nargs="+", choices=["structured_json", "penalties"],
+                    default=["structured_json", "penalties"], help="which pairs to run")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
             return {}
         rows = []
         for kind, pair in (("structured_json", structured_pair), ("penalties", penalty_pair)):
+            if kind not in args.kinds:
+                continue
             for temperature in (0.0, 1.0):
                 runs = [pair(engine, prompts, temperature, args.max_tokens) for _ in range(args.repeats)]
                 rows.append(dict(impl="flashpage", kind=kind, temperature=temperature, batch=args.batch,

@@ -143,6 +143,18 @@ def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, slots: torch.T
     logits.index_copy_(0, rows, lg)
 
 
+def penalized_argmax_ref(logits: torch.Tensor, vocab: int, rows: torch.Tensor, slots: torch.Tensor,
+                         counts: torch.Tensor, in_prompt: torch.Tensor, penalties: torch.Tensor,
+                         out: torch.Tensor) -> None:
+    """out[rows] = torch.argmax of logits[rows, :vocab] in float32 after apply_penalties_ref, then
+    counts[slots, out[rows]] += 1 (kernels/penalties.py penalized_argmax: the greedy path)."""
+    x = logits[:, :vocab].to(torch.float32, copy=True)
+    apply_penalties_ref(x, rows, slots, counts, in_prompt, penalties)
+    ids = x[rows].argmax(dim=-1)
+    out[rows] = ids.to(out.dtype)
+    counts[slots, ids] += 1
+
+
 # -- Model-dtype references (rope.py, rms_norm.py, silu_mul.py) --------------------------------------
 # Unlike the attention references above, these follow torch's own op-by-op rounding in the model
 # dtype: they are the exact math a Hugging Face-style model runs in eager PyTorch, which the kernels

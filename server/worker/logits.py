@@ -98,6 +98,11 @@ class TokenCounts:
         if self.ones.numel() < flat.numel():
             self.ones = torch.ones(max(64, 2 * flat.numel()), dtype=torch.int32, device=self.device)
         self.counts.view(-1).index_add_(0, flat, self.ones[: flat.numel()])
+        self.updated()
+
+    def updated(self) -> None:
+        """The step's count update is queued (add, or the greedy path's kernel): slots released
+        before it may now be handed out again (stream order puts their zeroing after it)."""
         self.free.extend(self.released)
         self.released.clear()
 

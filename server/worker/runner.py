@@ -12,6 +12,7 @@ model's attention backend for metadata and warm-up.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,8 @@ import torch
 
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import config_bounds
+from kernels.penalties import penalized_argmax
+from kernels.reference import penalized_argmax_ref
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
@@ -47,6 +50,16 @@ class StepHandle:
     def deferred(self) -> bool:
         """Launched, but its tokens are not chosen yet: `ModelRunner.complete` must be called."""
         return self.parts is not None
+
+
+@dataclass(slots=True)
+class RowsPlan:
+    """How a step's rows (not all plain) choose their tokens; kept while the rows stay the same."""
+
+    rows: list[SeqState]  # the sequences, in row order
+    controls: StepControls | None  # None: no row's logits are edited (e.g. logprobs only)
+    structured: bool  # a row is grammar-constrained: the step is deferred (complete)
+    penalties_only: bool  # every row greedy without logprobs, penalties the only control: _penalized_greedy
 
 
 @dataclass(slots=True)
@@ -88,7 +101,7 @@ class ModelRunner:
         self.scores: list[PromptScores] = []  # this step's prompt log-probabilities (eager paths add them)
         self.stop_ids: frozenset[int] = frozenset()  # the model's EOS ids (the engine sets them): min_tokens
         self.counts = TokenCounts(model.vocab_size, device)  # generated-token counts of penalized sequences
-        self.last_controls: tuple[list, StepControls] | None = None  # (the rows, their controls): see _controls
+        self.last_plan: RowsPlan | None = None  # the last step's rows and how they choose: see _plan
 
     # -- start-up -----------------------------------------------------------------------------
     def _run(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
@@ -209,32 +222,53 @@ class ModelRunner:
                 return self._finish_launch(handle)
             parts = [p for p in parts if p is not None]
             if not all(s.plain for s in rows):
-                params = [s.params for s in rows]
-                if any(p.processes_logits for p in params):
-                    handle.controls = self._controls(rows, params)
-                if any(p.structured is not None for p in params):
+                plan = self._plan(rows)
+                handle.controls = plan.controls
+                if plan.structured:
                     handle.parts = parts
                     return handle  # the engine calls complete() with the grammar's bitmask
-                self._sample(handle, parts)
+                if plan.penalties_only:
+                    self._penalized_greedy(handle, parts)
+                else:
+                    self._sample(handle, parts)
             return self._finish_launch(handle)
 
-    def _controls(self, rows: list[SeqState], params: list) -> StepControls:
-        """The step's logits controls (server/worker/logits.py). Decoding steps keep the same rows
-        step after step, and a row's bias and penalty slot do not change while its sequence runs:
-        the previous step's controls serve again when the rows are the same sequences in the same
-        order and none still waits on min_tokens (whose held-back ids depend on the count sampled).
-        Building them is a Python pass over the rows and an upload, ~0.1 ms a step at 64 rows."""
+    def _plan(self, rows: list[SeqState]) -> RowsPlan:
+        """How the step's rows choose their tokens, and their logits controls (server/worker/logits.py).
+        Decoding steps keep the same rows step after step, and a row's parameters, bias and penalty
+        slot do not change while its sequence runs: the previous step's plan serves again when the
+        rows are the same sequences in the same order and none still waits on min_tokens (whose
+        held-back ids depend on the count sampled). Building one is a Python pass over the rows and
+        an upload, ~0.1 ms a step at 64 rows; checking the rows is one pass of identity tests."""
+        last = self.last_plan
+        if last is not None and len(last.rows) == len(rows) and all(map(operator.is_, last.rows, rows)):
+            return last
+        params = [s.params for s in rows]
         # Sampled so far, in-flight placeholders included (this step's is added after launch).
         sampled = [len(s.token_ids) - len(s.prompt_token_ids) for s in rows]
         pending = any(n < p.min_tokens for n, p in zip(sampled, params))
-        last = self.last_controls
-        if (not pending and last is not None and len(last[0]) == len(rows)
-                and all(a is b for a, b in zip(last[0], rows))):
-            return last[1]
-        controls = StepControls.build(params, sampled, [s.request_id for s in rows], [s.prompt_token_ids for s in rows],
-                                      self.stop_ids, self.counts, self.device)
-        self.last_controls = None if pending else (list(rows), controls)
-        return controls
+        controls = None
+        if any(p.processes_logits for p in params):
+            controls = StepControls.build(params, sampled, [s.request_id for s in rows],
+                                          [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device)
+        plan = RowsPlan(list(rows), controls, structured=any(p.structured is not None for p in params),
+                        penalties_only=(controls is not None and controls.penalty is not None and controls.bias is None
+                                        and controls.masked is None
+                                        and all(p.greedy and p.logprobs is None for p in params)))
+        self.last_plan = None if pending else plan
+        return plan
+
+    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor]) -> None:
+        """A greedy step whose only logits control is penalties (penalized decoding's usual step):
+        one launch penalizes, chooses and counts the penalized rows' ids (kernels/penalties.py
+        penalized_argmax), the same ids the general sampler would choose; the other rows keep the
+        graph's argmax."""
+        c = handle.controls
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        choose = penalized_argmax if self.on_cuda else penalized_argmax_ref
+        choose(logits, self.model.vocab_size, *c.penalty, self.counts.counts, self.counts.in_prompt,
+               self.counts.penalties, out=self.last_ids)
+        self.counts.updated()
 
     def complete(self, handle: StepHandle, bitmask: torch.Tensor, rows: list[int]) -> StepHandle:
         """Choose a deferred step's tokens: the second part of `launch`. `bitmask` [len(handle.rows),

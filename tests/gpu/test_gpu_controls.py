@@ -1,6 +1,6 @@
 """GPU-only checks (skipped without CUDA) of what changes a row's logits on the device path: grammar
 bitmasks applied after the captured decode graph (XGrammar's Triton kernel), a step launched ahead
-while constrained rows run, the penalties kernel inside the engine, in a batch beside plain rows."""
+while constrained rows run, the penalties kernels inside the engine, in a batch beside plain rows."""
 
 import json
 import re
@@ -72,3 +72,24 @@ def test_launching_ahead_changes_no_token():
         eng.close()
     assert runs[0] == runs[1]
     assert len(runs[0][4]) >= 15  # min_tokens held the end back
+
+
+def test_the_one_launch_greedy_penalties_choose_what_the_sampler_would():
+    """Greedy rows whose only control is penalties take penalized_argmax after the decode graph
+    (kernels/penalties.py); the same rows with a zero logit_bias (which changes no logit) take the
+    general sampler. 40 rows in one batch, 48 steps (each step's counts feed the next's penalties):
+    the same tokens either way, and the penalties changed the output. Deterministic mode, so that
+    the two runs' logits are the same bits."""
+    gpu = LLMEngine(EngineConfig(device="cuda", num_blocks=512, deterministic=True))
+    prompt = gpu.tokenizer.encode("The the the")
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
+             dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3)] * 10
+    fused = [_params(ignore_eos=True, max_tokens=48, **k) for k in kinds]
+    general = [_params(ignore_eos=True, max_tokens=48, logit_bias={5: 0.0}, **k) for k in kinds]
+    a = [o.token_ids for o in gpu.generate([prompt] * len(fused), fused)]
+    b = [o.token_ids for o in gpu.generate([prompt] * len(general), general)]
+    assert a == b
+    plain = gpu.generate([prompt], [_params(ignore_eos=True, max_tokens=48)])[0].token_ids
+    assert all(ids != plain for ids in a[:4])
+    assert gpu.block_manager.check_all_free()
+    gpu.close()

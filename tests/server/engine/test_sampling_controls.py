@@ -160,6 +160,31 @@ def test_controls_are_built_again_only_when_the_rows_change(eng, hf, prompts, mo
     assert 2 <= len(built) <= 4
 
 
+def test_greedy_penalized_steps_choose_in_one_pass_and_others_use_the_sampler(eng, hf, prompts, monkeypatch):
+    """Greedy steps whose only control is penalties go through penalized_argmax (one launch on a
+    GPU: server/worker/runner.py _penalized_greedy), never the general sampler, and still give the
+    reference's tokens and counts (the counts feed the next steps' penalties); a step with a bias
+    or a sampled penalized row takes the sampler."""
+    import server.worker.runner as runner_mod
+
+    calls = {"fused": 0, "sampler": 0}
+    fused, sampler = runner_mod.penalized_argmax_ref, runner_mod.sample
+    monkeypatch.setattr(runner_mod, "penalized_argmax_ref",
+                        lambda *a, **kw: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a, **kw))
+    monkeypatch.setattr(runner_mod, "sample",
+                        lambda *a, **kw: calls.__setitem__("sampler", calls["sampler"] + 1) or sampler(*a, **kw))
+    eos = set(eng.eos_token_ids)
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.2)
+    plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = eng.generate([prompts[1], prompts[2]], [p, plain])
+    assert outs[0].token_ids == reference_greedy(hf, prompts[1], p, eos)
+    assert calls == {"fused": 10, "sampler": 0}
+    biased = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, frequency_penalty=1.5, logit_bias={7: 1.0})
+    sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True, frequency_penalty=1.5)
+    eng.generate([prompts[1], prompts[2]], [biased, sampled])
+    assert calls == {"fused": 10, "sampler": 4}
+
+
 def test_logit_bias_forces_and_bans_tokens(eng, prompts):
     forced = eng.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
                                                        logit_bias={42: 100.0}))[0]
