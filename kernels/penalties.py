@@ -1,5 +1,4 @@
-"""The repetition, frequency and presence penalties of a step's penalized rows, in one launch; and
-for greedy steps, the penalties, the choice and the count update together (`penalized_argmax`).
+"""The repetition, frequency and presence penalties of a step's penalized rows, in one launch.
 
 Contract (semantics = ``kernels.reference.apply_penalties_ref``, vLLM's definitions):
   logits     [num_rows, vocab] float32, columns contiguous (row stride free); edited in place.
@@ -14,14 +13,8 @@ Contract (semantics = ``kernels.reference.apply_penalties_ref``, vLLM's definiti
     logit -= frequency * c + presence * (c > 0).
   Rows not in `rows` and columns past vocab are not touched. n = 0 launches nothing.
 
-penalized_argmax (semantics = ``kernels.reference.penalized_argmax_ref``): the same penalties on
-  logits [num_rows, >= vocab] float16 / bfloat16 / float32 (the LM head's raw output, columns
-  contiguous; read only, columns past vocab never read), taken to float32 first, then for each
-  (row, slot): out[row] = the argmax of the penalized row (ties to the first column, NaN counted as
-  +inf, as kernels/argmax.py), and counts[slot, out[row]] += 1. Slots distinct. Rows not in `rows`
-  keep their out[] value. One program per row: a greedy penalized step is then one launch after
-  the decode graph, where the general sampler took ~8 (a float32 copy, the penalties, the argmax,
-  the ids' copy, the count update), each a few microseconds of host time in a step of ~750 µs.
+Greedy rows whose only control is penalties are penalized inside the greedy argmax instead
+(kernels/argmax.py `penalty`, with `penalize` from here and `table_addresses`), in the decode graph.
 
 Why a kernel: in PyTorch the same formula is a dozen launches over [n, vocab] gathers, copies and
 masks, run outside the captured decode graph every step (server/worker/logits.py): measured on
@@ -41,11 +34,11 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BLOCK = 2048
-_BIG = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _penalize(x, c, in_prompt, rep, freq, pres):
+def penalize(x, c, in_prompt, rep, freq, pres):
+    """The penalties of one block of a row: x float32 logits, c its counts, in_prompt its flags."""
     # IEEE division (Triton's `/` is the approximate one) and no multiply-add contraction (the launch
     # sets enable_fp_fusion=False): the same roundings as the reference's separate torch ops.
     seen = in_prompt | (c > 0)
@@ -67,60 +60,13 @@ def _penalties_kernel(logits_ptr, stride_logits, rows_ptr, slots_ptr, counts_ptr
     x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=0.0)
     c = tl.load(counts_ptr + slot * vocab + cols, mask=ok, other=0)
     p = tl.load(prompt_ptr + slot * vocab + cols, mask=ok, other=0) != 0
-    x = _penalize(x, c, p, rep, freq, pres)
+    x = penalize(x, c, p, rep, freq, pres)
     tl.store(logits_ptr + row * stride_logits + cols, x, mask=ok)
 
 
-@triton.jit
-def _penalized_argmax_kernel(logits_ptr, stride_logits, rows_ptr, slots_ptr, counts_ptr, prompt_ptr, penalties_ptr,
-                             out_ptr, vocab, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    rep = tl.load(penalties_ptr + slot * 3)
-    freq = tl.load(penalties_ptr + slot * 3 + 1)
-    pres = tl.load(penalties_ptr + slot * 3 + 2)
-    best_v = float("-inf")
-    best_i = 0  # an all -inf row: its first column, as torch.argmax
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < vocab
-        x = tl.load(logits_ptr + row * stride_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        c = tl.load(counts_ptr + slot * vocab + cols, mask=ok, other=0)
-        p = tl.load(prompt_ptr + slot * vocab + cols, mask=ok, other=0) != 0
-        x = _penalize(x, c, p, rep, freq, pres)
-        x = tl.where(x != x, float("inf"), x)  # NaN
-        m = tl.max(x, axis=0)
-        first = tl.min(tl.where((x == m) & ok, cols, _BIG), axis=0)
-        best_i = tl.where(m > best_v, first, best_i)  # strictly greater: an earlier block keeps a tie
-        best_v = tl.maximum(best_v, m)
-    tl.store(out_ptr + row, best_i.to(out_ptr.dtype.element_ty))
-    at = counts_ptr + slot * vocab + best_i
-    tl.store(at, tl.load(at) + 1)
-
-
-def _check_tables(vocab: int, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                  in_prompt: torch.Tensor, penalties: torch.Tensor) -> None:
-    assert counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape[1] == vocab
-    assert in_prompt.dtype == torch.bool and in_prompt.is_contiguous() and in_prompt.shape == counts.shape
-    assert penalties.dtype == torch.float32 and penalties.is_contiguous() and penalties.shape[1] == 3
-    assert rows.shape == slots.shape and rows.dim() == 1
-
-
-def penalized_argmax(logits: torch.Tensor, vocab: int, rows: torch.Tensor, slots: torch.Tensor,
-                     counts: torch.Tensor, in_prompt: torch.Tensor, penalties: torch.Tensor, out: torch.Tensor) -> None:
-    """out[rows] = argmax of the penalized logits[rows, :vocab]; counts[slots, out[rows]] += 1. See
-    the module docstring."""
-    assert logits.dim() == 2 and logits.stride(1) == 1 and 1 <= vocab <= logits.shape[1]
-    assert logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert out.dim() == 1 and out.is_contiguous() and out.dtype in (torch.int32, torch.int64)
-    _check_tables(vocab, rows, slots, counts, in_prompt, penalties)
-    if not rows.numel():
-        return
-    block = 256 if _INTERPRET else BLOCK
-    _penalized_argmax_kernel[(rows.numel(),)](
-        logits, logits.stride(0), rows, slots, counts, in_prompt.view(torch.uint8), penalties, out, vocab, BLOCK=block,
-        num_warps=1 if _INTERPRET else 8, enable_fp_fusion=False)
+def table_addresses(counts: torch.Tensor, in_prompt: torch.Tensor, penalties: torch.Tensor) -> list[int]:
+    """The tables' device addresses, in the order kernels/argmax.py's penalized argmax reads them."""
+    return [counts.data_ptr(), in_prompt.data_ptr(), penalties.data_ptr()]
 
 
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
@@ -128,7 +74,10 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     """Penalize logits[rows] in place from their sequences' slots. See the module docstring."""
     assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
     vocab = logits.shape[1]
-    _check_tables(vocab, rows, slots, counts, in_prompt, penalties)
+    assert counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape[1] == vocab
+    assert in_prompt.dtype == torch.bool and in_prompt.is_contiguous() and in_prompt.shape == counts.shape
+    assert penalties.dtype == torch.float32 and penalties.is_contiguous() and penalties.shape[1] == 3
+    assert rows.shape == slots.shape and rows.dim() == 1
     if not rows.numel():
         return
     block = 256 if _INTERPRET else BLOCK  # the interpreter runs programs one by one: any size is slow

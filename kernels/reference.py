@@ -143,16 +143,17 @@ def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, slots: torch.T
     logits.index_copy_(0, rows, lg)
 
 
-def penalized_argmax_ref(logits: torch.Tensor, vocab: int, rows: torch.Tensor, slots: torch.Tensor,
-                         counts: torch.Tensor, in_prompt: torch.Tensor, penalties: torch.Tensor,
-                         out: torch.Tensor) -> None:
-    """out[rows] = torch.argmax of logits[rows, :vocab] in float32 after apply_penalties_ref, then
-    counts[slots, out[rows]] += 1 (kernels/penalties.py penalized_argmax: the greedy path)."""
-    x = logits[:, :vocab].to(torch.float32, copy=True)
-    apply_penalties_ref(x, rows, slots, counts, in_prompt, penalties)
-    ids = x[rows].argmax(dim=-1)
-    out[rows] = ids.to(out.dtype)
-    counts[slots, ids] += 1
+def penalized_argmax_ref(logits: torch.Tensor, num_cols: int, slots: torch.Tensor, counts: torch.Tensor,
+                         in_prompt: torch.Tensor, penalties: torch.Tensor, out: torch.Tensor) -> None:
+    """Greedy choice with penalties (kernels/argmax.py argmax_rows with `penalty`, which takes the
+    tables by address): out[r] = argmax_ref of row r after apply_penalties_ref where slots[r] >= 0
+    (then counts[slots[r], out[r]] += 1), of the raw row elsewhere."""
+    x = logits[:, :num_cols].to(torch.float32, copy=True)
+    rows = (slots >= 0).nonzero().flatten()
+    apply_penalties_ref(x, rows, slots[rows].long(), counts, in_prompt, penalties)
+    ids = argmax_ref(x, num_cols)
+    out.copy_(ids.to(out.dtype))
+    counts[slots[rows].long(), ids[rows]] += 1
 
 
 # -- Model-dtype references (rope.py, rms_norm.py, silu_mul.py) --------------------------------------

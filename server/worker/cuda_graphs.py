@@ -11,7 +11,11 @@ server/worker/inputs.py for why two), so a step's inputs travel in a single host
 whose id is still on the device (asynchronous scheduling) is taken inside the graph from the last
 step's sampled ids: input id -1 - r names row r there. The graphs end with the greedy choice of
 every row (kernels/argmax.py): the decode graph writes it straight into the sampled ids, so a
-greedy step needs nothing launched after the replay but the copy of its ids to the host.
+greedy step needs nothing launched after the replay but the copy of its ids to the host. Greedy
+rows whose only control is penalties choose in the graph too: a static input names each row's
+token-count slot (-1 for none), and the argmax penalizes and counts those rows (kernels/argmax.py
+`penalty`, which reads the count tables through their addresses, so that the tables may be
+allocated and grown after capture).
 
 Prefill steps are captured too (`PrefillGraphs`), for a ladder of token counts up to 2048 and at
 most PREFILL_GRAPH_SEQS chunks: run eagerly, a prefill step's ~150 launches cost a few
@@ -33,6 +37,7 @@ import torch
 from kernels.argmax import argmax_rows
 from models import CausalLM, KVCaches, StepRows
 from server.worker.inputs import ScheduledChunk, Staging, align16, fill_rows, pack_prefills
+from server.worker.logits import TokenCounts
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -67,43 +72,48 @@ def capture_ladder(sizes: list[int], forward, device: torch.device, inputs=None)
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_batch: int, max_blocks: int, device: torch.device,
-                 last_ids: torch.Tensor) -> None:
+                 last_ids: torch.Tensor, counts: TokenCounts) -> None:
         self.model, self.kv_caches, self.device, self.last_ids = model, kv_caches, device, last_ids
+        self.counts = counts
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.sizes = batch_ladder(max_batch)
         b = align16(max_batch)  # section length: every view starts 16-byte aligned
-        # Layout: input_ids | positions | slot_mapping | context_lens | block_tables (b x max_blocks)
-        self.staging = Staging(b * (4 + max_blocks), device)
+        # Layout: input_ids | positions | slot_mapping | context_lens | penalty slots | block_tables (b x max_blocks)
+        self.staging = Staging(b * (5 + max_blocks), device)
         self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
-                                   buf[4 * b :].reshape(b, max_blocks))
+                                   buf[4 * b : 5 * b], buf[5 * b :].reshape(b, max_blocks))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Per host buffer: the version of the page table each row holds a copy of (kvcache.SeqBlocks:
         # a version names one page table's contents, whichever sequence it belongs to).
         self._copied = [[0] * b for _ in self.staging.hosts]
 
     def _forward(self, n: int) -> torch.Tensor:
-        ids, pos, slots, ctx, bt = self._views(self.staging.dev)
+        ids, pos, slots, ctx, pslots, bt = self._views(self.staging.dev)
         meta = self.model.attention.metadata(StepRows(slots[:n], 0, context_lens=ctx[:n], decode_block_tables=bt[:n]))
         logits = self.model.lm_head(self.model.forward(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
-        argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n])
+        # Greedy rows with penalties are penalized in the argmax and count their choice: penalized
+        # decoding adds no launch to a step (a row without reads one slot more).
+        argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n], penalty=(pslots[:n], self.counts.addresses))
         return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
-        ids, _, slots, ctx, _ = self._views(self.staging.next_host())
-        ids[:], slots[:], ctx[:] = 0, -1, 1
+        ids, _, slots, ctx, pslots, _ = self._views(self.staging.next_host())
+        ids[:], slots[:], ctx[:], pslots[:] = 0, -1, 1, -1
         self.staging.upload(non_blocking=False)
         self.graphs = capture_ladder(self.sizes, self._forward, self.device)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def run(self, decodes: list[ScheduledChunk], block_size: int) -> torch.Tensor:
+    def run(self, decodes: list[ScheduledChunk], block_size: int, penalty_slots: list[int] | None = None) -> torch.Tensor:
         """Fill the static inputs for these decode items and replay: raw logits [len(decodes), padded
-        vocab] come back, and the greedy ids are in last_ids[:len(decodes)]."""
+        vocab] come back, and the greedy ids are in last_ids[:len(decodes)]. `penalty_slots`: per
+        row, its TokenCounts slot where the row is greedy with penalties only (-1 elsewhere): those
+        rows' ids are the penalized argmax, and their counts are updated."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
-        ids, pos, slots, ctx, bt = self._views(self.staging.next_host())
+        ids, pos, slots, ctx, pslots, bt = self._views(self.staging.next_host())
         # Page-table rows are copied only where this host buffer holds another version than the
         # row's sequence now has: in steady decoding a row changes once per block_size steps, and
         # copying every row every step (~10k ids at batch 256) took most of this method.
@@ -122,7 +132,8 @@ class DecodeGraphs:
         p = pos[:n]
         slots[:n] = bt[np.arange(n), p // block_size] * block_size + p % block_size  # kvcache.slot_of
         ctx[:n] = p + 1
-        slots[n:size], ctx[n:size], ids[n:size], pos[n:size] = -1, 1, 0, 0
+        pslots[:n] = -1 if penalty_slots is None else penalty_slots
+        slots[n:size], ctx[n:size], ids[n:size], pos[n:size], pslots[n:size] = -1, 1, 0, 0, -1
         bt[n:size, 0] = 0
         copied[n:size] = [0] * (size - n)
         self.staging.upload()

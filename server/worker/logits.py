@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.penalties import apply_penalties
+from kernels.penalties import apply_penalties, table_addresses
 from kernels.reference import apply_penalties_ref
 from server.sampling_params import SamplingParams
 
@@ -60,6 +60,9 @@ class TokenCounts:
         # sequence finished may still add its last (discarded) id to the slot.
         self.released: list[int] = []
         self.ones = torch.ones(0, dtype=torch.int32, device=device)  # what add() adds, kept between steps
+        # The tables' device addresses, which the decode graphs' penalties read (kernels/penalties.py
+        # penalized_argmax_by_slot): rewritten when the tables grow, so no graph holds a stale one.
+        self.addresses = torch.zeros(3, dtype=torch.int64, device=device)
 
     def slot(self, request_id: str, prompt_token_ids: list[int], p: SamplingParams) -> int:
         """The sequence's slot; a new one is zeroed, its prompt's tokens and penalties written."""
@@ -84,6 +87,7 @@ class TokenCounts:
         penalties = torch.zeros(new, 3, device=self.device)
         counts[:old], in_prompt[:old], penalties[:old] = self.counts, self.in_prompt, self.penalties
         self.counts, self.in_prompt, self.penalties = counts, in_prompt, penalties
+        self.addresses.copy_(to_device(table_addresses(counts, in_prompt, penalties), torch.int64, self.device))
         self.free.extend(range(new - 1, old - 1, -1))
 
     def release(self, request_id: str) -> None:

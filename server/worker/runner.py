@@ -20,7 +20,6 @@ import torch
 
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import config_bounds
-from kernels.penalties import penalized_argmax
 from kernels.reference import penalized_argmax_ref
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
@@ -59,7 +58,9 @@ class RowsPlan:
     rows: list[SeqState]  # the sequences, in row order
     controls: StepControls | None  # None: no row's logits are edited (e.g. logprobs only)
     structured: bool  # a row is grammar-constrained: the step is deferred (complete)
-    penalties_only: bool  # every row greedy without logprobs, penalties the only control: _penalized_greedy
+    # Every row greedy without logprobs, and penalties the only control: each row's TokenCounts slot
+    # (-1 for a row without penalties), for the decode graph and _penalized_greedy. Else None.
+    penalty_slots: list[int] | None
 
 
 @dataclass(slots=True)
@@ -182,7 +183,7 @@ class ModelRunner:
         from server.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_blocks, self.device,
-                                   self.last_ids)
+                                   self.last_ids, self.counts)
         self.graphs.capture()
         if self.model.attention.prefill_graphs:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.max_tokens, self.max_blocks,
@@ -204,12 +205,18 @@ class ModelRunner:
         with torch.inference_mode():
             rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
+            # Planned before the forward: a new penalized row's count slot is set up first, and
+            # the decode graph chooses penalized greedy rows itself (penalty_slots).
+            plan = None if all(s.plain for s in rows) else self._plan(rows)
+            slots = plan.penalty_slots if plan is not None else None
+            chosen = 0  # rows whose penalized choice the decode graph made
             if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
                 # is highest.
-                parts = [self.graphs.run(decodes, self.block_size)]
+                parts = [self.graphs.run(decodes, self.block_size, slots[:n_dec] if slots is not None else None)]
+                chosen = n_dec
                 if prefills:
                     parts.append(self._prefill(prefills, n_dec))
             elif not decodes:
@@ -221,14 +228,13 @@ class ModelRunner:
             if not rows:
                 return self._finish_launch(handle)
             parts = [p for p in parts if p is not None]
-            if not all(s.plain for s in rows):
-                plan = self._plan(rows)
+            if plan is not None:
                 handle.controls = plan.controls
                 if plan.structured:
                     handle.parts = parts
                     return handle  # the engine calls complete() with the grammar's bitmask
-                if plan.penalties_only:
-                    self._penalized_greedy(handle, parts)
+                if slots is not None:
+                    self._penalized_greedy(handle, parts, slots, chosen)
                 else:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
@@ -251,23 +257,30 @@ class ModelRunner:
         if any(p.processes_logits for p in params):
             controls = StepControls.build(params, sampled, [s.request_id for s in rows],
                                           [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device)
+        penalties_only = (controls is not None and controls.penalty is not None and controls.bias is None
+                          and controls.masked is None and all(p.greedy and p.logprobs is None for p in params))
+        slots = [self.counts.slots.get(s.request_id, -1) if p.penalized else -1
+                 for s, p in zip(rows, params)] if penalties_only else None
         plan = RowsPlan(list(rows), controls, structured=any(p.structured is not None for p in params),
-                        penalties_only=(controls is not None and controls.penalty is not None and controls.bias is None
-                                        and controls.masked is None
-                                        and all(p.greedy and p.logprobs is None for p in params)))
+                        penalty_slots=slots)
         self.last_plan = None if pending else plan
         return plan
 
-    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor]) -> None:
-        """A greedy step whose only logits control is penalties (penalized decoding's usual step):
-        one launch penalizes, chooses and counts the penalized rows' ids (kernels/penalties.py
-        penalized_argmax), the same ids the general sampler would choose; the other rows keep the
-        graph's argmax."""
-        c = handle.controls
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        choose = penalized_argmax if self.on_cuda else penalized_argmax_ref
-        choose(logits, self.model.vocab_size, *c.penalty, self.counts.counts, self.counts.in_prompt,
-               self.counts.penalties, out=self.last_ids)
+    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor], slots: list[int], chosen: int) -> None:
+        """A greedy step whose only logits control is penalties (penalized decoding's usual step).
+        The decode graph chose its rows (the first `chosen`) penalized; the rest (all of an eager
+        step, or a prefill chunk's first token beside graphed decodes) take the same penalized
+        argmax here, one pair of launches: the ids the general sampler would choose, counted."""
+        n = len(handle.rows)
+        if chosen < n:
+            logits = parts[-1] if chosen else parts[0]  # the prefill part, or the whole eager step
+            row_slots = to_device(slots[chosen:], torch.int32, self.device)
+            out = self.last_ids[chosen:n]
+            c = self.counts
+            if self.on_cuda:
+                argmax_rows(logits, self.model.vocab_size, out=out, penalty=(row_slots, c.addresses))
+            else:
+                penalized_argmax_ref(logits, self.model.vocab_size, row_slots, c.counts, c.in_prompt, c.penalties, out)
         self.counts.updated()
 
     def complete(self, handle: StepHandle, bitmask: torch.Tensor, rows: list[int]) -> StepHandle:

@@ -74,22 +74,25 @@ def test_launching_ahead_changes_no_token():
     assert len(runs[0][4]) >= 15  # min_tokens held the end back
 
 
-def test_the_one_launch_greedy_penalties_choose_what_the_sampler_would():
-    """Greedy rows whose only control is penalties take penalized_argmax after the decode graph
-    (kernels/penalties.py); the same rows with a zero logit_bias (which changes no logit) take the
-    general sampler. 40 rows in one batch, 48 steps (each step's counts feed the next's penalties):
-    the same tokens either way, and the penalties changed the output. Deterministic mode, so that
-    the two runs' logits are the same bits."""
-    gpu = LLMEngine(EngineConfig(device="cuda", num_blocks=512, deterministic=True))
-    prompt = gpu.tokenizer.encode("The the the")
+def test_penalized_greedy_rows_choose_in_the_graph_what_the_sampler_would():
+    """Greedy rows whose only control is penalties choose inside the decode graph (a prefill
+    chunk's first token beside graphed decodes: the same penalized argmax after it); the same rows with a
+    zero logit_bias (which changes no logit) take the general sampler. 40 rows of mixed prompt
+    lengths under a 64-token step budget, so that prompts finish prefilling while others decode;
+    48 steps each (each step's counts feed the next's penalties): the same tokens either way, and
+    the penalties changed the output. Deterministic mode, so that the two runs' logits are the
+    same bits."""
+    gpu = LLMEngine(EngineConfig(device="cuda", num_blocks=512, deterministic=True, max_num_batched_tokens=64))
+    base = gpu.tokenizer.encode("The the the cat sat on the mat and the")
+    prompts = [(base * 12)[: 3 + 7 * i] for i in range(40)]
     kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
              dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3)] * 10
     fused = [_params(ignore_eos=True, max_tokens=48, **k) for k in kinds]
     general = [_params(ignore_eos=True, max_tokens=48, logit_bias={5: 0.0}, **k) for k in kinds]
-    a = [o.token_ids for o in gpu.generate([prompt] * len(fused), fused)]
-    b = [o.token_ids for o in gpu.generate([prompt] * len(general), general)]
+    a = [o.token_ids for o in gpu.generate(prompts, fused)]
+    b = [o.token_ids for o in gpu.generate(prompts, general)]
     assert a == b
-    plain = gpu.generate([prompt], [_params(ignore_eos=True, max_tokens=48)])[0].token_ids
-    assert all(ids != plain for ids in a[:4])
+    plain = [o.token_ids for o in gpu.generate(prompts[:4], [_params(ignore_eos=True, max_tokens=48)] * 4)]
+    assert all(x != y for x, y in zip(a[:4], plain))
     assert gpu.block_manager.check_all_free()
     gpu.close()

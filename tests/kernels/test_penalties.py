@@ -1,15 +1,15 @@
-"""apply_penalties against apply_penalties_ref, and penalized_argmax against penalized_argmax_ref
-(TRITON_INTERPRET=1 on CPU; see tests/conftest.py): odd vocabularies, one row or many in any order
-beside rows it must not touch, a padded row stride whose padding it must not touch (NaN there),
-masked (-inf) logits, ties, the model's half-precision logits, and no penalized row at all."""
+"""apply_penalties against apply_penalties_ref (TRITON_INTERPRET=1 on CPU; see tests/conftest.py): odd
+vocabularies, one row or many in any order beside rows it must not touch, a padded row stride whose
+padding it must not touch, masked (-inf) logits, and no penalized row at all. (The greedy path's
+penalties, inside the argmax, are tested in test_argmax.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.penalties import apply_penalties, penalized_argmax
-from kernels.reference import apply_penalties_ref, penalized_argmax_ref
+from kernels.penalties import apply_penalties
+from kernels.reference import apply_penalties_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,49 +67,3 @@ def test_neutral_penalties_change_nothing_and_seen_tokens_follow_the_sign_rule()
     assert torch.equal(neutral, logits)
     apply_penalties(logits, one, one, counts, in_prompt, torch.tensor([[2.0, 0.0, 0.0]], device=DEVICE))
     assert logits.tolist() == [[1.5, -6.0, 5.0, float("-inf")]]
-
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
-@pytest.mark.parametrize("rows_slots", [([0], [0]), ([4, 1, 6], [2, 0, 3]), (list(range(9)), [3, 1, 4, 0, 2, 5, 6, 7, 8])])
-def test_penalized_argmax_matches_reference(dtype, vocab, rows_slots):
-    g = torch.Generator().manual_seed(vocab + 1)
-    rows, slots = (torch.tensor(x, dtype=torch.long, device=DEVICE) for x in rows_slots)
-    buf, tables = case(g, num_rows=9, vocab=vocab, num_slots=9, pad=5)
-    logits = buf.to(dtype)
-    before = logits.clone()
-    got_out = torch.full((9,), -7, dtype=torch.int32, device=DEVICE)
-    want_out = got_out.clone()
-    got_tables = [t.clone() for t in tables]
-    penalized_argmax(logits, vocab, rows, slots, *got_tables, out=got_out)
-    penalized_argmax_ref(logits, vocab, rows, slots, *tables, out=want_out)
-    assert torch.equal(got_out, want_out), (got_out, want_out)
-    assert torch.equal(got_tables[0], tables[0]), "counts differ from the reference's update"
-    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num()), \
-        "the logits were written"
-    untouched = [r for r in range(9) if r not in rows_slots[0]]
-    assert (got_out[untouched] == -7).all(), "a row not penalized got an id"
-
-
-def test_penalized_argmax_ties_go_to_the_first_column_across_blocks_and_counts_add_one():
-    """A tie between columns in different blocks (the interpreter's blocks are 256 wide) goes to the
-    first, as torch.argmax; an all -inf row chooses column 0; each chosen (slot, id) count grows by one."""
-    vocab = 700
-    logits = torch.zeros(2, vocab, device=DEVICE)
-    logits[0, 3] = logits[0, 600] = 2.0
-    logits[1] = float("-inf")
-    counts = torch.zeros(2, vocab, dtype=torch.int32, device=DEVICE)
-    counts[1, 0] = 5
-    in_prompt = torch.zeros(2, vocab, dtype=torch.bool, device=DEVICE)
-    neutral = torch.tensor([[1.0, 0.0, 0.0]] * 2, device=DEVICE)
-    out = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    idx = torch.tensor([0, 1], device=DEVICE)
-    penalized_argmax(logits, vocab, idx, torch.tensor([1, 0], device=DEVICE), counts, in_prompt, neutral, out)
-    assert out.tolist() == [3, 0]
-    assert counts[1, 3].item() == 1 and counts[0, 0].item() == 1 and counts[1, 0].item() == 5
-    assert counts.sum().item() == 7
-    # The count now penalizes token 3 in slot 1 (frequency 1): row 0's choice moves to 600.
-    penalized_argmax(logits, vocab, idx[:1], torch.tensor([1], device=DEVICE), counts, in_prompt,
-                     torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]], device=DEVICE), out)
-    assert out[0].item() == 600 and counts[1, 600].item() == 1

@@ -161,10 +161,10 @@ def test_controls_are_built_again_only_when_the_rows_change(eng, hf, prompts, mo
 
 
 def test_greedy_penalized_steps_choose_in_one_pass_and_others_use_the_sampler(eng, hf, prompts, monkeypatch):
-    """Greedy steps whose only control is penalties go through penalized_argmax (one launch on a
-    GPU: server/worker/runner.py _penalized_greedy), never the general sampler, and still give the
-    reference's tokens and counts (the counts feed the next steps' penalties); a step with a bias
-    or a sampled penalized row takes the sampler."""
+    """Greedy steps whose only control is penalties take the penalized argmax (in the decode graph
+    on a GPU; here, without graphs, server/worker/runner.py _penalized_greedy with its reference),
+    never the general sampler, and still give the reference's tokens and counts (the counts feed
+    the next steps' penalties); a step with a bias or a sampled penalized row takes the sampler."""
     import server.worker.runner as runner_mod
 
     calls = {"fused": 0, "sampler": 0}

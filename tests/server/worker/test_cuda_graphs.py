@@ -13,6 +13,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.sampling_params import SamplingParams
 from server.worker.cuda_graphs import DecodeGraphs
+from server.worker.logits import TokenCounts
 
 BLOCK, MAX_BATCH, MAX_BLOCKS = 4, 16, 32
 
@@ -27,7 +28,8 @@ class _Model:
 
 
 def _graphs() -> DecodeGraphs:
-    dg = DecodeGraphs(_Model(), [], MAX_BATCH, MAX_BLOCKS, torch.device("cpu"), torch.zeros(MAX_BATCH, dtype=torch.int32))
+    dg = DecodeGraphs(_Model(), [], MAX_BATCH, MAX_BLOCKS, torch.device("cpu"), torch.zeros(MAX_BATCH, dtype=torch.int32),
+                      TokenCounts(10, torch.device("cpu")))
     st = dg.staging  # two host buffers used in turn, as on CUDA (the CPU has one)
     st.hosts = [torch.zeros_like(st.hosts[0]) for _ in range(2)]
     st.host_nps = [h.numpy() for h in st.hosts]
@@ -55,7 +57,7 @@ def test_page_table_rows_always_match_while_copies_are_skipped():
             before = [list(c) for c in dg._copied]
             dg.run(out.decodes, BLOCK)
             host = dg.staging.host_nps[dg.staging.turn]
-            tables = host[4 * MAX_BATCH :].reshape(MAX_BATCH, MAX_BLOCKS)
+            tables = dg._views(host)[-1]
             for i, item in enumerate(out.decodes):
                 table = item.seq.blocks.block_table
                 assert list(tables[i, : len(table)]) == table, f"step {step}, row {i}"
