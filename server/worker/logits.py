@@ -60,8 +60,8 @@ class TokenCounts:
         # sequence finished may still add its last (discarded) id to the slot.
         self.released: list[int] = []
         self.ones = torch.ones(0, dtype=torch.int32, device=device)  # what add() adds, kept between steps
-        # The tables' device addresses, which the decode graphs' penalties read (kernels/penalties.py
-        # penalized_argmax_by_slot): rewritten when the tables grow, so no graph holds a stale one.
+        # The tables' device addresses, through which the decode graphs' penalized argmax reads them
+        # (kernels/argmax.py `penalty`): rewritten when the tables grow, so no graph holds a stale one.
         self.addresses = torch.zeros(3, dtype=torch.int64, device=device)
 
     def slot(self, request_id: str, prompt_token_ids: list[int], p: SamplingParams) -> int:
