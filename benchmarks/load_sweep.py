@@ -175,7 +175,8 @@ def merge(old: dict, new: dict, runs: list[tuple[str, int | None, list[int]]], i
     out["failures"] = [f for f in old.get("failures", []) if (f.get("impl"), f.get("api_server_count")) not in rerun]
     out["command"] = " && ".join(c for c in (old.get("command"), new["command"]) if c)
     # When each server's rows were measured: a merged file holds runs of different days (and code).
-    dates = old.get("impl_dates") or {r["impl"]: old.get("date") for r in old.get("rows", []) if not r.get("api_server_count")}
+    dates = dict(old.get("impl_dates") or
+                 {r["impl"]: old.get("date") for r in old.get("rows", []) if not r.get("api_server_count")})
     if not api:
         dates.update({impl: new.get("date") for impl, _, _ in runs})
     out["impl_dates"] = dates

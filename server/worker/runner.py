@@ -61,6 +61,9 @@ class RowsPlan:
     # Every row greedy without logprobs, and penalties the only control: each row's TokenCounts slot
     # (-1 for a row without penalties), for the decode graph and _penalized_greedy. Else None.
     penalty_slots: list[int] | None
+    # penalty_slots on the device, uploaded the first time a step chooses rows after its forward
+    # (an eager step, or a prefill chunk beside graphed decodes); kept with the plan
+    penalty_slots_dev: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -234,7 +237,7 @@ class ModelRunner:
                     handle.parts = parts
                     return handle  # the engine calls complete() with the grammar's bitmask
                 if slots is not None:
-                    self._penalized_greedy(handle, parts, slots, chosen)
+                    self._penalized_greedy(handle, parts, plan, chosen)
                 else:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
@@ -266,7 +269,7 @@ class ModelRunner:
         self.last_plan = None if pending else plan
         return plan
 
-    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor], slots: list[int], chosen: int) -> None:
+    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, chosen: int) -> None:
         """A greedy step whose only logits control is penalties (penalized decoding's usual step).
         The decode graph chose its rows (the first `chosen`) penalized; the rest (all of an eager
         step, or a prefill chunk's first token beside graphed decodes) take the same penalized
@@ -274,7 +277,9 @@ class ModelRunner:
         n = len(handle.rows)
         if chosen < n:
             logits = parts[-1] if chosen else parts[0]  # the prefill part, or the whole eager step
-            row_slots = to_device(slots[chosen:], torch.int32, self.device)
+            if plan.penalty_slots_dev is None:
+                plan.penalty_slots_dev = to_device(plan.penalty_slots, torch.int32, self.device)
+            row_slots = plan.penalty_slots_dev[chosen:n]
             out = self.last_ids[chosen:n]
             c = self.counts
             if self.on_cuda:
