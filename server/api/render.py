@@ -21,14 +21,14 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from server.api.openai import completion_choices, completion_max_tokens
 from server.api.openai_chat import chat_choices
 from server.api.openai_chat_protocol import ChatCompletionRequest
 from server.api.openai_protocol import ChoiceBase, CompletionRequest, prompt_count
-from server.api.openai_serving import ROUTE_ERRORS, answer, begin, cap_choices, request_id
+from server.api.openai_serving import ROUTE_ERRORS, answer, begin, cap_choices, encode_json, request_id
 
 router = APIRouter(prefix="/v1")
 
@@ -56,22 +56,24 @@ async def render_chat_completions(body: ChatCompletionRequest, request: Request)
     return await answer(_render_chat(body, request))
 
 
-async def _render_completions(body: CompletionRequest, request: Request) -> JSONResponse:
+async def _render_completions(body: CompletionRequest, request: Request) -> Response:
     engine, limits = begin(body, request)
     cap_choices(prompt_count(body.prompt), body.n)  # the route's cap, before any tokenizing
     choices = await completion_choices(engine, limits, body, completion_max_tokens(body))
     return _answer(request, "cmpl-", engine.model_name, body, choices[::body.n])
 
 
-async def _render_chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+async def _render_chat(body: ChatCompletionRequest, request: Request) -> Response:
     engine, limits = begin(body, request)
     choices = await chat_choices(engine, limits, body, body.conversation(limits))
     return _answer(request, "chatcmpl-", engine.model_name, body, choices[:1])
 
 
-def _answer(request: Request, prefix: str, model: str, body, firsts: list[ChoiceBase]) -> JSONResponse:
+def _answer(request: Request, prefix: str, model: str, body, firsts: list[ChoiceBase]) -> Response:
     rid = request_id(request)
-    # A JSONResponse, not the models: FastAPI would validate every id list against them again.
-    return JSONResponse([{"request_id": f"{prefix}{rid}-{i}", "token_ids": c.ids,
+    # Encoded here, not returned as the models: FastAPI would validate every id list against them
+    # again. msgspec, as the SSE events: a router asks every replica for this before each request.
+    return Response(encode_json([{"request_id": f"{prefix}{rid}-{i}", "token_ids": c.ids,
                           "sampling_params": {**dataclasses.asdict(c.params), "n": body.n},
-                          "model": model, "stream": body.stream} for i, c in enumerate(firsts)])
+                          "model": model, "stream": body.stream} for i, c in enumerate(firsts)]),
+                    media_type="application/json")

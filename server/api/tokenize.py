@@ -2,19 +2,23 @@
 
 A 65,536-character prompt takes ~55 ms to tokenize on a small CPU, and a /v1/completions body may
 carry up to MAX_CHOICES prompts: on the event loop, every other client (and /health) would wait
-for it (issue 23: /health took 3.6-5.7 s beside one such body). So text goes to a worker thread
-(the tokenizers library releases the GIL while it works), as a batch. Short text stays inline:
-below INLINE_CHARS, tokenizing costs less than the hand-off (measured on a 2-core CPU: ~0.2 ms
-for 500 characters, ~0.35 ms more for `asyncio.to_thread`), so the common single short prompt is
-not slowed. Decoding (POST /detokenize, and token strings for POST /tokenize: server/api/tokens.py)
-follows the same rule by id count.
+for it (issue 23: /health took 3.6-5.7 s beside one such body). So long text goes to a worker
+thread (the tokenizers library releases the GIL while it works), as a batch. Text up to
+INLINE_CHARS (~2,000 tokens) stays inline: it costs the loop at most ~2 ms on a small CPU (~0.6 ms
+for 2,500 characters), while the hand-off costs ~0.35 ms more and, on a loop busy streaming, the
+worker thread then waits for the GIL (up to the 5 ms switch interval) before its result is seen.
+Measured on a 2-core CPU beside 8 streams, a 1,500-2,800-character render took 6.7-7.3 ms at p50
+through the thread against 4.1 ms inline; a prefix-aware router waits for that render on every
+replica before each request (server/api/render.py). (On a 32-core host with four API processes a
+replica, benchmarks/bench_scaleout.py saw no difference beyond run-to-run noise: README.) Decoding (POST /detokenize, and token strings
+for POST /tokenize: server/api/tokens.py) follows the same rule by id count.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-INLINE_CHARS = 512
+INLINE_CHARS = 8192
 # Ids decoded inline: 2,000 decode in ~0.3 ms on a 2-core CPU (token strings in ~0.55 ms), about
 # what the hand-off to a thread costs; a 1 MiB body can carry some 200,000 of them.
 INLINE_IDS = 2048
