@@ -2,8 +2,9 @@
 
     python benchmarks/bench_scaleout.py [--replicas 2] [--device cuda] [--out-dir benchmarks/results]
 
-Starts N replicas (one per GPU with --device cuda, or N CPU replicas) of one checkpoint (--model,
-default: random GPT-2 small weights with the embedded tokenizer), then for each policy a
+Starts N replicas (one per GPU with --device cuda, or N CPU replicas) of one checkpoint (--model, or
+random weights at --model-shape: GPT-2 small by default, or a Llama/Qwen shape, with the embedded
+tokenizer), then for each policy a
 vllm-router in front of them, and drives two closed-loop workloads of streamed /v1/completions:
 
 - shared: --system-prompts system prompts of --system-words words each (~1.3 tokens a word), each
@@ -23,14 +24,14 @@ benchmarks/scaleout_observe.py sees from the side: a render's time on the loaded
 gap between their loads, and the router's counters (prefix hits and misses, usable renders).
 Before the router runs, two `direct` runs on the nosharing workload: one replica alone (the
 baseline N replicas are compared with) and the N replicas with the clients dealt evenly over them,
-no router (what the replicas scale to before any router cost). Writes
-scaleout_<device>.json and its plot; benchmarks/scaleout_report.py renders the README section.
+no router (what the replicas scale to before any router cost). Writes scaleout_<device>.json (GPT-2
+small) or scaleout_<shape>[_<tag>]_<device>.json and its plot; benchmarks/scaleout_report.py renders
+the README section. The clients are benchmarks/scaleout_load.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 import random
@@ -38,15 +39,15 @@ import shlex
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import ServerProcess, free_port, summarize, write_result  # noqa: E402
+from benchmarks.checkpoint import LLAMA_SHAPES, make_random_gpt2, make_random_llama  # noqa: E402
+from benchmarks.common import ServerProcess, free_port, gpu_slug, summarize, write_result  # noqa: E402
+from benchmarks.scaleout_load import SERVED_NAME, drive  # noqa: E402
 from benchmarks.scaleout_observe import Observer, counter_deltas, metric_samples, router_counters  # noqa: E402
 from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
@@ -58,7 +59,6 @@ POLICIES = {"round_robin": ["--policy", "round_robin"],
             "cache_aware_tight": ["--policy", "cache_aware", "--balance-abs-threshold", "16",
                                   "--balance-rel-threshold", "1.25"]}
 WORKLOADS = ("shared", "nosharing")
-SERVED_NAME = "model"  # every replica's --served-model-name, what the requests name
 # Plain words, so that a system prompt tokenizes to about 1.3 tokens a word with GPT-2's tokenizer.
 WORDS = ("the of and to in is was for on that with as by at from his her are were this be had not but "
          "they which one you all their there an has been would more when will who time some can about "
@@ -174,100 +174,6 @@ def make_prompts(workload: str, seed: int, num_requests: int, args) -> list[str]
     return prompts
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    t0, ttft, chunks = time.perf_counter(), None, 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"http_{r.status_code}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                chunks += 1
-    except httpx.HTTPError as e:
-        return {"error": type(e).__name__}
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": max_tokens if chunks else 0}
-
-
-async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: int) -> list[dict]:
-    queue = list(reversed(prompts))
-    records: list[dict] = []
-
-    async def client_loop(client):
-        while queue:
-            records.append(await one_request(client, url, queue.pop(), max_tokens))
-
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
-    return records
-
-
-@dataclass
-class ClientShare:
-    """What one client process sends, and the wall-clock instant it starts at."""
-    url: str
-    prompts: list[str]
-    clients: int
-    max_tokens: int
-    start_at: float
-
-
-@dataclass
-class ShareResult:
-    records: list[dict]
-    started: float
-    ended: float
-    cpu_s: float  # the process's CPU time over its run: near its wall time, the client is the limit
-
-
-def _client_process(share: ClientShare) -> ShareResult:
-    time.sleep(max(0.0, share.start_at - time.time()))
-    started, cpu0 = time.time(), time.process_time()
-    records = asyncio.run(closed_loop(share.url, share.prompts, share.clients, share.max_tokens))
-    return ShareResult(records, started, time.time(), time.process_time() - cpu0)
-
-
-@dataclass
-class Driven:
-    """A closed loop's records and timing, over all its client processes."""
-    records: list[dict]
-    elapsed_s: float  # from the common start to the last request's end
-    start_skew_s: float  # the latest process's start after the common one
-    client_cpu_util: float  # the busiest client process's CPU time / its wall time
-
-
-# Spawned client processes take about a second to import; all of them start at one instant this far
-# ahead, so the replicas see the whole load from the first second, not a ramp over process starts.
-SPAWN_S = 5.0
-
-
-def drive(urls: list[str], prompts: list[str], clients: int, max_tokens: int, processes: int) -> Driven:
-    """The closed loop, its clients and prompts dealt over `processes` client processes (one asyncio
-    process tops out near 10k streamed tokens/s, under what two GPUs serve), process i sending to
-    urls[i % len(urls)]."""
-    processes = max(1, min(processes, clients))
-    start_at = time.time() + (SPAWN_S if processes > 1 else 0.0)
-    shares = [ClientShare(urls[i % len(urls)], prompts[i::processes],
-                          clients // processes + (i < clients % processes), max_tokens, start_at)
-              for i in range(processes)]
-    if processes == 1:
-        results = [_client_process(shares[0])]
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_client_process, shares))
-    return Driven([r for res in results for r in res.records], max(res.ended for res in results) - start_at,
-                  max(res.started for res in results) - start_at,
-                  max(res.cpu_s / max(res.ended - res.started, 1e-9) for res in results))
-
-
 def run_once(targets: list[str], replicas: list[str], workload: str, seed: int, args, clients: int,
              num_requests: int, router_metrics: str | None = None) -> dict:
     """One closed-loop run against `targets` (a router, or the replicas themselves), with the
@@ -307,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: random GPT-2 small weights)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: random weights at --model-shape)")
+    ap.add_argument("--model-shape", default="gpt2", choices=["gpt2", *LLAMA_SHAPES],
+                    help="random checkpoint of this shape. GPT-2 small's prefill is so cheap that a prefix hit saves "
+                         "the replicas little; Llama-3.2-1B's costs enough that where prompts are cached decides "
+                         "throughput, as with the models served in production")
     ap.add_argument("--num-blocks", type=int, default=4096,
                     help="each replica's KV cache in blocks (0: its own sizing). The default holds a replica's "
                          "running sequences on either workload and about half the shared workload's system "
@@ -333,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (hit tokens = blocks x this)")
     ap.add_argument("--no-baseline", action="store_true",
                     help="skip the direct runs (one replica alone, and the replicas without a router), nosharing")
+    ap.add_argument("--tag", default="", help="added to the result file's name: a second workload of one model")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
 
@@ -341,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="scaleout-"))
     model = args.model
-    if model is None:
-        from benchmarks.checkpoint import make_random_gpt2
-
+    if model is None and args.model_shape == "gpt2":
         model = str(make_random_gpt2(work / "gpt2-small", dtype=torch.float16))
+    elif model is None:
+        model = str(make_random_llama(work / args.model_shape, args.model_shape))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     replica_args = ["--block-size", str(args.block_size), *(["--num-blocks", str(args.num_blocks)] if args.num_blocks else []),
                     *args.server_args.split()]
@@ -378,14 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         for p in procs:
             p.stop(30)
     result = {"device": device_name, "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
-              "date": datetime.date.today().isoformat(),
+              "date": datetime.date.today().isoformat(), "model": args.model or args.model_shape,
               "command": "python benchmarks/bench_scaleout.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "workload": {"server_args": shlex.join(replica_args),
                            **{k: getattr(args, k) for k in ("clients_per_replica", "requests_per_replica",
                                                             "system_prompts", "system_words", "user_words",
                                                             "max_tokens", "client_processes")}},
-              "router": router_version(), "plot": True, "rows": rows}
-    path = write_result(result, args.out_dir, "scaleout")
+              "router": router_version(), "rows": rows}
+    # GPT-2 small's file keeps its name (scaleout_<gpu>.json); a shape's is scaleout_<shape>_<gpu>.json
+    prefix = "scaleout" if args.model or args.model_shape == "gpt2" else f"scaleout_{args.model_shape}"
+    prefix += f"_{args.tag}" if args.tag else ""
+    result["plot"] = f"{prefix}_{gpu_slug(device_name)}.png"
+    path = write_result(result, args.out_dir, prefix)
     plot(result, str(path.with_suffix(".png")))
     print(report(result))
     print(f"wrote {path}")

@@ -65,7 +65,9 @@ def report(result: dict) -> str:
                else f"{w['clients']} clients")
     requests = (f"{w['requests_per_replica']} streamed /v1/completions per replica" if "requests_per_replica" in w
                 else f"{w['num_requests']} streamed /v1/completions")
-    lines = [f"Closed loop, {clients}, {requests} per run, {w['max_tokens']} output tokens each; shared: "
+    model = result.get("model", "gpt2")  # files before the shapes were GPT-2 small's
+    model = "GPT-2 small" if model == "gpt2" else model
+    lines = [f"Model: {model} (random weights). Closed loop, {clients}, {requests} per run, {w['max_tokens']} output tokens each; shared: "
              f"{w['system_prompts']} system prompts of {w['system_words'][0]}-{w['system_words'][1]} words plus a "
              f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn; nosharing: prompts of the same length with "
              f"nothing in common. Replica arguments: `{w['server_args'] or '(defaults)'}`. "
@@ -86,8 +88,9 @@ def report(result: dict) -> str:
                      f"| {_pct(r['hit_rate'])} "
                      f"| {' / '.join(_pct(x) for x in r['replica_hit_rates'])} | {_split(r)} | {_render(r)} "
                      f"| {_gap(r)} | {r['errors']} |")
-    if result.get("plot"):
-        lines += ["", f"![scale-out](benchmarks/results/scaleout_{gpu_slug(result['device'])}.png)"]
+    if result.get("plot"):  # the image's name; True in files from before the model shapes
+        name = result["plot"] if isinstance(result["plot"], str) else f"scaleout_{gpu_slug(result['device'])}.png"
+        lines += ["", f"![scale-out](benchmarks/results/{name})"]
     return "\n".join(lines)
 
 
@@ -111,6 +114,7 @@ def plot(result: dict, path: str) -> None:
     for ax in (tput, ttft):
         ax.tick_params(axis="x", labelsize=7, rotation=30)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"flashpage replicas behind {result.get('router', 'vllm-router')} - {result['device']}")
+    model = result.get("model", "gpt2")
+    fig.suptitle(f"flashpage replicas ({'GPT-2 small' if model == 'gpt2' else model}) behind {result.get('router', 'vllm-router')} - {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

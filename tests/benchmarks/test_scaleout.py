@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks import bench_scaleout as so
+from benchmarks import scaleout_load
 
 # --no-engine-process: the engine on a thread, one Python process per replica to start instead of
 # two; routing, retries and prefix-cache hits do not depend on where the engine steps.
@@ -100,7 +101,7 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replica
 
 def test_direct_runs_deal_the_clients_over_the_replicas_from_one_start(replicas, monkeypatch):
     """The no-router baseline: two client processes, one per replica, both starting at one instant."""
-    monkeypatch.setattr(so, "SPAWN_S", 3.0)
+    monkeypatch.setattr(scaleout_load, "SPAWN_S", 3.0)
     urls = [p.url for p in replicas]
     args = argparse.Namespace(**vars(SHARED), client_processes=2)
     row = so.run_once(urls, urls, "nosharing", 7, args, clients=2, num_requests=8)
