@@ -13,8 +13,6 @@ model's attention backend for metadata and warm-up.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -27,54 +25,7 @@ from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import StepControls, TokenCounts, to_device
 from server.worker.sampler import log_softmax, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
-
-
-@dataclass(slots=True)
-class StepHandle:
-    """A launched step: which sequences sample, and where their results will land on the host."""
-
-    rows: list[SeqState]
-    ids: torch.Tensor | None = None  # [len(rows)] int32, host (pinned on CUDA)
-    top: torch.Tensor | None = None  # [len(rows), 1 + 2k] fp32: chosen logprob, top-k ids, top-k logprobs
-    k: int = 0
-    want: list[int | None] = field(default_factory=list)
-    event: torch.cuda.Event | None = None  # recorded after the copies; collect() waits on it
-    # A step with a grammar-constrained row is launched in two parts: the forward (here are its
-    # raw logits), then `complete` with the grammar's bitmask once the host knows the tokens before.
-    parts: list[torch.Tensor] | None = None
-    controls: StepControls | None = None
-    scores: list[PromptScores] = field(default_factory=list)  # prompt log-probabilities on their way
-
-    @property
-    def deferred(self) -> bool:
-        """Launched, but its tokens are not chosen yet: `ModelRunner.complete` must be called."""
-        return self.parts is not None
-
-
-@dataclass(slots=True)
-class RowsPlan:
-    """How a step's rows (not all plain) choose their tokens; kept while the rows stay the same."""
-
-    rows: list[SeqState]  # the sequences, in row order
-    controls: StepControls | None  # None: no row's logits are edited (e.g. logprobs only)
-    structured: bool  # a row is grammar-constrained: the step is deferred (complete)
-    # Every row greedy without logprobs, and penalties the only control: each row's TokenCounts slot
-    # (-1 for a row without penalties), for the decode graph and _penalized_greedy. Else None.
-    penalty_slots: list[int] | None
-    # penalty_slots on the device, uploaded the first time a step chooses rows after its forward
-    # (an eager step, or a prefill chunk beside graphed decodes); kept with the plan
-    penalty_slots_dev: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step sampled, row by row (rows as in StepHandle.rows)."""
-
-    token_ids: list[int]
-    # per row, (chosen id, logprob) then the top alternatives, where requests asked for logprobs
-    logprobs: list[list[tuple[int, float]]] | None = None
-    # (sequence, position p of the first, per prompt token p + 1...: (id, logprob) then alternatives)
-    prompt_logprobs: list[tuple[object, int, list[list[tuple[int, float]]]]] = field(default_factory=list)
+from server.worker.steps import RowsPlan, StepHandle, StepResult
 
 
 class ModelRunner:
