@@ -14,6 +14,12 @@ from __future__ import annotations
 from benchmarks.common import gpu_slug
 
 
+def _model(result: dict) -> str:
+    """The model the replicas served (files from before the model shapes were GPT-2 small's)."""
+    model = result.get("model", "gpt2")
+    return "GPT-2 small" if model == "gpt2" else model
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -65,9 +71,8 @@ def report(result: dict) -> str:
                else f"{w['clients']} clients")
     requests = (f"{w['requests_per_replica']} streamed /v1/completions per replica" if "requests_per_replica" in w
                 else f"{w['num_requests']} streamed /v1/completions")
-    model = result.get("model", "gpt2")  # files before the shapes were GPT-2 small's
-    model = "GPT-2 small" if model == "gpt2" else model
-    lines = [f"Model: {model} (random weights). Closed loop, {clients}, {requests} per run, {w['max_tokens']} output tokens each; shared: "
+    lines = [f"Model: {_model(result)} (random weights). Closed loop, {clients}, {requests} per run, "
+             f"{w['max_tokens']} output tokens each; shared: "
              f"{w['system_prompts']} system prompts of {w['system_words'][0]}-{w['system_words'][1]} words plus a "
              f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn; nosharing: prompts of the same length with "
              f"nothing in common. Replica arguments: `{w['server_args'] or '(defaults)'}`. "
@@ -114,7 +119,6 @@ def plot(result: dict, path: str) -> None:
     for ax in (tput, ttft):
         ax.tick_params(axis="x", labelsize=7, rotation=30)
         ax.grid(True, axis="y", alpha=0.3)
-    model = result.get("model", "gpt2")
-    fig.suptitle(f"flashpage replicas ({'GPT-2 small' if model == 'gpt2' else model}) behind {result.get('router', 'vllm-router')} - {result['device']}")
+    fig.suptitle(f"flashpage replicas ({_model(result)}) behind {result.get('router', 'vllm-router')} - {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

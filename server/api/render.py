@@ -73,7 +73,7 @@ def _answer(request: Request, prefix: str, model: str, body, firsts: list[Choice
     rid = request_id(request)
     # Encoded here, not returned as the models: FastAPI would validate every id list against them
     # again. msgspec, as the SSE events: a router asks every replica for this before each request.
-    return Response(encode_json([{"request_id": f"{prefix}{rid}-{i}", "token_ids": c.ids,
-                          "sampling_params": {**dataclasses.asdict(c.params), "n": body.n},
-                          "model": model, "stream": body.stream} for i, c in enumerate(firsts)]),
-                    media_type="application/json")
+    prepared = [{"request_id": f"{prefix}{rid}-{i}", "token_ids": c.ids,
+                 "sampling_params": {**dataclasses.asdict(c.params), "n": body.n},
+                 "model": model, "stream": body.stream} for i, c in enumerate(firsts)]
+    return Response(encode_json(prepared), media_type="application/json")
