@@ -42,7 +42,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.checkpoint import LLAMA_SHAPES, make_random_gpt2, make_random_llama  # noqa: E402

@@ -71,7 +71,7 @@ def report(result: dict) -> str:
     if len(set(dates.values())) > 1:  # a merged file: say which rows are of which day
         by_day: dict[str, list[str]] = {}
         for impl in present:
-            by_day.setdefault(dates.get(impl, result.get("date")), []).append(f"`{impl}`")
+            by_day.setdefault(dates.get(impl, when), []).append(f"`{impl}`")
         when = "; ".join(f"{', '.join(impls)} rows {day}" for day, impls in sorted(by_day.items(), reverse=True))
     lines[-1] += (f". torch {result.get('torch')}, triton {result.get('triton')}, {when}. "
                   f"`{result.get('command')}`")

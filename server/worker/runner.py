@@ -13,6 +13,7 @@ model's attention backend for metadata and warm-up.
 from __future__ import annotations
 
 import operator
+
 import numpy as np
 import torch
 
