@@ -1,7 +1,7 @@
 """What structured outputs and the penalties cost: offline output throughput of the engine
 (Python API, no HTTP) with and without them, at the same output lengths, in one process.
 
-- structured: `--batch` requests constrained by a JSON schema (XGrammar; the bitmask is filled on
+- structured: `--batch` requests constrained by a JSON schema (XGrammar; the masks are filled on
   the host while the device runs the step, then applied after the captured graph) run to the end
   of their grammar; then the same prompts unconstrained with max_tokens set to the lengths the
   constrained run produced (ignore_eos), so both decode exactly as many tokens.
@@ -98,8 +98,8 @@ def penalty_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
 
 def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "structured_json") -> str:
     """Where a constrained step's time goes: each phase's mean milliseconds per step, timed on the
-    host by wrapping the engine's methods (the grammar job runs on its own thread; "wait" phases
-    are the engine's thread blocked on the device or on that job)."""
+    host by wrapping the engine's methods (the grammar job runs on its own thread; runner.collect is
+    the engine's thread blocked on the device, which waits for the job's fill)."""
     from collections import defaultdict
 
     import server.worker.logits as logits_mod
@@ -126,21 +126,19 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
 
     runner, grammars = engine.runner, engine.grammars
     saved = [(runner, n, timed_method(runner, n, f"runner.{n}")) for n in ("launch", "collect", "complete")]
-    saved += [(engine, n, timed_method(engine, n, f"engine.{n}")) for n in ("step", "_launch", "_finish", "_complete")
-              if hasattr(engine, n)]
+    saved += [(engine, n, timed_method(engine, n, f"engine.{n}")) for n in ("step", "_launch", "_finish")]
     saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
-    # inside runner.complete
+    # inside runner.launch and runner.complete
     saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_plan", "_sample", "_penalized_greedy",
                                                                                     "_finish_launch")]
     saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
-    saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_bitmask", "apply_penalties")
-              if hasattr(logits_mod, n)]
+    saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_penalties",)]
     saved += [(runner.counts, "add", timed_method(runner.counts, "add", "  TokenCounts.add"))]
     build = logits_mod.StepControls.build
     logits_mod.StepControls.build = staticmethod(timing(build, "StepControls.build"))
     submit = grammars.submit
 
-    def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result
+    def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result (after collect)
         fut = submit(*a, **kw)
         fut.result = timing(fut.result, "engine waits for the grammar job")
         return fut

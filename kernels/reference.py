@@ -156,6 +156,22 @@ def penalized_argmax_ref(logits: torch.Tensor, num_cols: int, slots: torch.Tenso
     counts[slots[rows].long(), ids[rows]] += 1
 
 
+
+def grammar_mask_ref(logits: torch.Tensor, num_cols: int, bits: torch.Tensor, live: torch.Tensor,
+                     covered: int) -> torch.Tensor:
+    """kernels/grammar_mask.py without `out`, on a copy: logits[r, t] = -inf for each live row r
+    (live[r] != 0) and each t < num_cols that bits[r] (XGrammar's int32 words) does not allow or
+    that is >= covered. Also the CPU path of server/worker/logits.py."""
+    x = logits.clone()
+    rows = live[: x.shape[0]].nonzero().flatten()
+    if not len(rows):
+        return x
+    cols = torch.arange(num_cols, device=x.device)
+    words = bits[rows.to(bits.device)].to(x.device)[:, (cols // 32).clamp(max=bits.shape[1] - 1)]
+    allowed = ((words >> (cols % 32)) & 1).bool() & (cols < covered)
+    x[rows, :num_cols] = torch.where(allowed, x[rows, :num_cols], float("-inf")).to(x.dtype)
+    return x
+
 # -- Model-dtype references (rope.py, rms_norm.py, silu_mul.py) --------------------------------------
 # Unlike the attention references above, these follow torch's own op-by-op rounding in the model
 # dtype: they are the exact math a Hugging Face-style model runs in eager PyTorch, which the kernels

@@ -12,10 +12,13 @@ per sequence, and the token bitmask of each step.
   strings have a `maxLength` compiles from XGrammar's own EBNF for it with those strings rewritten
   (server/engine/grammar_rewrite.py): the same language, masks an order of magnitude cheaper to fill.
 - Each step, one job on the grammar thread (`Grammars.submit`) advances the matchers by the
-  previous step's tokens, then fills the bitmask of the step the device is running (XGrammar's
-  thread pool does both across rows), while the engine's thread detokenizes; the worker then
-  applies the bitmask to the logits (server/worker/logits.py) and samples. Jobs run in order on
+  previous step's tokens, then fills the masks of the step the device is running and raises its
+  flag (server/worker/grammar_rows.py), while the engine's thread detokenizes; the device waits
+  for the flag, then masks the logits and chooses (kernels/grammar_mask.py). Jobs run in order on
   one thread, so each matcher has taken every earlier token before its next fill.
+- The fill runs on one thread (`FILL_THREADS`): XGrammar's pool made it slower, not faster
+  (64 rows of the benchmark schema on an H200 host: 0.21 ms a step on one thread, 0.39 on two,
+  0.54 on eight; `bench_structured.py --phases --grammar-threads`).
 - The grammar ends the output: it allows an end token (the model's EOS ids) only where it may
   end, so a constrained sequence stops (finish_reason "stop") on the EOS it samples, `ignore_eos`
   or not.
@@ -31,15 +34,15 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import torch
-
 from server.engine.grammar_rewrite import unroll_bounded_strings
 from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
+from server.worker.grammar_rows import GrammarFill
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+FILL_THREADS = 1  # see the module docstring
 SWITCH_INTERVAL_S = 1e-4  # the engine process's GIL switch interval once a grammar is in use (see Grammars)
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[19:35:30] /project/cpp/regex_converter.cc:83: "
 
@@ -65,7 +68,7 @@ class Grammars:
                                                        stop_token_ids=sorted(stop_token_ids))
         threads = min(8, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
-        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.stop_token_ids = stop_token_ids
         self.end = min(stop_token_ids) if stop_token_ids else None  # what a dead-end grammar may do
         # The engine's thread runs Python (detokenizing, scheduling) while the grammar thread's job
@@ -106,49 +109,57 @@ class Grammars:
             self.compile_thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
         return self.compile_thread.submit(self.matcher, s)
 
-    def fill_bitmask(self, matchers: list, out: torch.Tensor, ended: frozenset[int] = frozenset()) -> list[int]:
-        """The rows j whose matchers[j] is live (not None, and not in `ended`: the ids of matchers
-        that just took an end token); row j of `out` = what it allows next (the rows of `out` are
-        the step's rows). XGrammar's thread pool fills them (64 rows one by one would outlast a
-        decode step)."""
+    def fill_bitmask(self, matchers: list, fill: GrammarFill, ended: frozenset[int] = frozenset()) -> list[int]:
+        """Fill a step's masks: the rows j whose matchers[j] is live (not None, and not in `ended`:
+        the ids of matchers that just took an end token) get what they allow next in fill.bits[j]
+        and live[j] = 1; every other row live[j] = 0 (left alone). Returns the live rows."""
         live = [j for j, m in enumerate(matchers) if m is not None and id(m) not in ended]
-        if len(live) == 1:
-            matchers[live[0]].fill_next_token_bitmask(out, live[0])
-        elif live:
-            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], out, live)
+        flags = fill.live_np
+        flags[:] = 0
         if not live:
             return live
-        n = live[-1] + 1
-        if self.vocab_size % 32:  # bits past the vocabulary in the last word: never allowed
-            out[:n, -1] &= (1 << (self.vocab_size % 32)) - 1
+        if len(live) == 1:
+            matchers[live[0]].fill_next_token_bitmask(fill.bits, live[0])
+        else:
+            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], fill.bits, live)
+        flags[live] = 1
         if self.end is not None:
             # A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
             # its row would pick an arbitrary token forever. Let it end instead.
-            rows = set(live)
-            for i in (~out[:n].any(dim=1)).nonzero().flatten().tolist():
-                if i in rows:
-                    out[i, self.end // 32] = _word(1 << (self.end % 32))
+            bits = fill.bits_np
+            tail = bits[live, -1]
+            if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
+                tail = tail & _word((1 << (self.vocab_size % 32)) - 1)
+            for j, t, before in zip(live, tail, bits[live, :-1].any(axis=1)):
+                if not t and not before:
+                    bits[j] = 0
+                    bits[j, self.end // 32] = _word(1 << (self.end % 32))
         return live
 
-    def bitmask(self, rows: int, pinned: bool) -> torch.Tensor:
-        """A host buffer for `rows` rows of allowed-token bits (XGrammar's layout), pinned for a
-        GPU: a pageable copy would stall the host until the step's forward is done."""
-        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
-
     # -- the grammar thread -------------------------------------------------------------------
-    def submit(self, accept: tuple[list, list[int]] | None, fill: list | None, out: torch.Tensor) -> Future:
-        """A job for the grammar thread: advance `accept`'s matchers by their tokens, then fill `out`
-        for the next step's rows (`fill`: a matcher or None per row). The future gives the live
-        rows (see fill_bitmask), or None without a fill. One thread runs the jobs in the order they
-        were submitted, and only it touches a matcher once its sequence runs: the engine's thread
-        goes on detokenizing meanwhile (XGrammar releases the GIL)."""
+    def submit(self, accept: tuple[list, list[int]] | None, rows: list | None, fill: GrammarFill | None) -> Future:
+        """A job for the grammar thread: advance `accept`'s matchers by their tokens, then fill the
+        masks of a constrained step (`rows`: a matcher or None per row) and raise its flag, also if
+        the job fails (the step's rows are then left alone, and the future raises: the engine fails
+        the step). One thread runs the jobs in the order they were submitted, and only it touches a
+        matcher once its sequence runs: the engine's thread goes on detokenizing meanwhile
+        (XGrammar releases the GIL)."""
         if self.thread is None:
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-grammar")
-        return self.thread.submit(self._job, accept, fill, out)
+        return self.thread.submit(self._job, accept, rows, fill)
 
-    def _job(self, accept: tuple[list, list[int]] | None, fill: list | None, out: torch.Tensor) -> list[int] | None:
-        ended = self.accept(*accept) if accept is not None else frozenset()
-        return None if fill is None else self.fill_bitmask(fill, out, ended)
+    def _job(self, accept: tuple[list, list[int]] | None, rows: list | None, fill: GrammarFill | None) -> None:
+        try:
+            ended = self.accept(*accept) if accept is not None else frozenset()
+            if fill is not None:
+                self.fill_bitmask(rows, fill, ended)
+        except BaseException:
+            if fill is not None:
+                fill.live_np[:] = 0
+            raise
+        finally:
+            if fill is not None:
+                fill.done()
 
     def accept(self, matchers: list, tokens: list[int]) -> frozenset[int]:
         """Advance each matcher by its sequence's sampled token (the bitmask allowed only what it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvcache import BlockManager
@@ -23,8 +24,8 @@ from server.engine.outputs import EngineSnapshot, RequestOutput
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
-from server.engine.stats import StatsHooks
 from server.engine.grammar import Grammars
+from server.engine.stats import StatsHooks
 from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
@@ -58,8 +59,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
         self.runner.stop_ids = self.eos_token_ids  # what min_tokens holds back
         self._grammars = None  # server/engine/grammar.py, made when the first structured request comes
-        self._bitmask = None
-        self._grammar_job = None  # the grammar thread's fill for the deferred step in flight
+        self._fill_jobs: dict[int, Future] = {}  # grammar jobs by the constrained step they fill
         self.compiling: list[Sequence] = []  # waiting requests whose grammar compiles
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
@@ -69,8 +69,6 @@ class LLMEngine:
         self.faults = FaultInjector.from_env()  # test-only (server/engine/faults.py); None in production
         self.stats: StatsHooks | None = None  # the metrics (server/api/metrics.py) or the engine process's recorder
         self.inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet turned into outputs
-        # launched (or failed to) before the step() call that finishes it (see step)
-        self.ahead: tuple[SchedulerOutput, StepHandle] | LaunchFailure | None = None
         self.deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id); stale entries skipped
 
     # -- requests -----------------------------------------------------------------------------
@@ -82,6 +80,7 @@ class LLMEngine:
         """Compiles structured-output specs (XGrammar, imported only when first needed)."""
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+            self.runner.grammar_vocab = self._grammars.vocab_size  # what its masks cover
         return self._grammars
 
     def limits(self) -> RequestBounds:
@@ -143,7 +142,7 @@ class LLMEngine:
         self.runner.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None or self.ahead is not None
+        return self.scheduler.has_work() or self.inflight is not None
 
     def _expire(self) -> list[RequestOutput]:
         """End every request whose deadline has passed (queued or running), with the text so far."""
@@ -185,30 +184,20 @@ class LLMEngine:
         device runs step k). With `async_scheduling` off, a step's own results come back at once.
         Requests past their deadline end first, so that no step is spent on them.
 
-        A step with a grammar-constrained row is chosen only once the grammars have its bitmask,
-        near the end of this call; the next step is then launched before returning (`ahead`), so
-        that its forward follows this one's sampling on the device instead of waiting for the
-        caller to hand out the outputs and call again."""
+        A step with grammar-constrained rows is launched like any other; its masks are filled by
+        the grammar job that starts once step k-1's ids are in (detokenizing overlaps it), and the
+        device waits for them before choosing (server/worker/grammar_rows.py)."""
         expired = self._expire() if self.deadlines else []
         if self.compiling:
             expired += self._compiled()
-        launched, self.ahead = self.ahead, None
-        if launched is None:
-            launched = self._launch()
+        launched = self._launch()
         if isinstance(launched, LaunchFailure):
             return expired + self._finish(self.inflight) + self._fail_step(launched.batch, launched.error)
         if self.config.async_scheduling:
-            # A deferred step (grammar-constrained rows) gets its bitmask from the grammar job that
-            # _finish starts once step k-1's ids are in; detokenizing overlaps it.
-            outputs = self._finish(self.inflight, deferred=launched)
-            deferred = launched is not None and launched[1].deferred
-            self.inflight, failed = self._complete(launched)
-            if deferred and self.inflight is not None:
-                self.ahead = self._launch()  # a failure is reported by the next call, as it would be
+            outputs = self._finish(self.inflight, launched)
+            self.inflight = launched
         else:
-            launched, failed = self._complete(launched)
-            outputs = self._finish(launched)
-        outputs = failed + outputs if failed else outputs
+            outputs = self._finish(launched, launched)
         return expired + outputs if expired else outputs
 
     def _launch(self) -> tuple[SchedulerOutput, StepHandle] | LaunchFailure | None:
@@ -230,55 +219,48 @@ class LLMEngine:
             seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         return launched
 
-    def _complete(self, launched: tuple[SchedulerOutput, StepHandle] | None
-                  ) -> tuple[tuple[SchedulerOutput, StepHandle] | None, list[RequestOutput]]:
-        """Choose the tokens of a step launched in two parts (a grammar-constrained row): every
-        row's grammar has seen all earlier tokens now, so its bitmask is filled and applied.
-        Returns the step (None if completing it failed) and the outputs of a failure."""
-        if launched is None or not launched[1].deferred:
-            return launched, []
-        batch, handle = launched
-        try:
-            job, self._grammar_job = self._grammar_job, None
-            if job is None:  # no earlier step to collect: fill now
-                job = self._submit_grammar(None, handle)
-            live = job.result()
-            self.runner.complete(handle, self._bitmask[: len(handle.rows)], live)
-        except Exception as e:
-            return None, self._fail_step(batch, e)
-        return launched, []
-
-    def _submit_grammar(self, accept: tuple[list, list[int]] | None, fill: StepHandle | None):
-        """Hand the grammar thread the matchers' new tokens and, for a deferred step, its rows."""
-        rows = None
+    def _submit_grammar(self, accept: tuple[list, list[int]] | None,
+                        launched: tuple[SchedulerOutput, StepHandle] | None) -> None:
+        """Hand the grammar thread the matchers' new tokens and the masks of a constrained step to
+        fill; then let the runner choose that step's tokens (behind a wait for the fill)."""
+        fill = rows = None
+        if launched is not None and launched[1].parts is not None:
+            fill = launched[1].grammar
+            rows = [None if s.is_finished else s.grammar for s in launched[1].rows]
+        if accept is None and fill is None:
+            return
+        job = self.grammars.submit(accept, rows, fill)
         if fill is not None:
-            rows = [None if s.is_finished else s.grammar for s in fill.rows]
-            if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-                self._bitmask = self.grammars.bitmask(max(len(rows), self.config.max_num_seqs),
-                                                      pinned=self.device.type == "cuda")
-        return self.grammars.submit(accept, rows, self._bitmask)
+            self._fill_jobs[fill.step] = job
+            self.runner.complete(launched[1])
 
     def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None,
-                deferred: tuple[SchedulerOutput, StepHandle] | None = None) -> list[RequestOutput]:
+                fill: tuple[SchedulerOutput, StepHandle] | None = None) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and advance its sequences with them. The grammar
-        thread gets the ids first, and the rows of `deferred` (a step awaiting its bitmask) to fill."""
+        thread gets the ids first, then the masks of `fill` (the step just launched, when it has
+        constrained rows) to fill: on sync scheduling the same step, whose ids wait for them."""
         self.inflight = None
+        if launched is fill:  # sync: the masks first, or collect would wait for them forever
+            self._submit_grammar(None, fill)
+            fill = None
         if launched is None:
+            self._submit_grammar(None, fill)
             return []
         batch, handle = launched
         try:
             result = self.runner.collect(handle)
+            job = self._fill_jobs.pop(handle.grammar.step, None) if handle.grammar is not None else None
+            if job is not None:
+                job.result()  # done, or nearly: the device (or the CPU) waited for its flag; raises if it failed
         except Exception as e:
+            self._submit_grammar(None, fill)
             return self._fail_step(batch, e)
         self.consecutive_step_failures = 0
-        if self._grammars is not None:  # the grammars take the ids first: a deferred step waits for them
+        taken = []
+        if self._grammars is not None:  # the grammars take the ids first: the step just launched waits for them
             taken = [(seq.grammar, tok) for seq, tok in zip(handle.rows, result.token_ids)
                      if seq.grammar is not None and seq.status is not Status.FINISHED and seq.params.max_tokens]
-            fill = deferred[1] if deferred is not None and deferred[1].deferred else None
-            if taken or fill is not None:
-                job = self._submit_grammar(([m for m, _ in taken], [t for _, t in taken]) if taken else None, fill)
-                if fill is not None:
-                    self._grammar_job = job
+        self._submit_grammar(([m for m, _ in taken], [t for _, t in taken]) if taken else None, fill)
         outputs = []
         now = time.monotonic()
         advance = self._advance

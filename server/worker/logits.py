@@ -11,7 +11,9 @@ turns them into a few index tensors; `apply` then edits the fp32 logits [rows, v
    (`TokenCounts`, kept on the device) and the set of its prompt's tokens:
    repetition r: a token seen in the prompt or the output has its logit divided by r when positive,
    multiplied by r otherwise; then logit -= frequency * count + presence * (count > 0);
-3. the grammar's bitmask (bit i of word i // 32 set = token i allowed): disallowed tokens -> -inf;
+3. the grammar's masks (bit i of word i // 32 set = token i allowed; `GrammarMask`): disallowed
+   tokens -> -inf in each constrained row (kernels/grammar_mask.py, which first waits on the device
+   for the host to have filled them);
 4. min_tokens: logits[r, id] = -inf for every end-of-sequence and stop id while row r has sampled
    fewer than its min_tokens, except in a row this would leave with no token at all (a complete
    grammar allows only its end, and the grammar wins).
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.grammar_mask import apply_grammar
 from kernels.penalties import apply_penalties, table_addresses
-from kernels.reference import apply_penalties_ref
+from kernels.reference import apply_penalties_ref, grammar_mask_ref
 from server.sampling_params import SamplingParams
 
 
@@ -154,11 +157,8 @@ class StepControls:
             out.penalty = (rows_slots[0], rows_slots[1])
         return out
 
-    def apply(self, logits: torch.Tensor, counts: TokenCounts | None,
-              bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Edit logits [rows, vocab] fp32 in place (the order of the module docstring). `bitmask`:
-        (bits [>= the last constrained row + 1, words] int32, row r for logits row r; the rows they
-        constrain, int32), see apply_bitmask."""
+    def apply(self, logits: torch.Tensor, counts: TokenCounts | None, grammar: GrammarMask | None = None) -> None:
+        """Edit logits [rows, vocab] fp32 in place (the order of the module docstring)."""
         if self.bias is not None:
             rows, ids, vals = self.bias
             logits.view(-1).index_add_(0, rows * logits.shape[1] + ids, vals)
@@ -166,25 +166,31 @@ class StepControls:
             # one launch on the GPU (kernels/penalties.py); its PyTorch reference on the CPU
             penalize = apply_penalties if logits.is_cuda else apply_penalties_ref
             penalize(logits, *self.penalty, counts.counts, counts.in_prompt, counts.penalties)
-        if bitmask is not None:
-            apply_bitmask(logits, *bitmask)
+        if grammar is not None:
+            grammar.apply(logits)
         if self.masked is not None:
             rows, ids = self.masked
             kept = logits[rows, ids]
             logits[self.masked] = float("-inf")
-            if bitmask is not None:  # a complete grammar allows only its end: min_tokens yields to it
+            if grammar is not None:  # a complete grammar allows only its end: min_tokens yields to it
                 empty = ~torch.isfinite(logits).any(dim=-1)
                 logits.index_put_(self.masked, torch.where(empty[rows], kept, logits[rows, ids]))
 
 
-def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits[r, t] = -inf for each r in `rows` (int32, on the logits' device) and each token t that
-    bits[r] (int32 words, XGrammar's layout: bit t % 32 of word t // 32) does not allow, and for
-    every t past the bits (logits rows beyond the tokenizer's vocabulary are never text). XGrammar's
-    own kernel (one Triton launch on a GPU, its C++ loop on the CPU)."""
-    import xgrammar as xgr  # imported already by the engine's grammars when a bitmask exists
+@dataclass(slots=True)
+class GrammarMask:
+    """A step's grammar masks (server/worker/grammar_rows.py): bits [rows, words] int32 (XGrammar's
+    layout), live [rows] int32 (1: the row is constrained), covered (tokens past the tokenizer's
+    vocabulary are never allowed), and on a GPU (flag, step) for the kernel to wait on."""
 
-    covered = min(bits.shape[1] * 32, logits.shape[1])
-    xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=covered, indices=rows)
-    if covered < logits.shape[1]:
-        logits[:, covered:].index_fill_(0, rows.long(), float("-inf"))
+    bits: torch.Tensor
+    live: torch.Tensor
+    covered: int
+    wait: tuple[torch.Tensor, int] | None = None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """logits[r, t] = -inf for each live row r and each token t it does not allow."""
+        if logits.is_cuda:
+            apply_grammar(logits, logits.shape[1], self.bits, self.live, self.covered, wait=self.wait)
+        else:
+            logits.copy_(grammar_mask_ref(logits, logits.shape[1], self.bits, self.live, self.covered))

@@ -22,8 +22,9 @@ from kernels.flash_prefill import config_bounds
 from kernels.reference import penalized_argmax_ref
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
+from server.worker.grammar_rows import GrammarBuffers, GrammarFill, choose_greedy
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
-from server.worker.logits import StepControls, TokenCounts, to_device
+from server.worker.logits import GrammarMask, StepControls, TokenCounts, to_device
 from server.worker.sampler import log_softmax, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 from server.worker.steps import RowsPlan, StepHandle, StepResult
@@ -58,6 +59,9 @@ class ModelRunner:
         self.stop_ids: frozenset[int] = frozenset()  # the model's EOS ids (the engine sets them): min_tokens
         self.counts = TokenCounts(model.vocab_size, device)  # generated-token counts of penalized sequences
         self.last_plan: RowsPlan | None = None  # the last step's rows and how they choose: see _plan
+        self.grammar_vocab = 0  # the tokenizer's vocabulary, which grammar masks cover (the engine sets it)
+        self.grammar: GrammarBuffers | None = None  # made by the first constrained step
+        self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
 
     # -- start-up -----------------------------------------------------------------------------
     def _run(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
@@ -155,8 +159,9 @@ class ModelRunner:
         writes each row's greedy choice into `last_ids` on the device (the CUDA graphs include the
         argmax); only a step with a row that samples otherwise, wants logprobs or has its logits
         edited (penalties, logit_bias, min_tokens: server/worker/logits.py) runs the sampler. A step
-        with a grammar-constrained row is deferred: it returns after the forward, and the engine
-        calls `complete` with the bitmask once the grammars have seen the previous step's tokens."""
+        with a grammar-constrained row carries a `GrammarFill` and returns after the forward: the
+        engine hands the fill to its grammar job, then calls `complete` (server/worker/grammar_rows.py)."""
+        self._resolve()  # on the CPU, the last step's constrained choice: this forward reads its ids
         with torch.inference_mode():
             rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
@@ -186,8 +191,11 @@ class ModelRunner:
             if plan is not None:
                 handle.controls = plan.controls
                 if plan.structured:
-                    handle.parts = parts
-                    return handle  # the engine calls complete() with the grammar's bitmask
+                    if self.grammar is None:
+                        self.grammar = GrammarBuffers(self.max_num_seqs, self.grammar_vocab, self.device)
+                    handle.grammar = self.grammar.next(len(rows))
+                    handle.parts, handle.plan = parts, plan
+                    return handle
                 if slots is not None:
                     self._penalized_greedy(handle, parts, plan, chosen)
                 else:
@@ -212,11 +220,15 @@ class ModelRunner:
         if any(p.processes_logits for p in params):
             controls = StepControls.build(params, sampled, [s.request_id for s in rows],
                                           [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device)
+        structured = any(p.structured is not None for p in params)
+        # (not with a grammar: the graph's penalized choice would count a token the grammar may overrule)
         penalties_only = (controls is not None and controls.penalty is not None and controls.bias is None
-                          and controls.masked is None and all(p.greedy and p.logprobs is None for p in params))
+                          and controls.masked is None and not structured
+                          and all(p.greedy and p.logprobs is None for p in params))
         slots = [self.counts.slots.get(s.request_id, -1) if p.penalized else -1
                  for s, p in zip(rows, params)] if penalties_only else None
-        plan = RowsPlan(list(rows), controls, structured=any(p.structured is not None for p in params),
+        plain_choice = (controls is None or controls.empty) and all(p.greedy and p.logprobs is None for p in params)
+        plan = RowsPlan(list(rows), controls, structured=structured, grammar_greedy=structured and plain_choice,
                         penalty_slots=slots)
         self.last_plan = None if pending else plan
         return plan
@@ -240,18 +252,44 @@ class ModelRunner:
                 penalized_argmax_ref(logits, self.model.vocab_size, row_slots, c.counts, c.in_prompt, c.penalties, out)
         self.counts.updated()
 
-    def complete(self, handle: StepHandle, bitmask: torch.Tensor, rows: list[int]) -> StepHandle:
-        """Choose a deferred step's tokens: the second part of `launch`. `bitmask` [len(handle.rows),
-        words] int32 (host, pinned on a GPU: XGrammar's layout), row r what row r may choose, for
-        the rows in `rows` (the others' are not read)."""
-        with torch.inference_mode():
-            parts, handle.parts = handle.parts, None
-            grammar = None
-            if rows:
-                grammar = (bitmask[: rows[-1] + 1].to(self.device, non_blocking=True),
-                           to_device(rows, torch.int32, self.device))
-            self._sample(handle, parts, grammar)
-            return self._finish_launch(handle)
+    def complete(self, handle: StepHandle) -> StepHandle:
+        """Choose a constrained step's tokens from the masks its GrammarFill will hold. Called once
+        the engine has handed that fill to the grammar job: on a GPU the choice is enqueued now,
+        behind the device's wait for the job's flag (enqueued before the job exists, the wait
+        could stall the host's next synchronizing call, and with it the job: a deadlock); on the
+        CPU it stays pending until its ids are needed (see _resolve)."""
+        parts, plan, handle.parts, handle.plan = handle.parts, handle.plan, None, None
+        if not self.on_cuda:
+            self.pending = (handle, parts, plan)
+            return handle
+        try:
+            with torch.inference_mode():
+                self._choose(handle, parts, plan, handle.grammar)
+                self._finish_launch(handle)
+        except Exception as e:  # collect() raises it: the engine fails the step
+            handle.error = e
+        return handle
+
+    def _resolve(self, handle: StepHandle | None = None) -> None:
+        """CPU: choose the pending constrained step's tokens (`handle`: only if it is that step)."""
+        if self.pending is None or (handle is not None and self.pending[0] is not handle):
+            return
+        (pending, parts, plan), self.pending = self.pending, None
+        try:
+            if not pending.grammar.wait():
+                raise RuntimeError("the grammar masks of a constrained step were not filled in time")
+            with torch.inference_mode():
+                self._choose(pending, parts, plan, pending.grammar)
+                self._finish_launch(pending)
+        except Exception as e:  # collect() raises it: the engine fails the step
+            pending.error = e
+
+    def _choose(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, fill: GrammarFill) -> None:
+        bits, live = self.grammar.masks(fill, len(handle.rows))
+        if plan.grammar_greedy:
+            choose_greedy(parts, bits, live, self.grammar.covered, self.model.vocab_size, self.last_ids)
+        else:
+            self._sample(handle, parts, GrammarMask(bits, live, self.grammar.covered))
 
     def _finish_launch(self, handle: StepHandle) -> StepHandle:
         """The step's ids (and logprobs) on their way to the host; an event to wait for them."""
@@ -264,8 +302,7 @@ class ModelRunner:
             handle.event.record()
         return handle
 
-    def _sample(self, handle: StepHandle, parts: list[torch.Tensor],
-                bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _sample(self, handle: StepHandle, parts: list[torch.Tensor], grammar: GrammarMask | None = None) -> None:
         """The general sampler (logits controls, temperature, top-k/p, seeds, logprobs) over the
         step's logits (raw LM-head rows, in row order); its ids replace the greedy ones in
         `last_ids`. Logprobs are the model's own distribution, before any control (vLLM's default)."""
@@ -273,11 +310,11 @@ class ModelRunner:
         raw = (torch.cat(parts) if len(parts) > 1 else parts[0])[:, : self.model.vocab_size].float()
         logits, c = raw, handle.controls
         want = [s.params.logprobs for s in rows]
-        if (c is not None and not c.empty) or bitmask is not None:
+        if (c is not None and not c.empty) or grammar is not None:
             # The controls edit in place: a copy only where logprobs need the raw rows (else raw is
             # the step's own fp32 copy, or a view of a graph's output buffer the next replay rewrites).
             logits = raw.clone() if any(w is not None for w in want) else raw
-            (c or StepControls()).apply(logits, self.counts, bitmask)
+            (c or StepControls()).apply(logits, self.counts, grammar)
         gens = [self._generator(s.request_id, s.params.seed) for s in rows]
         invariant = self.model.deterministic
         ids, _ = sample(logits, [s.params for s in rows], gens, invariant=invariant)
@@ -338,6 +375,9 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a launched step; return the sampled token of each row (in batch order) and, where
         requests asked for logprobs, the chosen token's and the top alternatives'."""
+        self._resolve(handle)
+        if handle.error is not None:
+            raise handle.error
         if handle.event is not None:
             handle.event.synchronize()  # releases the GIL while the device finishes
         prompt = [(s.seq, s.first, unpack(s)) for s in handle.scores]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.worker.grammar_rows import GrammarFill
 from server.worker.inputs import SeqState
 from server.worker.logits import StepControls
 from server.worker.scoring import PromptScores
@@ -22,16 +23,14 @@ class StepHandle:
     k: int = 0
     want: list[int | None] = field(default_factory=list)
     event: torch.cuda.Event | None = None  # recorded after the copies; collect() waits on it
-    # A step with a grammar-constrained row is launched in two parts: the forward (here are its
-    # raw logits), then `complete` with the grammar's bitmask once the host knows the tokens before.
-    parts: list[torch.Tensor] | None = None
     controls: StepControls | None = None
     scores: list[PromptScores] = field(default_factory=list)  # prompt log-probabilities on their way
-
-    @property
-    def deferred(self) -> bool:
-        """Launched, but its tokens are not chosen yet: `ModelRunner.complete` must be called."""
-        return self.parts is not None
+    # A step with a grammar-constrained row: the masks the engine fills for it (server/worker/grammar_rows.py),
+    # and until `ModelRunner.complete` its raw logits and plan
+    grammar: GrammarFill | None = None
+    parts: list[torch.Tensor] | None = None
+    plan: RowsPlan | None = None
+    error: Exception | None = None  # choosing the tokens failed: collect() raises it
 
 
 @dataclass(slots=True)
@@ -40,7 +39,10 @@ class RowsPlan:
 
     rows: list[SeqState]  # the sequences, in row order
     controls: StepControls | None  # None: no row's logits are edited (e.g. logprobs only)
-    structured: bool  # a row is grammar-constrained: the step is deferred (complete)
+    structured: bool  # a row is grammar-constrained: the step carries a GrammarFill
+    # structured, every row greedy without logprobs, and the grammar the only control: the live rows'
+    # allowed argmax is the whole choice (kernels/grammar_mask.py), no sampler
+    grammar_greedy: bool
     # Every row greedy without logprobs, and penalties the only control: each row's TokenCounts slot
     # (-1 for a row without penalties), for the decode graph and _penalized_greedy. Else None.
     penalty_slots: list[int] | None

@@ -1,6 +1,6 @@
 """GPU-only checks (skipped without CUDA) of what changes a row's logits on the device path: grammar
-bitmasks applied after the captured decode graph (XGrammar's Triton kernel), a step launched ahead
-while constrained rows run, the penalties kernels inside the engine, in a batch beside plain rows."""
+masks applied after the captured decode graph, behind the device's wait for the host's fill
+(kernels/grammar_mask.py), the penalties kernels inside the engine, in a batch beside plain rows."""
 
 import json
 import re
@@ -50,12 +50,14 @@ def test_constrained_rows_match_their_grammar_beside_plain_rows(gpu):
                 assert 0 <= doc["n"] <= 50 and len(doc["tags"]) <= 2
         assert out.finish_reason == "stop"
     assert all(len(o.token_ids) == 40 for o in outs[len(specs):])
-    assert gpu.ahead is None and gpu.block_manager.check_all_free()
+    while gpu.has_unfinished():
+        gpu.step()
+    assert not gpu._fill_jobs and gpu.block_manager.check_all_free()
 
 
-def test_launching_ahead_changes_no_token():
-    """The same requests with asynchronous scheduling (constrained steps launch the next one ahead)
-    and without: the same tokens. Deterministic mode, so that the two runs' different batch shapes
+def test_asynchronous_scheduling_changes_no_constrained_token():
+    """The same requests with asynchronous scheduling (the next step is enqueued before the masks
+    of this one are filled; the device waits for them) and without: the same tokens. Deterministic mode, so that the two runs' different batch shapes
     (async scheduling runs a finished row one more step) cannot move a near-tie."""
     prompt_text = "def main():\n"
     params = [_params(structured=SCHEMA), _params(structured=REGEX, repetition_penalty=1.3),
@@ -96,3 +98,41 @@ def test_penalized_greedy_rows_choose_in_the_graph_what_the_sampler_would():
     assert all(x != y for x, y in zip(a[:4], plain))
     assert gpu.block_manager.check_all_free()
     gpu.close()
+
+
+def test_constrained_greedy_rows_choose_in_one_kernel_what_the_sampler_would(gpu):
+    """Greedy constrained rows with no other control take their allowed argmax in one launch; the
+    same rows with a zero logit_bias (which changes no logit) go through the general sampler with
+    the masks applied in place: the same tokens."""
+    prompts = [gpu.tokenizer.encode(t) for t in ("Value: ", "def main():\n", "A person, as JSON: ", "x")] * 8
+    specs = [REGEX, CHOICE, SCHEMA, StructuredOutput("json_object")] * 8
+    a = [o.token_ids for o in gpu.generate(prompts, [_params(structured=s) for s in specs])]
+    b = [o.token_ids for o in gpu.generate(prompts, [_params(structured=s, logit_bias={5: 0.0}) for s in specs])]
+    assert a == b
+    while gpu.has_unfinished():  # a step launched before the last request finished is collected
+        gpu.step()
+    assert not gpu._fill_jobs and gpu.block_manager.check_all_free()
+
+
+def test_a_fill_that_fails_does_not_hang_the_device(gpu):
+    """The grammar job raises: it still raises the flag the device waits on, the step's requests end
+    with "error", and the engine serves on."""
+    fill, calls = gpu.grammars.fill_bitmask, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected fill failure")
+        return fill(*args, **kwargs)
+
+    gpu.grammars.fill_bitmask = failing
+    try:
+        outs = gpu.generate([gpu.tokenizer.encode("Value: ")] * 3, [_params(structured=SCHEMA)] * 3)
+    finally:
+        gpu.grammars.fill_bitmask = fill
+    assert all(o.finish_reason == "error" and "injected fill failure" in o.error for o in outs)
+    while gpu.has_unfinished():
+        gpu.step()
+    assert gpu.block_manager.check_all_free() and not gpu._fill_jobs
+    out = gpu.generate([gpu.tokenizer.encode("Value: ")], [_params(structured=REGEX, max_tokens=12)])[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)

@@ -140,22 +140,55 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
     assert engine.block_manager.check_all_free() and not engine.compiling
 
 
-def test_the_next_step_is_launched_ahead_while_a_constrained_row_runs(engine):
-    """Once a grammar-constrained step is chosen, step() launches the next one before returning
-    (its forward then follows on the device without waiting for the caller); a plain batch does not."""
+def test_a_constrained_step_is_chosen_once_its_masks_are_filled(engine):
+    """A constrained step is launched like any other and its masks are filled by the grammar job of
+    the next call (after the previous step's ids); on the CPU its choice waits, pending, for the
+    job's flag, and runs when its ids are first needed. A plain batch has neither."""
     engine.add_request("a1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
     engine.add_request("a2", prompt(engine), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    engine.step()  # the prompts' step: launched, deferred, completed, and the first decode launched ahead
-    assert engine.ahead is not None and engine.ahead[1].deferred
+    engine.step()  # the prompts' step: launched with its masks' job; its ids are collected next call
+    handle = engine.inflight[1]
+    assert handle.grammar is not None and engine.runner.pending[0] is handle
+    assert handle.grammar.step in engine._fill_jobs
+    engine.step()  # launches the first decode (choosing the prompts' step first: its forward reads them)
+    assert engine.runner.pending[0] is engine.inflight[1] and handle.grammar.step not in engine._fill_jobs
     while engine.has_unfinished():
         engine.step()
-    assert engine.ahead is None and engine.block_manager.check_all_free()
-    engine.generate([prompt(engine)], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert engine.runner.pending is None and not engine._fill_jobs and engine.block_manager.check_all_free()
     engine.add_request("p", prompt(engine), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     engine.step()
-    assert engine.ahead is None
+    assert engine.inflight[1].grammar is None and engine.runner.pending is None
     while engine.has_unfinished():
         engine.step()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_scheduling):
+    """The grammar job raises while filling a step's masks: it still releases the step (which would
+    otherwise wait for ever), the step's requests end with "error", no block leaks, and the next
+    constrained requests are served."""
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=async_scheduling))
+    fill, calls = eng.grammars.fill_bitmask, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fill failure")
+        return fill(*args, **kwargs)
+
+    eng.grammars.fill_bitmask = failing
+    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+    eng.add_request("y", prompt(eng), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["x"].finish_reason == "error" and final["y"].finish_reason == "error"
+    assert "injected fill failure" in final["x"].error
+    assert eng.block_manager.check_all_free() and not eng.seqs and not eng._fill_jobs
+    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
 
 
 def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call():

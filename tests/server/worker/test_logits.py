@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from server.sampling_params import SamplingParams
-from server.worker.logits import StepControls, TokenCounts, apply_bitmask
+from server.worker.logits import GrammarMask, StepControls, TokenCounts
 
 V = 50
 CPU = torch.device("cpu")
@@ -60,7 +60,8 @@ def run(params, generated, prompts, stop_ids=frozenset({0}), bitmask=None, seed=
     sampled = [len(g) for g in generated]
     c = StepControls.build(params, sampled, ids, prompts, stop_ids, counts, CPU)
     got = logits.clone()
-    c.apply(got, counts, None if bitmask is None else (bitmask, torch.arange(len(params), dtype=torch.int32)))
+    live = torch.ones(len(params), dtype=torch.int32)
+    c.apply(got, counts, None if bitmask is None else GrammarMask(bitmask, live, 32 * bitmask.shape[1]))
     allowed = None if bitmask is None else allowed_tokens(bitmask, V)
     return got, reference(logits, params, generated, prompts, sampled, stop_ids, allowed)
 
@@ -115,15 +116,15 @@ def test_counts_grow_past_their_first_capacity():
     assert counts.counts[:, 7].sum() == 40 and counts.penalties[slots[-1], 2] == 39 / 40
 
 
-def test_the_bitmask_masks_what_its_bits_rule_out_in_its_rows_only():
-    """Bits as XGrammar packs them; rows 0 and 2 constrained (row 1's bits are not read), and the
-    logits wider than the bits (a model vocabulary past its tokenizer's): those columns never allowed."""
+def test_the_grammar_masks_what_its_bits_rule_out_in_its_live_rows_only():
+    """Bits as XGrammar packs them; rows 0 and 2 live (row 1's bits are not read), and the logits
+    wider than the tokenizer's vocabulary (32 of V = 50): those columns never allowed."""
     torch.manual_seed(1)
     bits = torch.randint(-2**31, 2**31 - 1, (3, 1), dtype=torch.int32)  # 32 ids covered of V = 50
     bits[1] = 0  # would rule out every token of row 1, were it read
     logits = torch.randn(3, V)
     got = logits.clone()
-    apply_bitmask(got, bits, torch.tensor([0, 2], dtype=torch.int32))
+    GrammarMask(bits, torch.tensor([1, 0, 1], dtype=torch.int32), covered=32).apply(got)
     assert torch.equal(got[1], logits[1])
     allowed = allowed_tokens(bits, V)
     for r in (0, 2):
