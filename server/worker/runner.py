@@ -283,6 +283,8 @@ class ModelRunner:
                 self._finish_launch(pending)
         except Exception as e:  # collect() raises it: the engine fails the step
             pending.error = e
+        for request_id in pending.released:
+            self.release(request_id)
 
     def _choose(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, fill: GrammarFill) -> None:
         bits, live = self.grammar.masks(fill, len(handle.rows))
@@ -401,5 +403,8 @@ class ModelRunner:
         return gen
 
     def release(self, request_id: str) -> None:
+        if self.pending is not None and any(s.request_id == request_id for s in self.pending[0].rows):
+            self.pending[0].released.append(request_id)  # its pending choice would make the generator again
+            return
         self.generators.pop(request_id, None)
         self.counts.release(request_id)

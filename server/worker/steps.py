@@ -31,6 +31,7 @@ class StepHandle:
     parts: list[torch.Tensor] | None = None
     plan: RowsPlan | None = None
     error: Exception | None = None  # choosing the tokens failed: collect() raises it
+    released: list[str] = field(default_factory=list)  # CPU: requests ended while the choice was pending
 
 
 @dataclass(slots=True)
