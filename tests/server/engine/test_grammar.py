@@ -229,3 +229,24 @@ def test_a_request_aborted_while_its_choice_is_pending_leaves_nothing_behind(eng
         engine.step()
     assert "gone" not in engine.runner.generators and "gone" not in engine.runner.counts.slots
     assert engine.runner.pending is None and engine.block_manager.check_all_free()
+
+
+def test_the_batch_accept_advances_every_matcher_as_the_public_call_does(engine):
+    """Grammars.accept calls XGrammar's binding without the public wrapper (see _raw_batch_accept):
+    with the installed xgrammar it is the binding, and it moves each matcher exactly as accepting
+    the tokens one by one does."""
+    from server.engine.grammar import _raw_batch_accept
+
+    g = engine.grammars
+    assert _raw_batch_accept(g.xgr) is not g.xgr.BatchGrammarMatcher.batch_accept_token  # the fast path is live
+    docs = [engine.tokenizer.encode(d, add_special_tokens=False)
+            for d in ('{"n": 7, "tags": ["ab", "c"]}', '{"n": 42, "tags": []}', '{"n": 0, "tags": ["xyz"]}')]
+    batch, single = [g.matcher(SCHEMA) for _ in docs], [g.matcher(SCHEMA) for _ in docs]
+    for k in range(max(map(len, docs))):
+        rows = [r for r, d in enumerate(docs) if k < len(d)]  # the shorter documents drop out
+        g.accept([batch[r] for r in rows], [docs[r][k] for r in rows])
+        for r in rows:
+            assert single[r].accept_token(docs[r][k])
+    for a, b in zip(batch, single):
+        assert a.is_terminated() == b.is_terminated()
+        assert a._debug_print_internal_state() == b._debug_print_internal_state()
