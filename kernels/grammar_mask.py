@@ -16,9 +16,6 @@ Contract (semantics = ``kernels.reference.grammar_mask_ref``, and for `out` ``ar
            flag[0] >= step before it reads bits or live. The host writes the masks, then the flag.
            After MAX_SPINS reads (seconds) it goes on without, so that a host that died never leaves
            the device hung; the host sets the flag even when filling failed, and then fails the step.
-  stage    None, or [>= num_rows, words] int32 on the device: each live row's words are first copied
-           there in a few wide reads, and the blocks read them back from device memory (bits in
-           pinned host memory cost a round trip over the bus per block otherwise).
 
 Why wait on the device: a constrained step's masks need the previous step's tokens on the host,
 then XGrammar's fill. Launching the step's sampling only after that would leave the device idle while
@@ -27,8 +24,8 @@ as an unconstrained one is enqueued, and the fill overlaps the forward.
 
 One program per row walks its columns in blocks: decoding batches are tens of rows, and the mask
 is read once per block. Each block's read of pinned host memory is a round trip over the bus, so
-the runner has each row staged to device memory first (`stage`): one launch waits, stages and
-chooses (measured against a wait kernel and two copies before it: fewer host launches a step).
+the runner copies the masks to device memory first (`wait_for_flag`, then one copy) and calls
+apply_grammar without `wait` on the copies.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ _BIG = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, stage_ptr, words, live_ptr, flag_ptr, step,
-                    max_spins, out_ptr, BLOCK: tl.constexpr, WORDS_BLOCK: tl.constexpr, WAIT: tl.constexpr,
-                    STAGE: tl.constexpr, ARGMAX: tl.constexpr):
+def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, words, live_ptr, flag_ptr, step,
+                    max_spins, out_ptr, BLOCK: tl.constexpr, WAIT: tl.constexpr, ARGMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if WAIT:
         seen = tl.load(flag_ptr, volatile=True)
@@ -58,20 +54,12 @@ def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, stage_p
             spins += 1
     live = tl.load(live_ptr + row, volatile=True)
     if live != 0:
-        src = bits_ptr + row * words
-        if STAGE:  # the row's words in a few wide reads, then read back block by block from device memory
-            dst = stage_ptr + row * words
-            for w0 in range(0, words, WORDS_BLOCK):
-                offs = w0 + tl.arange(0, WORDS_BLOCK)
-                tl.store(dst + offs, tl.load(src + offs, mask=offs < words, other=0, volatile=True), mask=offs < words)
-            tl.debug_barrier()
-            src = dst
         best_v = -float("inf")
         best_i = 0
         for start in range(0, num_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < num_cols
-            word = tl.load(src + cols // 32, mask=cols < covered, other=0, volatile=True)
+            word = tl.load(bits_ptr + row * words + cols // 32, mask=cols < covered, other=0, volatile=True)
             allowed = (((word >> (cols % 32)) & 1) != 0) & (cols < covered)
             at = logits_ptr + row * stride_row + cols
             if ARGMAX:
@@ -89,9 +77,24 @@ def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, stage_p
             tl.store(out_ptr + row, best_i.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _wait_kernel(flag_ptr, step, max_spins):
+    seen = tl.load(flag_ptr, volatile=True)
+    spins = 0
+    while (seen < step) & (spins < max_spins):
+        seen = tl.load(flag_ptr, volatile=True)
+        spins += 1
+
+
+def wait_for_flag(flag: torch.Tensor, step: int) -> None:
+    """Hold the device's queue until flag[0] >= step (the `wait` of apply_grammar alone, one program):
+    what follows, e.g. a copy of the masks to device memory, then runs after the host wrote them."""
+    assert flag.dtype == torch.int64 and flag.numel() >= 1
+    _wait_kernel[(1,)](flag, step, MAX_SPINS, num_warps=1)
+
+
 def apply_grammar(logits: torch.Tensor, num_cols: int, bits: torch.Tensor, live: torch.Tensor, covered: int,
-                  out: torch.Tensor | None = None, wait: tuple[torch.Tensor, int] | None = None,
-                  stage: torch.Tensor | None = None) -> None:
+                  out: torch.Tensor | None = None, wait: tuple[torch.Tensor, int] | None = None) -> None:
     """Mask each live row of `logits` in place, or (`out`) choose each live row's allowed argmax.
     See the module docstring."""
     rows = logits.shape[0]
@@ -105,13 +108,9 @@ def apply_grammar(logits: torch.Tensor, num_cols: int, bits: torch.Tensor, live:
     flag, step = wait if wait is not None else (live, 0)  # live: a placeholder the kernel never reads
     if wait is not None:
         assert flag.dtype == torch.int64 and flag.numel() >= 1
-    if stage is not None:
-        assert stage.dtype == torch.int32 and stage.is_contiguous() and stage.shape[0] >= rows
-        assert stage.shape[1] == bits.shape[1]
     if rows == 0:
         return
     block = 256 if _INTERPRET else BLOCK  # the interpreter runs programs one by one: any size is slow
-    _grammar_kernel[(rows,)](logits, logits.stride(0), num_cols, covered, bits, stage if stage is not None else bits,
-                             bits.shape[1], live, flag, step, MAX_SPINS, out if out is not None else live,
-                             BLOCK=block, WORDS_BLOCK=block, WAIT=wait is not None, STAGE=stage is not None,
+    _grammar_kernel[(rows,)](logits, logits.stride(0), num_cols, covered, bits, bits.shape[1], live, flag, step,
+                             MAX_SPINS, out if out is not None else live, BLOCK=block, WAIT=wait is not None,
                              ARGMAX=out is not None, num_warps=1 if _INTERPRET else 4)

@@ -7,9 +7,9 @@ while the step itself is enqueued before those tokens are known (asynchronous sc
 - Each constrained step takes a number and a pair of host buffers (`GrammarFill`: bits [rows, words]
   int32 in XGrammar's layout, live [rows] int32; pinned on a GPU). The engine's grammar job fills
   them, then raises the flag to the step's number (`GrammarFill.done`), also when the fill failed.
-- On a GPU the step's choice is enqueued once the job is handed the fill: one kernel waits on the
-  device until the flag reaches the step's number, stages the masks to device memory and chooses
-  (kernels/grammar_mask.py; or masks the logits for the sampler). The host never waits for the fill: the next step is
+- On a GPU the step's choice is enqueued once the job is handed the fill: a kernel that waits on
+  the device until the flag reaches the step's number, a copy of the masks to device memory, then
+  the choice (kernels/grammar_mask.py). The host never waits for the fill: the next step is
   enqueued behind this one at once, and the fill runs while the device computes the forward.
 - On the CPU nothing queues: the choice runs when its ids are first needed (the next launch, whose
   forward reads them, or collect), after waiting on the flag's condition.
@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.grammar_mask import apply_grammar
+from kernels.grammar_mask import apply_grammar, wait_for_flag
 from kernels.reference import argmax_ref, grammar_mask_ref
-from server.worker.logits import GrammarMask
 
 FILL_TIMEOUT_S = 60.0  # the CPU path's wait for a fill before it fails the step
 
@@ -85,8 +84,10 @@ class GrammarBuffers:
         self.covered = covered  # the tokenizer's vocabulary: tokens past it are never allowed
         words = -(-covered // 32)
         pinned = device.type == "cuda"
-        # where the kernel stages each row's masks once they are filled (see kernels/grammar_mask.py)
+        # where a GPU copies a step's masks once they are filled (reading them over the bus block
+        # by block cost a round trip each)
         self.device_bits = torch.zeros(max_rows, words, dtype=torch.int32, device=device)
+        self.device_live = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.bits = [torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.live = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.flag = GrammarFlag(pinned)
@@ -97,26 +98,28 @@ class GrammarBuffers:
         k = self.step % 2
         return GrammarFill(self.step, self.bits[k][:rows], self.live[k][:rows], self.flag)
 
-    def masks(self, fill: GrammarFill) -> GrammarMask:
-        """A step's masks for its choice: on a GPU the host buffers, read by the kernel after its
-        wait on the device for the fill's flag, each row staged to device memory first; on the CPU
-        the host buffers (its choice runs once the fill is waited for)."""
+    def masks(self, fill: GrammarFill, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bits, live) of a step for its choice. On a GPU: enqueued, a wait on the device for the
+        fill's flag, then one copy to device memory (read block by block over the bus, the masks
+        cost a round trip each); on the CPU the host buffers, once the fill is waited for."""
         if self.device_bits.device.type != "cuda":
-            return GrammarMask(fill.bits, fill.live, self.covered)
-        return GrammarMask(fill.bits, fill.live, self.covered, (fill.flag.value, fill.step), self.device_bits)
+            return fill.bits, fill.live
+        wait_for_flag(fill.flag.value, fill.step)
+        return (self.device_bits[:rows].copy_(fill.bits, non_blocking=True),
+                self.device_live[:rows].copy_(fill.live, non_blocking=True))
 
 
-def choose_greedy(parts: list[torch.Tensor], mask: GrammarMask, vocab: int, last_ids: torch.Tensor) -> None:
+def choose_greedy(parts: list[torch.Tensor], bits: torch.Tensor, live: torch.Tensor, covered: int, vocab: int,
+                  last_ids: torch.Tensor) -> None:
     """Greedy rows with no other control: each live row's allowed argmax into last_ids, one launch
     per part of the step's logits (the graph already wrote every row's plain argmax there)."""
     row0 = 0
     for logits in parts:
         n = logits.shape[0]
-        part = mask.rows(row0, n)
-        out = last_ids[row0 : row0 + n]
+        b, v, out = bits[row0 : row0 + n], live[row0 : row0 + n], last_ids[row0 : row0 + n]
         if logits.is_cuda:
-            apply_grammar(logits, vocab, part.bits, part.live, part.covered, out=out, wait=part.wait, stage=part.stage)
+            apply_grammar(logits, vocab, b, v, covered, out=out)
         else:
-            chosen = argmax_ref(grammar_mask_ref(logits, vocab, part.bits, part.live, part.covered), vocab)
-            out.copy_(torch.where(part.live.bool(), chosen.to(out.dtype), out))
+            chosen = argmax_ref(grammar_mask_ref(logits, vocab, b, v, covered), vocab).to(out.dtype)
+            out.copy_(torch.where(v.bool(), chosen, out))
         row0 += n

@@ -181,23 +181,16 @@ class StepControls:
 class GrammarMask:
     """A step's grammar masks (server/worker/grammar_rows.py): bits [rows, words] int32 (XGrammar's
     layout), live [rows] int32 (1: the row is constrained), covered (tokens past the tokenizer's
-    vocabulary are never allowed), and on a GPU (flag, step) for the kernel to wait on and the
-    device buffer it stages the host bits in."""
+    vocabulary are never allowed), and on a GPU (flag, step) for the kernel to wait on."""
 
     bits: torch.Tensor
     live: torch.Tensor
     covered: int
     wait: tuple[torch.Tensor, int] | None = None
-    stage: torch.Tensor | None = None  # device memory the kernel stages host bits in (kernels/grammar_mask.py)
-
-    def rows(self, row0: int, n: int) -> GrammarMask:
-        """The masks of rows row0 .. row0 + n - 1."""
-        stage = self.stage[row0 : row0 + n] if self.stage is not None else None
-        return GrammarMask(self.bits[row0 : row0 + n], self.live[row0 : row0 + n], self.covered, self.wait, stage)
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits[r, t] = -inf for each live row r and each token t it does not allow."""
         if logits.is_cuda:
-            apply_grammar(logits, logits.shape[1], self.bits, self.live, self.covered, wait=self.wait, stage=self.stage)
+            apply_grammar(logits, logits.shape[1], self.bits, self.live, self.covered, wait=self.wait)
         else:
             logits.copy_(grammar_mask_ref(logits, logits.shape[1], self.bits, self.live, self.covered))

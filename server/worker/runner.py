@@ -287,11 +287,11 @@ class ModelRunner:
             self.release(request_id)
 
     def _choose(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, fill: GrammarFill) -> None:
-        mask = self.grammar.masks(fill)
+        bits, live = self.grammar.masks(fill, len(handle.rows))
         if plan.grammar_greedy:
-            choose_greedy(parts, mask, self.model.vocab_size, self.last_ids)
+            choose_greedy(parts, bits, live, self.grammar.covered, self.model.vocab_size, self.last_ids)
         else:
-            self._sample(handle, parts, mask)
+            self._sample(handle, parts, GrammarMask(bits, live, self.grammar.covered))
 
     def _finish_launch(self, handle: StepHandle) -> StepHandle:
         """The step's ids (and logprobs) on their way to the host; an event to wait for them."""

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kernels.grammar_mask import apply_grammar
+from kernels.grammar_mask import apply_grammar, wait_for_flag
 from kernels.reference import argmax_ref, grammar_mask_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,16 +43,15 @@ def test_masks_and_choices_match_the_reference(dtype, rows, cols, covered, pad):
     bits = host(random_bits(g, rows, covered, density=0.02 if rows % 2 else 0.7))
     live = host(torch.tensor([int(r % 3 != 1) for r in range(rows)], dtype=torch.int32))
     want = grammar_mask_ref(logits.cpu(), cols, bits.cpu(), live.cpu(), covered)
-    for out_dtype, staged in ((torch.int32, False), (torch.int64, True)):
+    for out_dtype in (torch.int32, torch.int64):
         out = torch.full((rows,), -7, dtype=out_dtype, device=DEVICE)
         before = logits.clone()
-        stage = torch.full(bits.shape, -1, dtype=torch.int32, device=DEVICE) if staged else None
-        apply_grammar(logits, cols, bits, live, covered, out=out, stage=stage)
+        apply_grammar(logits, cols, bits, live, covered, out=out)
         assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
         chosen = argmax_ref(want, cols)
         expect = torch.where(live.cpu().bool(), chosen, torch.full_like(chosen, -7))
         assert torch.equal(out.long().cpu(), expect)
-    apply_grammar(logits, cols, bits, live, covered, stage=torch.zeros(bits.shape, dtype=torch.int32, device=DEVICE))
+    apply_grammar(logits, cols, bits, live, covered)
     got = logits.cpu()
     assert torch.equal(got[:, :cols], want[:, :cols])
     assert torch.equal(got[:, cols:].isnan(), want[:, cols:].isnan())  # the padding is not written
@@ -101,13 +100,28 @@ def test_it_waits_for_the_host_to_write_the_masks():
     writer = threading.Thread(target=fill)
     writer.start()
     out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
-    stage = torch.zeros(bits.shape, dtype=torch.int32, device=DEVICE)
-    apply_grammar(logits, cols, bits, live, cols, out=out, wait=(flag, 7), stage=stage)
+    apply_grammar(logits, cols, bits, live, cols, out=out, wait=(flag, 7))
     assert out.tolist() == target  # .tolist() waits for the device, which waited for the flag
-    assert torch.equal(stage.cpu(), bits.cpu())  # staged after the wait: the masks the host wrote
     writer.join()
     # A flag already past the step: no wait at all.
     out2 = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
     apply_grammar(logits, cols, bits, live, cols, out=out2, wait=(flag, 3))
     assert out2.tolist() == target
 
+
+def test_wait_for_flag_holds_the_queue_until_the_host_raises_it():
+    """What is queued behind the wait reads what the host wrote before raising the flag."""
+    flag = host(torch.zeros(1, dtype=torch.int64))
+    src = host(torch.zeros(4, dtype=torch.int32))
+
+    def write():
+        time.sleep(0.2)
+        src.copy_(torch.tensor([3, 1, 4, 1], dtype=torch.int32))
+        flag[0] = 2
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    wait_for_flag(flag, 2)
+    dst = torch.zeros(4, dtype=torch.int32, device=DEVICE).copy_(src, non_blocking=True)
+    assert dst.tolist() == [3, 1, 4, 1]
+    writer.join()
