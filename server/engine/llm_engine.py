@@ -247,9 +247,9 @@ class LLMEngine:
             self._submit_grammar(None, fill)
             return []
         batch, handle = launched
+        job = self._fill_jobs.pop(handle.grammar.step, None) if handle.grammar is not None else None
         try:
             result = self.runner.collect(handle)
-            job = self._fill_jobs.pop(handle.grammar.step, None) if handle.grammar is not None else None
             if job is not None:
                 job.result()  # done, or nearly: the device (or the CPU) waited for its flag; raises if it failed
         except Exception as e:
