@@ -4,7 +4,8 @@ A family is one file in `models/` whose model class satisfies `CausalLM`, plus a
 `models/registry.py`. The worker calls `forward` over a step's flat batch and the paged cache,
 `lm_head` on the hidden states of the rows that sample, and reads `spec` and `attention` (the
 model's attention backend: metadata per step, warm-up, CUDA-graph hooks). The loader builds the
-model on the meta device and calls `load_weights` with a checkpoint's tensors.
+model on its device with uninitialised parameters (torch.nn.init off) and calls `load_weights` with
+a checkpoint's tensors, which must set every parameter.
 
 Placeholder ids: with asynchronous scheduling a step's input may name a token that the previous
 step sampled and whose id is only on the device: input id `-1 - r` stands for `sampled_ids[r]`

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config
-from transformers.activations import ACT2FN
 
 from kernels.fused_norm import add_layernorm, embed_layernorm
 from models.attention import AttentionBackend, AttentionMetadata, make_backend
@@ -50,6 +49,10 @@ def _activation(name: str):
     # launches per layer per step; torch's fused tanh-approximate GELU computes the same function.
     if name in _GELU_TANH:
         return partial(F.gelu, approximate="tanh")
+    # Imported only here: transformers.activations imports its hub-kernel and weight-conversion
+    # modules (~1.3 s of CPU), which every engine process paid at start-up for GPT-2's GELU-tanh.
+    from transformers.activations import ACT2FN
+
     return ACT2FN[name]
 
 

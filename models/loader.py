@@ -8,6 +8,8 @@ the network allows. With no model named, the checkpoint embedded in this package
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -65,13 +67,36 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# What nn.Linear, nn.Embedding and nn.LayerNorm call to initialise their parameters.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's functions as no-ops while a model is built: its parameters stay as
+    allocated (uninitialised), and load_weights fills them."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str,
                deterministic: bool = False) -> CausalLM:
     """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag)."""
     config = load_config(path)
-    with torch.device("meta"):
+    # Built on the device with its parameters left uninitialised, as on the meta device followed by
+    # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
+    # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
+    # load_weights overwrites.
+    with torch.device(device), _no_init():
         model = model_class(config.model_type)(config, attention, deterministic=deterministic)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
     model.load_weights(_read_tensors(path))
     return model.eval().requires_grad_(False)
 

@@ -123,6 +123,15 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_servers(config_from_args(args), limits, args.api_server_count, args.host, args.port,
                              args.log_level, args.log_format))
+    from server.bridge.engine_spawn import spawn_engine
+
+    log = logging.getLogger("flashpage.cli")
+    t0 = time.perf_counter()
+    log.info("starting engine: model=%s", args.model or "embedded")
+    config = config_from_args(args)
+    # The engine process first: its imports and model load run while this process imports torch,
+    # transformers and the HTTP stack (~3 s of CPU each side; one after the other, start-up took both).
+    spawned = spawn_engine(config, 1, args.log_level, args.log_format) if args.engine_process else None
     import torch
 
     from server.api.app import create_app
@@ -132,11 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     from server.engine import LLMEngine
 
     torch.manual_seed(args.seed)
-    log = logging.getLogger("flashpage.cli")
-    t0 = time.perf_counter()
-    log.info("starting engine: model=%s", args.model or "embedded")
-    config = config_from_args(args)
-    engine = EngineClient.spawn(config, args.log_level, args.log_format) if args.engine_process else LLMEngine(config)
+    if spawned is not None:
+        process, (channel,) = spawned
+        engine = EngineClient(config, channel, process)  # waits until the engine is ready
+    else:
+        engine = LLMEngine(config)
     log.info("engine ready in %.1f s: serving %r (context %d tokens) on http://%s:%d", time.perf_counter() - t0,
              engine.model_name, engine.max_model_len, args.host, args.port)
     aengine = AsyncEngine(engine, max_waiting=limits.max_waiting_requests, request_timeout=limits.request_timeout)

@@ -43,7 +43,7 @@ from server.api.guards import ServerLimits
 from server.config import EngineConfig
 
 if TYPE_CHECKING:  # imported where it runs: the parent process needs no torch, models or engine
-    from server.bridge.engine_process import ClientChannel
+    from server.bridge.engine_spawn import ClientChannel
 
 log = logging.getLogger("flashpage.servers")
 
@@ -100,7 +100,7 @@ def run_servers(config: EngineConfig, limits: ServerLimits, count: int, host: st
     """Serve with `count` API processes until a signal (exit code 0 after the drain) or a failure (1)."""
     import uvicorn
 
-    from server.bridge.engine_process import spawn_engine
+    from server.bridge.engine_spawn import spawn_engine  # not engine_process: it imports torch and the models
 
     metrics_dir = tempfile.mkdtemp(prefix="flashpage-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API processes (spawned below)

@@ -6,8 +6,9 @@ of the HTTP server, a tiny CPU engine stepped 8x slower beside one busy Python t
 the event loop streaming hundreds of responses is that busy thread, so every engine step stretched
 with the number of clients. Here the engine loop shares nothing with the HTTP side but two pipes.
 
-- `spawn_engine` starts the engine process (server/bridge/engine_loop.py) with one channel (a
-  command pipe and an output pipe) per API process.
+- `spawn_engine` (server/bridge/engine_spawn.py, which imports no engine) starts the engine
+  process (server/bridge/engine_loop.py) with one channel (a command pipe and an output pipe) per
+  API process.
 - `EngineClient` (API process) holds one channel. It waits until the model is loaded, then stands
   in for the LLMEngine on the HTTP side (tokenizer, model_name, max_model_len, validate, snapshot)
   and is the core AsyncEngine drives: adds and aborts are batched per event-loop turn into one
@@ -26,15 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from models import load_tokenizer, resolve_model_path
-from server.bridge.engine_loop import EngineChannel, engine_main, grow_pipe
+from server.bridge.engine_loop import grow_pipe
+from server.bridge.engine_spawn import ClientChannel, spawn_engine  # re-exported: where they were
 from server.bridge.messages import (AbortRequest, AddRequest, Command, EngineReady, RequestRefused, StepOutputs,
                                     StopEngine, decode_up, encode)
 from server.config import EngineConfig
@@ -46,33 +45,6 @@ log = logging.getLogger("flashpage.engine")
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
-
-
-@dataclass
-class ClientChannel:
-    """An API process's ends of its two pipes to the engine process."""
-
-    commands: Connection  # API -> engine
-    out: Connection  # engine -> API
-
-
-def spawn_engine(config: EngineConfig, count: int, log_level: str = "info",
-                 log_format: str = "text") -> tuple[BaseProcess, list[ClientChannel]]:
-    """Start the engine process with `count` channels; returns it and the API ends of the channels."""
-    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-    ours, theirs = [], []
-    for _ in range(count):
-        cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
-        out_reader, out_writer = ctx.Pipe(duplex=False)
-        ours.append(ClientChannel(cmd_writer, out_reader))
-        theirs.append(EngineChannel(cmd_reader, out_writer))
-    process = ctx.Process(target=engine_main, args=(config, theirs, log_level, log_format),
-                          name="flashpage-engine", daemon=True)
-    process.start()
-    for ch in theirs:  # the child has its copies; ours would keep the pipes open after it exits
-        ch.commands.close()
-        ch.out.close()
-    return process, ours
 
 
 class EngineClient:

@@ -5,13 +5,14 @@ strings, content parts, --chat-template, and errors in OpenAI's shape.
 
 The checkpoint is the session's tiny GPT-2 with a chat template in its tokenizer_config.json and a
 tokenizer that adds BOS itself (as Llama's does), so a server that let the tokenizer add special
-tokens to the rendered prompt would double it. Four servers start together:
+tokens to the rendered prompt would double it. Four servers (the first three start together):
 - `chat`: that checkpoint;
 - `override`: the same with `--chat-template` (a template of another shape, no BOS);
-- `bare`: the plain tiny checkpoint, which has no chat template;
+- `bare`: the plain tiny checkpoint, which has no chat template (the package's shared server);
 - `slow`: the chat checkpoint with steps slowed (test-only fault hook) and --request-timeout 3.
 """
 
+import signal
 import time
 
 import httpx
@@ -43,19 +44,21 @@ def tokenizer(chat_ckpt):
 
 
 @pytest.fixture(scope="module")
-def servers(chat_ckpt, tiny_ckpt, tmp_path_factory):
+def servers(chat_ckpt, plain_server, tmp_path_factory):
     override = tmp_path_factory.mktemp("template") / "override.jinja"
     override.write_text(OVERRIDE)
     specs = {"chat": ([chat_ckpt], {}), "override": ([chat_ckpt, "--chat-template", override], {}),
-             "bare": ([tiny_ckpt], {}),
              "slow": ([chat_ckpt, "--request-timeout", "3"], {"FLASHPAGE_FAULT_INJECT": "sleep=0.02"})}
     started = {name: ServerProcess.python_server(["--model", *map(str, args), "--device", "cpu", "--num-blocks", "64"],
                                                  extra_env=env) for name, (args, env) in specs.items()}
     try:
-        yield {name: srv.wait_healthy(120).url for name, srv in started.items()}
+        # `bare`: the plain tiny checkpoint, the package's shared server (tests/server/api/conftest.py)
+        yield {"bare": plain_server, **{name: srv.wait_healthy(120).url for name, srv in started.items()}}
     finally:
+        # SIGKILL: a graceful exit (1-2 s of CPU per process) is not what this file tests
+        # (test_reliability's SIGTERM test is); nothing here read the exit code.
         for srv in started.values():
-            srv.stop(30)
+            srv.stop(30, sig=signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ refused as before (422 on /generate, OpenAI's 400 on /v1). Fields we know are va
 way in both modes. And the gauges the Gateway API Inference Extension reads. Real servers on
 loopback."""
 
+import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -37,8 +37,9 @@ def servers(tiny_ckpt, tmp_path_factory):
     try:
         yield {mode: srv.wait_healthy(120) for mode, srv in started.items()}
     finally:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda srv: srv.stop(30), started.values()))
+        # SIGKILL: their graceful exit is not what this file tests (test_reliability's SIGTERM test is)
+        for srv in started.values():
+            srv.stop(30, sig=signal.SIGKILL)
 
 
 def post(srv, path, body):

@@ -5,15 +5,12 @@ import asyncio
 import httpx
 import pytest
 
-from benchmarks.common import ServerProcess
 from tests.helpers import sse_events
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
-    yield srv.url
-    srv.stop(30, must_exit=True)
+def server(plain_server):
+    return plain_server  # tests/server/api/conftest.py
 
 
 def test_generate(server):

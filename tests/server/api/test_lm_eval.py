@@ -19,6 +19,7 @@ requests, so prompts are token-id lists, `batch_size` of them per request):
 
 import json
 import math
+import signal
 
 import pytest
 
@@ -92,7 +93,7 @@ def server():
     srv = ServerProcess.python_server(["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
                                        "--num-blocks", "64"]).wait_healthy(120)
     yield srv
-    srv.stop(30)
+    srv.stop(30, sig=signal.SIGKILL)  # its graceful exit is not what this file tests (test_reliability's is)
 
 
 def _evaluate(model: str, model_args: dict, task: str, task_dir, batch_size: int) -> dict:

@@ -12,10 +12,8 @@ from benchmarks.common import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
-    yield srv.url
-    srv.stop(30, must_exit=True)
+def server(plain_server):
+    return plain_server  # tests/server/api/conftest.py
 
 
 NO_EOS = {"ignore_eos": True}  # flashpage extension: random weights may sample EOS early
