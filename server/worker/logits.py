@@ -12,7 +12,7 @@ turns them into a few index tensors; `apply` then edits the fp32 logits [rows, v
    repetition r: a token seen in the prompt or the output has its logit divided by r when positive,
    multiplied by r otherwise; then logit -= frequency * count + presence * (count > 0);
 3. the grammar's masks (bit i of word i // 32 set = token i allowed; `GrammarMask`): disallowed
-   tokens -> -inf in each constrained row (kernels/grammar_mask.py, which first waits on the device
+   tokens -> -inf in each constrained row (kernels/grammar_mask.py, queued behind a wait on the device
    for the host to have filled them);
 4. min_tokens: logits[r, id] = -inf for every end-of-sequence and stop id while row r has sampled
    fewer than its min_tokens, except in a row this would leave with no token at all (a complete
@@ -181,16 +181,16 @@ class StepControls:
 class GrammarMask:
     """A step's grammar masks (server/worker/grammar_rows.py): bits [rows, words] int32 (XGrammar's
     layout), live [rows] int32 (1: the row is constrained), covered (tokens past the tokenizer's
-    vocabulary are never allowed), and on a GPU (flag, step) for the kernel to wait on."""
+    vocabulary are never allowed). On a GPU, on the device: the runner queues them behind the
+    wait for their fill (server/worker/grammar_rows.py)."""
 
     bits: torch.Tensor
     live: torch.Tensor
     covered: int
-    wait: tuple[torch.Tensor, int] | None = None
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits[r, t] = -inf for each live row r and each token t it does not allow."""
         if logits.is_cuda:
-            apply_grammar(logits, logits.shape[1], self.bits, self.live, self.covered, wait=self.wait)
+            apply_grammar(logits, logits.shape[1], self.bits, self.live, self.covered)
         else:
             logits.copy_(grammar_mask_ref(logits, logits.shape[1], self.bits, self.live, self.covered))

@@ -1,5 +1,5 @@
-"""apply_grammar (grammar-constrained rows) against its reference, masking and choosing, and its wait
-on the host's flag (TRITON_INTERPRET=1 on CPU; see tests/conftest.py)."""
+"""apply_grammar (grammar-constrained rows) against its reference, masking and choosing, and
+wait_for_flag's hold on the queue (TRITON_INTERPRET=1 on CPU; see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -77,36 +77,6 @@ def test_ties_nan_and_rows_that_allow_nothing():
     out = torch.empty(4, dtype=torch.int64, device=DEVICE)
     apply_grammar(logits.to(DEVICE), cols, bits, live, cols, out=out)
     assert out.tolist() == [3, 301, 0, 0]
-
-
-def test_it_waits_for_the_host_to_write_the_masks():
-    """The host writes the masks and then the flag, after the launch: the kernel reads what the
-    host wrote, not what was there when it was launched."""
-    rows, cols = 3, 600
-    logits = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    bits = host(torch.zeros(rows, -(-cols // 32), dtype=torch.int32))  # nothing allowed yet
-    live = host(torch.zeros(rows, dtype=torch.int32))
-    flag = host(torch.zeros(1, dtype=torch.int64))
-    flag[0] = 6  # an earlier step's
-    target = [17, 250, 599]
-
-    def fill():
-        time.sleep(0.2)
-        for r, t in enumerate(target):
-            bits[r, t // 32] = 1 << (t % 32) if t % 32 != 31 else -(1 << 31)
-        live.fill_(1)
-        flag[0] = 7
-
-    writer = threading.Thread(target=fill)
-    writer.start()
-    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
-    apply_grammar(logits, cols, bits, live, cols, out=out, wait=(flag, 7))
-    assert out.tolist() == target  # .tolist() waits for the device, which waited for the flag
-    writer.join()
-    # A flag already past the step: no wait at all.
-    out2 = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
-    apply_grammar(logits, cols, bits, live, cols, out=out2, wait=(flag, 3))
-    assert out2.tolist() == target
 
 
 def test_wait_for_flag_holds_the_queue_until_the_host_raises_it():
