@@ -10,6 +10,10 @@ except Exception:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_speedup import install
+
+    install()  # helper calls inside interpreted kernels skip a redundant re-patch (see its docstring)
 
 import pytest
 

@@ -14,6 +14,7 @@ tokens to the rendered prompt would double it. Four servers (the first three sta
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -289,9 +290,13 @@ def wait_all_free(url: str, timeout: float = 10.0) -> dict:
 
 def test_deadline_is_finish_reason_timeout(servers, model):
     slow = openai_client(servers["slow"])
-    c = chat(slow, model, max_tokens=200)  # 20 ms steps: 200 tokens take 4 s, the deadline is 3 s
+    # 20 ms steps: 200 tokens take 4 s, the deadline is 3 s. The plain and the streamed request run
+    # at once (each has its own deadline), so the test waits for one deadline, not two.
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(chat, slow, model, max_tokens=200)
+        streamed = pool.submit(lambda: list(chat(slow, model, max_tokens=200, stream=True)))
+        c, chunks = plain.result(), streamed.result()
     assert c.choices[0].finish_reason == "timeout" and 0 < c.usage.completion_tokens < 200
-    chunks = list(chat(slow, model, max_tokens=200, stream=True))
     assert chunks[-1].choices[0].finish_reason == "timeout" and streamed_texts(chunks)[0]
     wait_all_free(servers["slow"])
 
