@@ -129,9 +129,9 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     saved += [(engine, n, timed_method(engine, n, f"engine.{n}")) for n in ("step", "_launch", "_finish")]
     saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
     # inside runner.launch and runner.complete
-    saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_plan", "_sample", "_penalized_greedy",
+    saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_plan", "_sample", "_choose",
                                                                                     "_finish_launch")]
-    saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device")]
+    saved += [(runner_mod, n, timed_method(runner_mod, n, f"  {n}")) for n in ("sample", "to_device", "argmax_choice")]
     saved += [(logits_mod, n, timed_method(logits_mod, n, f"  {n}")) for n in ("apply_penalties",)]
     saved += [(runner.counts, "add", timed_method(runner.counts, "add", "  TokenCounts.add"))]
     build = logits_mod.StepControls.build

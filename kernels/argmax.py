@@ -1,4 +1,5 @@
-"""Greedy sampling on the device: the column of each row's largest logit.
+"""The choice of each row's token on the device: the column of its largest logit (greedy), of its
+largest logit plus Gumbel noise (sampled), among the columns a grammar allows.
 
 Contract (semantics = ``kernels.reference.argmax_ref``, i.e. torch.argmax over the first num_cols
 columns):
@@ -18,6 +19,20 @@ columns):
             choice is counted: counts[slot, out[row]] += 1. Slots distinct. The tables are read
             only for rows with a slot and through their addresses, so a CUDA graph captured with
             this launch keeps working when the tables are allocated or grown later.
+
+  noise     optional (inv_temperature, seeds, positions) (semantics = ``kernels.reference.
+            sampled_argmax_ref``): [>= num_rows] float32, int64, int32/int64, contiguous. A row with
+            inv_temperature > 0 samples: it chooses argmax(x * inv_temperature + g) in float32, x its
+            (penalized) logits, g the Gumbel noise of (seed, position, column)
+            (kernels/sampling_noise.py); a row with 0 is greedy.
+  mask      optional (bits, live, covered), a grammar's token masks in kernels/grammar_mask.py's
+            layout: a row with live[r] != 0 chooses among the columns < covered whose bit is set
+            (the others count as -inf, after the NaN rule and the noise); a row that allows
+            nothing gets 0, as an all -inf row does.
+
+Why sampling here: Gumbel-max makes a sampled row's choice an argmax, so a batch of sampled rows
+costs the same two launches as a greedy one (no softmax, no [rows, vocab] temporaries, no launch
+per seeded row), and a captured graph can sample.
 
 Why the penalties here: penalized greedy decoding then costs the decode graph no launch and little
 time (a penalized row's chunks read its counts and prompt flags beside its logits, in parallel
@@ -40,6 +55,7 @@ import triton
 import triton.language as tl
 
 from kernels.penalties import penalize
+from kernels.sampling_noise import gumbel_noise
 from kernels.scratch import scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -49,7 +65,8 @@ _BIG = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def _chunk_kernel(x_ptr, val_ptr, idx_ptr, num_cols, stride_row, num_chunks, slots_ptr, tables_ptr,
-                  CHUNK: tl.constexpr, PENALTY: tl.constexpr):
+                  inv_temp_ptr, seeds_ptr, positions_ptr, bits_ptr, words, live_ptr, covered,
+                  CHUNK: tl.constexpr, PENALTY: tl.constexpr, NOISE: tl.constexpr, MASK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -66,6 +83,14 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, num_cols, stride_row, num_chunks, slo
             x = penalize(x, c, p, tl.load(penalties_ptr + slot * 3), tl.load(penalties_ptr + slot * 3 + 1),
                          tl.load(penalties_ptr + slot * 3 + 2))
     x = tl.where(x != x, float("inf"), x)  # NaN
+    if NOISE:
+        inv_t = tl.load(inv_temp_ptr + row)
+        if inv_t > 0:  # a sampled row: Gumbel-max
+            x = x * inv_t + gumbel_noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), cols)
+    if MASK:
+        if tl.load(live_ptr + row, volatile=True) != 0:
+            word = tl.load(bits_ptr + row * words + cols // 32, mask=cols < covered, other=0, volatile=True)
+            x = tl.where(((word >> (cols % 32)) & 1) != 0, x, float("-inf"))
     m = tl.max(x, axis=0)
     first = tl.min(tl.where((x == m) & ok, cols, _BIG), axis=0)  # an all -inf chunk: its first column
     tl.store(val_ptr + row * num_chunks + chunk, m)
@@ -91,20 +116,36 @@ def _merge_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, num_cols, slots_ptr, ta
 
 
 def argmax_rows(logits: torch.Tensor, num_cols: int, out: torch.Tensor | None = None,
-                penalty: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                penalty: tuple[torch.Tensor, torch.Tensor] | None = None,
+                noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                mask: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """out[r] = argmax(logits[r, :num_cols]) for every row, penalized where `penalty` gives the row a
-    slot. See the module docstring."""
+    slot, sampled where `noise` gives it a temperature, among the allowed columns where `mask` has
+    the row live. See the module docstring."""
     rows = logits.shape[0]
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [rows, cols], columns contiguous"
     assert 1 <= num_cols <= logits.shape[1]
     if out is None:
         out = torch.empty(rows, device=logits.device, dtype=torch.int64)
     assert out.shape == (rows,) and out.dtype in (torch.int32, torch.int64) and out.is_contiguous()
-    slots = tables = out  # placeholders the kernels never read without PENALTY
+    slots = tables = inv_temp = seeds = positions = bits = live = out  # placeholders never read when off
+    words = covered = 0
     if penalty is not None:
         slots, tables = penalty
         assert slots.shape == (rows,) and slots.dtype == torch.int32 and slots.is_contiguous()
         assert tables.shape == (3,) and tables.dtype == torch.int64
+    if noise is not None:
+        inv_temp, seeds, positions = noise
+        assert inv_temp.dtype == torch.float32 and inv_temp.is_contiguous() and inv_temp.shape[0] >= rows
+        assert seeds.dtype == torch.int64 and seeds.is_contiguous() and seeds.shape[0] >= rows
+        assert positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
+        assert positions.shape[0] >= rows
+    if mask is not None:
+        bits, live, covered = mask
+        assert bits.dtype == torch.int32 and bits.is_contiguous() and bits.shape[0] >= rows
+        assert bits.shape[1] * 32 >= min(covered, num_cols) and 0 <= covered
+        assert live.dtype == torch.int32 and live.is_contiguous() and live.shape[0] >= rows
+        words = bits.shape[1]
     if rows == 0:
         return out
     chunk = 256 if _INTERPRET else CHUNK  # the interpreter runs programs one by one: any size is slow
@@ -113,9 +154,11 @@ def argmax_rows(logits: torch.Tensor, num_cols: int, out: torch.Tensor | None = 
     val = scratch(("argmax-max", dev), rows * chunks, torch.float32, dev)
     idx = scratch(("argmax-col", dev), rows * chunks, torch.int32, dev)
     on = penalty is not None
-    # No multiply-add contraction: the penalties round as their torch reference does.
-    _chunk_kernel[(rows, chunks)](logits, val, idx, num_cols, logits.stride(0), chunks, slots, tables, CHUNK=chunk,
-                                  PENALTY=on, num_warps=1 if _INTERPRET else 4, enable_fp_fusion=False)
+    # No multiply-add contraction: the penalties and the temperature round as their torch references do.
+    _chunk_kernel[(rows, chunks)](logits, val, idx, num_cols, logits.stride(0), chunks, slots, tables,
+                                  inv_temp, seeds, positions, bits, words, live, covered, CHUNK=chunk,
+                                  PENALTY=on, NOISE=noise is not None, MASK=mask is not None,
+                                  num_warps=1 if _INTERPRET else 4, enable_fp_fusion=False)
     _merge_kernel[(rows,)](val, idx, out, chunks, num_cols, slots, tables,
                            CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), PENALTY=on, num_warps=1)
     return out

@@ -129,6 +129,67 @@ def argmax_ref(logits, num_cols):
     return torch.where(x.isnan(), float("inf"), x).argmax(dim=-1)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of m * x for a constant m < 2**32 and int64 x in [0, 2**32), in
+    int64 arithmetic (the product needs 64 unsigned bits): x split into 16-bit halves."""
+    lo_part = m * (x & 0xFFFF)  # < 2**48
+    hi_part = m * (x >> 16)  # < 2**48
+    t = lo_part + ((hi_part & 0xFFFF) << 16)
+    return (hi_part >> 16) + (t >> 32), t & _MASK32
+
+
+def philox4x32_ref(counter: tuple, key: tuple, rounds: int = 10) -> tuple:
+    """Philox-4x32 (Random123): four counter words and two key words (int64 tensors or ints in
+    [0, 2**32)) -> four output words (int64 tensors)."""
+    from kernels.sampling_noise import M0, M1, W0, W1
+
+    m0, m1, w0, w1 = M0.value, M1.value, W0.value, W1.value
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(m0, c0)
+        hi1, lo1 = _mulhilo(m1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + w0) & _MASK32, (k1 + w1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_word_ref(seeds: torch.Tensor, positions: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """kernels/sampling_noise.py `philox_word` for each row: [rows, num_cols] int64 in [0, 2**32)."""
+    from kernels.sampling_noise import ROUNDS
+
+    seeds = seeds.to(torch.int64)[:, None]
+    c0 = torch.arange(num_cols, device=seeds.device, dtype=torch.int64)[None, :].expand(len(seeds), -1)
+    c1 = (positions.to(device=seeds.device, dtype=torch.int64)[:, None] & _MASK32).expand_as(c0)
+    zero = torch.zeros_like(c0)
+    return philox4x32_ref((c0, c1, zero, zero), (seeds & _MASK32, (seeds >> 32) & _MASK32), ROUNDS.value)[0]
+
+
+def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """kernels/sampling_noise.py's noise [rows, num_cols] float32."""
+    u = ((philox_word_ref(seeds, positions, num_cols) >> 9).float() + 0.5) * (1.0 / 8388608.0)
+    return -torch.log(-torch.log(u))
+
+
+def sampled_argmax_ref(logits: torch.Tensor, num_cols: int, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+    """kernels/argmax.py with `noise`: each row with inv_temperature > 0 takes
+    argmax(logits * inv_temperature + Gumbel noise), the others the plain argmax (NaN as +inf
+    before either). Also the CPU path of server/worker/sampler.py."""
+    x = logits[:, :num_cols].float()
+    x = torch.where(x.isnan(), float("inf"), x)
+    inv_t = inv_temperature.to(device=x.device, dtype=torch.float32)
+    hot = (inv_t > 0).nonzero().flatten()
+    if len(hot):
+        g = gumbel_noise_ref(seeds.to(x.device)[hot], positions.to(x.device)[hot], num_cols)
+        x = x.clone()
+        x[hot] = x[hot] * inv_t[hot, None] + g
+    return x.argmax(dim=-1)
+
+
 def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                         in_prompt: torch.Tensor, penalties: torch.Tensor) -> None:
     """vLLM's repetition, frequency and presence penalties on logits[rows] (fp32, in place), from
@@ -144,14 +205,16 @@ def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, slots: torch.T
 
 
 def penalized_argmax_ref(logits: torch.Tensor, num_cols: int, slots: torch.Tensor, counts: torch.Tensor,
-                         in_prompt: torch.Tensor, penalties: torch.Tensor, out: torch.Tensor) -> None:
-    """Greedy choice with penalties (kernels/argmax.py argmax_rows with `penalty`, which takes the
+                         in_prompt: torch.Tensor, penalties: torch.Tensor, out: torch.Tensor,
+                         noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The choice with penalties (kernels/argmax.py argmax_rows with `penalty`, which takes the
     tables by address): out[r] = argmax_ref of row r after apply_penalties_ref where slots[r] >= 0
-    (then counts[slots[r], out[r]] += 1), of the raw row elsewhere."""
+    (then counts[slots[r], out[r]] += 1), of the raw row elsewhere; with `noise` (inv_temperature,
+    seeds, positions), sampled_argmax_ref's choice of those rows instead."""
     x = logits[:, :num_cols].to(torch.float32, copy=True)
     rows = (slots >= 0).nonzero().flatten()
     apply_penalties_ref(x, rows, slots[rows].long(), counts, in_prompt, penalties)
-    ids = argmax_ref(x, num_cols)
+    ids = argmax_ref(x, num_cols) if noise is None else sampled_argmax_ref(x, num_cols, *noise)
     out.copy_(ids.to(out.dtype))
     counts[slots[rows].long(), ids[rows]] += 1
 

@@ -9,13 +9,14 @@ size. Padding rows write their K/V nowhere (slot -1) and attend to one token of 
 The static inputs are views of one device buffer with two pinned host mirrors used in turn (see
 server/worker/inputs.py for why two), so a step's inputs travel in a single host-to-device copy. A token
 whose id is still on the device (asynchronous scheduling) is taken inside the graph from the last
-step's sampled ids: input id -1 - r names row r there. The graphs end with the greedy choice of
-every row (kernels/argmax.py): the decode graph writes it straight into the sampled ids, so a
-greedy step needs nothing launched after the replay but the copy of its ids to the host. Greedy
-rows whose only control is penalties choose in the graph too: a static input names each row's
-token-count slot (-1 for none), and the argmax penalizes and counts those rows (kernels/argmax.py
-`penalty`, which reads the count tables through their addresses, so that the tables may be
-allocated and grown after capture).
+step's sampled ids: input id -1 - r names row r there. The graphs end with the choice of every
+row (kernels/argmax.py): the decode graph writes it straight into the sampled ids, so a step whose
+rows need nothing but that argmax launches nothing after the replay but the copy of its ids to the
+host. Static inputs make that choice cover sampling and penalties too (`ArgmaxChoice`): each row's
+1/temperature (0: greedy) and noise key, sampled by Gumbel-max with the row's position as the
+noise counter (kernels/sampling_noise.py), and its token-count slot (-1 for none), with which the
+argmax penalizes and counts the row (kernels/argmax.py `penalty`, which reads the count tables
+through their addresses, so that the tables may be allocated and grown after capture).
 
 Prefill steps are captured too (`PrefillGraphs`), for a ladder of token counts up to 2048 and at
 most PREFILL_GRAPH_SEQS chunks: run eagerly, a prefill step's ~150 launches cost a few
@@ -38,6 +39,7 @@ from kernels.argmax import argmax_rows
 from models import CausalLM, KVCaches, StepRows
 from server.worker.inputs import ScheduledChunk, Staging, align16, fill_rows, pack_prefills
 from server.worker.logits import TokenCounts
+from server.worker.steps import ArgmaxChoice
 
 log = logging.getLogger("flashpage.graphs")
 
@@ -78,42 +80,65 @@ class DecodeGraphs:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.sizes = batch_ladder(max_batch)
         b = align16(max_batch)  # section length: every view starts 16-byte aligned
-        # Layout: input_ids | positions | slot_mapping | context_lens | penalty slots | block_tables (b x max_blocks)
-        self.staging = Staging(b * (5 + max_blocks), device)
-        self._views = lambda buf: (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b],
-                                   buf[4 * b : 5 * b], buf[5 * b :].reshape(b, max_blocks))
+        # Layout: input_ids | positions | slot_mapping | context_lens | penalty slots | 1/temperature
+        # (float32) | noise keys (int64, two words each) | the deferred choice's penalty slots |
+        # its 1/temperature (float32) | block_tables (b x max_blocks)
+        self.staging = Staging(b * (10 + max_blocks), device)
+        self._b = b
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Per host buffer: the version of the page table each row holds a copy of (kvcache.SeqBlocks:
         # a version names one page table's contents, whichever sequence it belongs to).
         self._copied = [[0] * b for _ in self.staging.hosts]
 
+    def _views(self, buf):
+        """(ids, positions, slots, context_lens, penalty slots, 1/temperature, noise keys, block
+        tables, deferred penalty slots, deferred 1/temperature) of a host mirror (numpy) or the
+        device buffer (torch)."""
+        b = self._b
+        f32, i64 = (np.float32, np.int64) if isinstance(buf, np.ndarray) else (torch.float32, torch.int64)
+        return (buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], buf[4 * b : 5 * b],
+                buf[5 * b : 6 * b].view(f32), buf[6 * b : 8 * b].view(i64), buf[10 * b :].reshape(b, self.max_blocks),
+                buf[8 * b : 9 * b], buf[9 * b : 10 * b].view(f32))
+
+    def choice_inputs(self, size: int) -> tuple[torch.Tensor, ...]:
+        """What a deferred choice (server/worker/choice.py ChoiceGraphs) reads for the graph of
+        `size`: (its logits [size, padded vocab], penalty slots, 1/temperature, noise keys, positions)."""
+        _, pos, _, _, _, _, keys, _, dslots, dinv_t = self._views(self.staging.dev)
+        return self.graphs[size][1], dslots[:size], dinv_t[:size], keys[:size], pos[:size]
+
+    def size_for(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
     def _forward(self, n: int) -> torch.Tensor:
-        ids, pos, slots, ctx, pslots, bt = self._views(self.staging.dev)
+        ids, pos, slots, ctx, pslots, inv_t, keys, bt, _, _ = self._views(self.staging.dev)
         meta = self.model.attention.metadata(StepRows(slots[:n], 0, context_lens=ctx[:n], decode_block_tables=bt[:n]))
         logits = self.model.lm_head(self.model.forward(ids[:n], pos[:n], self.kv_caches, meta, sampled_ids=self.last_ids))
-        # Greedy rows with penalties are penalized in the argmax and count their choice: penalized
-        # decoding adds no launch to a step (a row without reads one slot more).
-        argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n], penalty=(pslots[:n], self.counts.addresses))
+        # Sampled and penalized rows choose in the argmax too (penalized rows count their choice):
+        # neither adds a launch to a step; a greedy row without penalties reads two values more.
+        argmax_rows(logits, self.model.vocab_size, out=self.last_ids[:n], penalty=(pslots[:n], self.counts.addresses),
+                    noise=(inv_t[:n], keys[:n], pos[:n]))
         return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
-        ids, _, slots, ctx, pslots, _ = self._views(self.staging.next_host())
-        ids[:], slots[:], ctx[:], pslots[:] = 0, -1, 1, -1
+        ids, _, slots, ctx, pslots, inv_t, keys, _, dslots, dinv_t = self._views(self.staging.next_host())
+        ids[:], slots[:], ctx[:], pslots[:], inv_t[:], keys[:], dslots[:], dinv_t[:] = 0, -1, 1, -1, 0.0, 0, -1, 0.0
         self.staging.upload(non_blocking=False)
         self.graphs = capture_ladder(self.sizes, self._forward, self.device)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def run(self, decodes: list[ScheduledChunk], block_size: int, penalty_slots: list[int] | None = None) -> torch.Tensor:
+    def run(self, decodes: list[ScheduledChunk], block_size: int, choice: ArgmaxChoice | None = None,
+            deferred: ArgmaxChoice | None = None) -> torch.Tensor:
         """Fill the static inputs for these decode items and replay: raw logits [len(decodes), padded
-        vocab] come back, and the greedy ids are in last_ids[:len(decodes)]. `penalty_slots`: per
-        row, its TokenCounts slot where the row is greedy with penalties only (-1 elsewhere): those
-        rows' ids are the penalized argmax, and their counts are updated."""
+        vocab] come back, and each row's choice is in last_ids[:len(decodes)]: the greedy one, or
+        where `choice` is given (its first len(decodes) rows), the one it describes (penalized rows
+        counted). `deferred`: a choice made after the replay (a constrained step's), whose inputs
+        ride along for choice_inputs."""
         n = len(decodes)
-        size = next(s for s in self.sizes if s >= n)
-        ids, pos, slots, ctx, pslots, bt = self._views(self.staging.next_host())
+        size = self.size_for(n)
+        ids, pos, slots, ctx, pslots, inv_t, keys, bt, dslots, dinv_t = self._views(self.staging.next_host())
         # Page-table rows are copied only where this host buffer holds another version than the
         # row's sequence now has: in steady decoding a row changes once per block_size steps, and
         # copying every row every step (~10k ids at batch 256) took most of this method.
@@ -132,8 +157,15 @@ class DecodeGraphs:
         p = pos[:n]
         slots[:n] = bt[np.arange(n), p // block_size] * block_size + p % block_size  # kvcache.slot_of
         ctx[:n] = p + 1
-        pslots[:n] = -1 if penalty_slots is None else penalty_slots
-        slots[n:size], ctx[n:size], ids[n:size], pos[n:size], pslots[n:size] = -1, 1, 0, 0, -1
+        if choice is None:
+            pslots[:n], inv_t[:n] = -1, 0.0
+        else:
+            pslots[:n], inv_t[:n], keys[:n] = choice.penalty_slots[:n], choice.inv_temperature[:n], choice.keys[:n]
+        if deferred is not None:
+            dslots[:n], dinv_t[:n] = deferred.penalty_slots[:n], deferred.inv_temperature[:n]
+            keys[:n] = deferred.keys[:n]
+            dslots[n:size], dinv_t[n:size] = -1, 0.0  # padding rows: nothing counted
+        slots[n:size], ctx[n:size], ids[n:size], pos[n:size], pslots[n:size], inv_t[n:size] = -1, 1, 0, 0, -1, 0.0
         bt[n:size, 0] = 0
         copied[n:size] = [0] * (size - n)
         self.staging.upload()

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.grammar_mask import apply_grammar, wait_for_flag
-from kernels.reference import argmax_ref, grammar_mask_ref
+from kernels.grammar_mask import wait_for_flag
 
 FILL_TIMEOUT_S = 60.0  # the CPU path's wait for a fill before it fails the step
 
@@ -91,6 +90,10 @@ class GrammarBuffers:
         self.bits = [torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.live = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.flag = GrammarFlag(pinned)
+        # the step each parity's wait is for, written by the host before it queues the wait (which
+        # reads it when it runs: a captured choice reads the step of its replay; see ChoiceGraphs)
+        self.targets = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self._targets_np = self.targets.numpy()
         self.step = 0
 
     def next(self, rows: int) -> GrammarFill:
@@ -104,22 +107,14 @@ class GrammarBuffers:
         cost a round trip each); on the CPU the host buffers, once the fill is waited for."""
         if self.device_bits.device.type != "cuda":
             return fill.bits, fill.live
-        wait_for_flag(fill.flag.value, fill.step)
+        wait_for_flag(fill.flag.value, self.target(fill))
         return (self.device_bits[:rows].copy_(fill.bits, non_blocking=True),
                 self.device_live[:rows].copy_(fill.live, non_blocking=True))
 
-
-def choose_greedy(parts: list[torch.Tensor], bits: torch.Tensor, live: torch.Tensor, covered: int, vocab: int,
-                  last_ids: torch.Tensor) -> None:
-    """Greedy rows with no other control: each live row's allowed argmax into last_ids, one launch
-    per part of the step's logits (the graph already wrote every row's plain argmax there)."""
-    row0 = 0
-    for logits in parts:
-        n = logits.shape[0]
-        b, v, out = bits[row0 : row0 + n], live[row0 : row0 + n], last_ids[row0 : row0 + n]
-        if logits.is_cuda:
-            apply_grammar(logits, vocab, b, v, covered, out=out)
-        else:
-            chosen = argmax_ref(grammar_mask_ref(logits, vocab, b, v, covered), vocab).to(out.dtype)
-            out.copy_(torch.where(v.bool(), chosen, out))
-        row0 += n
+    def target(self, fill: GrammarFill) -> torch.Tensor:
+        """The wait target of the fill's parity, set to its step (a [1] view for the wait kernel).
+        Step k's wait has run before the host queues step k + 2's: the host queues that one after
+        collecting step k + 1, whose ids come after step k's choice."""
+        k = fill.step % 2
+        self._targets_np[k] = fill.step
+        return self.targets[k : k + 1]

@@ -13,21 +13,22 @@ model's attention backend for metadata and warm-up.
 from __future__ import annotations
 
 import operator
+import random
 
 import numpy as np
 import torch
 
 from kernels.argmax import argmax_rows
 from kernels.flash_prefill import config_bounds
-from kernels.reference import penalized_argmax_ref
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
-from server.worker.grammar_rows import GrammarBuffers, GrammarFill, choose_greedy
+from server.worker.choice import ChoiceGraphs, argmax_choice
+from server.worker.grammar_rows import GrammarBuffers, GrammarFill
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts, to_device
-from server.worker.sampler import log_softmax, sample, top_logprobs
+from server.worker.sampler import log_softmax, noise_keys, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
-from server.worker.steps import RowsPlan, StepHandle, StepResult
+from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
 
 class ModelRunner:
@@ -48,7 +49,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None
-        self.generators: dict[str, torch.Generator] = {}
+        self.rng = random.Random()  # the noise keys of unseeded sampled rows (kernels/sampling_noise.py)
         self.on_cuda = device.type == "cuda"
         # The last step's sampled ids stay here, on the device, for the next step's placeholders.
         self.last_ids = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
@@ -61,6 +62,7 @@ class ModelRunner:
         self.last_plan: RowsPlan | None = None  # the last step's rows and how they choose: see _plan
         self.grammar_vocab = 0  # the tokenizer's vocabulary, which grammar masks cover (the engine sets it)
         self.grammar: GrammarBuffers | None = None  # made by the first constrained step
+        self.choice_graphs: ChoiceGraphs | None = None  # likewise, where decode graphs run
         self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
 
     # -- start-up -----------------------------------------------------------------------------
@@ -80,7 +82,7 @@ class ModelRunner:
         pos = np.concatenate([np.arange(k) for k in lens]) % self.model.spec.max_position_embeddings
         ids, pos, rows = self._prefill_rows(pos, lens, [0] * len(lens), np.zeros((len(lens), 1)))
         hidden = self._run(caches, ids, pos, rows)
-        sample(self.model.lm_head(hidden[:seqs])[:, : self.model.vocab_size].float(), [], [])
+        sample(self.model.lm_head(hidden[:seqs])[:, : self.model.vocab_size].float(), [], [], [])
         torch.cuda.synchronize(self.device)
         del caches, hidden
         return torch.cuda.max_memory_allocated(self.device)
@@ -156,29 +158,37 @@ class ModelRunner:
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens.
 
         Rows (the sequences that sample) are ordered decodes first, then prefill chunks. Every path
-        writes each row's greedy choice into `last_ids` on the device (the CUDA graphs include the
-        argmax); only a step with a row that samples otherwise, wants logprobs or has its logits
-        edited (penalties, logit_bias, min_tokens: server/worker/logits.py) runs the sampler. A step
-        with a grammar-constrained row carries a `GrammarFill` and returns after the forward: the
-        engine hands the fill to its grammar job, then calls `complete` (server/worker/grammar_rows.py)."""
+        writes each row's argmax into `last_ids` on the device (the CUDA graphs include it), which is
+        the whole choice of rows with only temperature and penalties (the plan's ArgmaxChoice; the
+        decode graph samples and penalizes); only a step with a row that asks for top-k/top-p or
+        logprobs, or whose logits are edited otherwise (logit_bias, min_tokens: server/worker/logits.py),
+        runs the general sampler. A step with a grammar-constrained row carries a `GrammarFill` and
+        returns after the forward: the engine hands the fill to its grammar job, then calls
+        `complete` (server/worker/grammar_rows.py, server/worker/choice.py)."""
         self._resolve()  # on the CPU, the last step's constrained choice: this forward reads its ids
         with torch.inference_mode():
             rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
             # Planned before the forward: a new penalized row's count slot is set up first, and
-            # the decode graph chooses penalized greedy rows itself (penalty_slots).
+            # the decode graph makes the plan's choice itself where it can (plan.choice).
             plan = None if all(s.plain for s in rows) else self._plan(rows)
-            slots = plan.penalty_slots if plan is not None else None
-            chosen = 0  # rows whose penalized choice the decode graph made
+            # (not a constrained step's: its masks come after the forward, and a penalized row's
+            # choice must not be counted before the grammar has had its say)
+            choice = plan.choice if plan is not None and not plan.structured else None
+            chosen = 0  # rows whose choice the decode graph made
+            graph_size = 0
             if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
                 # is highest.
-                parts = [self.graphs.run(decodes, self.block_size, slots[:n_dec] if slots is not None else None)]
+                deferred = plan.choice if plan is not None and plan.structured else None
+                parts = [self.graphs.run(decodes, self.block_size, choice, deferred)]
                 chosen = n_dec
                 if prefills:
                     parts.append(self._prefill(prefills, n_dec))
+                elif deferred is not None:  # the choice after the fill can replay a graph (ChoiceGraphs)
+                    graph_size = self.graphs.size_for(n_dec)
             elif not decodes:
                 parts = [self._prefill(prefills, 0)]
             else:
@@ -190,14 +200,22 @@ class ModelRunner:
             parts = [p for p in parts if p is not None]
             if plan is not None:
                 handle.controls = plan.controls
+                # each row's position: its last input token's (the sampler's noise counter)
+                handle.positions = ([it.start + it.num_tokens - 1 for it in decodes]
+                                    + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
                 if plan.structured:
                     if self.grammar is None:
                         self.grammar = GrammarBuffers(self.max_num_seqs, self.grammar_vocab, self.device)
+                        if self.graphs is not None:
+                            self.choice_graphs = ChoiceGraphs(self.graphs, self.grammar, self.last_ids, self.counts,
+                                                              self.model.vocab_size)
                     handle.grammar = self.grammar.next(len(rows))
+                    handle.graph_size = graph_size
                     handle.parts, handle.plan = parts, plan
                     return handle
-                if slots is not None:
-                    self._penalized_greedy(handle, parts, plan, chosen)
+                if choice is not None:
+                    argmax_choice(parts, choice, handle.positions, chosen, self.last_ids, self.counts,
+                                  self.model.vocab_size)
                 else:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
@@ -221,36 +239,18 @@ class ModelRunner:
             controls = StepControls.build(params, sampled, [s.request_id for s in rows],
                                           [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device)
         structured = any(p.structured is not None for p in params)
-        # (not with a grammar: the graph's penalized choice would count a token the grammar may overrule)
-        penalties_only = (controls is not None and controls.penalty is not None and controls.bias is None
-                          and controls.masked is None and not structured
-                          and all(p.greedy and p.logprobs is None for p in params))
-        slots = [self.counts.slots.get(s.request_id, -1) if p.penalized else -1
-                 for s, p in zip(rows, params)] if penalties_only else None
-        plain_choice = (controls is None or controls.empty) and all(p.greedy and p.logprobs is None for p in params)
-        plan = RowsPlan(list(rows), controls, structured=structured, grammar_greedy=structured and plain_choice,
-                        penalty_slots=slots)
+        # The argmax kernel's own choice: temperature, noise, penalties and a grammar's masks, but no
+        # other control, no top-k/top-p (a sort), no logprobs.
+        choice = None
+        if ((controls is None or (controls.bias is None and controls.masked is None))
+                and all(p.logprobs is None and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)) for p in params)):
+            choice = ArgmaxChoice([self.counts.slots.get(s.request_id, -1) if p.penalized else -1
+                                   for s, p in zip(rows, params)],
+                                  [0.0 if p.greedy else 1.0 / p.temperature for p in params],
+                                  noise_keys(params, self.rng))
+        plan = RowsPlan(list(rows), controls, structured=structured, choice=choice)
         self.last_plan = None if pending else plan
         return plan
-
-    def _penalized_greedy(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, chosen: int) -> None:
-        """A greedy step whose only logits control is penalties (penalized decoding's usual step).
-        The decode graph chose its rows (the first `chosen`) penalized; the rest (all of an eager
-        step, or a prefill chunk's first token beside graphed decodes) take the same penalized
-        argmax here, one pair of launches: the ids the general sampler would choose, counted."""
-        n = len(handle.rows)
-        if chosen < n:
-            logits = parts[-1] if chosen else parts[0]  # the prefill part, or the whole eager step
-            if plan.penalty_slots_dev is None:
-                plan.penalty_slots_dev = to_device(plan.penalty_slots, torch.int32, self.device)
-            row_slots = plan.penalty_slots_dev[chosen:n]
-            out = self.last_ids[chosen:n]
-            c = self.counts
-            if self.on_cuda:
-                argmax_rows(logits, self.model.vocab_size, out=out, penalty=(row_slots, c.addresses))
-            else:
-                penalized_argmax_ref(logits, self.model.vocab_size, row_slots, c.counts, c.in_prompt, c.penalties, out)
-        self.counts.updated()
 
     def complete(self, handle: StepHandle) -> StepHandle:
         """Choose a constrained step's tokens from the masks its GrammarFill will hold. Called once
@@ -287,9 +287,13 @@ class ModelRunner:
             self.release(request_id)
 
     def _choose(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, fill: GrammarFill) -> None:
+        if plan.choice is not None and handle.graph_size:
+            self.choice_graphs.run(handle.graph_size, fill)
+            return
         bits, live = self.grammar.masks(fill, len(handle.rows))
-        if plan.grammar_greedy:
-            choose_greedy(parts, bits, live, self.grammar.covered, self.model.vocab_size, self.last_ids)
+        if plan.choice is not None:
+            argmax_choice(parts, plan.choice, handle.positions, 0, self.last_ids, self.counts, self.model.vocab_size,
+                          (bits, live, self.grammar.covered))
         else:
             self._sample(handle, parts, GrammarMask(bits, live, self.grammar.covered))
 
@@ -317,9 +321,9 @@ class ModelRunner:
             # the step's own fp32 copy, or a view of a graph's output buffer the next replay rewrites).
             logits = raw.clone() if any(w is not None for w in want) else raw
             (c or StepControls()).apply(logits, self.counts, grammar)
-        gens = [self._generator(s.request_id, s.params.seed) for s in rows]
         invariant = self.model.deterministic
-        ids, _ = sample(logits, [s.params for s in rows], gens, invariant=invariant)
+        params = [s.params for s in rows]
+        ids, _ = sample(logits, params, noise_keys(params, self.rng), handle.positions, invariant=invariant)
         logprobs = None
         if any(w is not None for w in want):  # per-row bits independent of the batch where asked
             logprobs = log_softmax(raw, invariant)
@@ -394,17 +398,8 @@ class ModelRunner:
             top.append([(ids[j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + w], r[1 + k : 1 + k + w])])
         return StepResult(ids, top, prompt)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return gen
-
     def release(self, request_id: str) -> None:
         if self.pending is not None and any(s.request_id == request_id for s in self.pending[0].rows):
-            self.pending[0].released.append(request_id)  # its pending choice would make the generator again
+            self.pending[0].released.append(request_id)  # its pending choice would count its token again
             return
-        self.generators.pop(request_id, None)
         self.counts.release(request_id)

@@ -1,14 +1,20 @@
 """The batched sampler (runs on the logits' device).
 
-Rows with a seed draw their randomness from their own generator, so a seeded request gives the
-same tokens whatever else shares its batch. Everything else is sampled in one batched pass.
+A sampled row's randomness is Gumbel noise keyed by its seed and counted by its position
+(kernels/sampling_noise.py): a seeded request gives the same tokens whatever else shares its
+batch, and the whole batch (greedy rows, seeded and unseeded sampled rows) chooses in one argmax
+launch pair (kernels/argmax.py `noise`); on the CPU, its reference.
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from kernels.argmax import argmax_rows
 from kernels.log_softmax import log_softmax_rows
+from kernels.reference import sampled_argmax_ref
 
 from server.sampling_params import SamplingParams
 from server.worker.logits import to_device
@@ -42,6 +48,19 @@ def top_logprobs(logprobs: torch.Tensor, k: int, invariant: bool) -> tuple[torch
     return logprobs.gather(-1, ids), ids
 
 
+def noise_keys(params: list[SamplingParams], rng: random.Random) -> list[int]:
+    """Each row's noise key (kernels/sampling_noise.py): a seeded row's seed as an int64 (seed +
+    choice may pass 2**63 - 1), else one drawn from `rng` now (a row's position makes each step's
+    draw fresh, so a key may be kept while its rows run)."""
+    base = rng.getrandbits(62)
+    return [_int64(p.seed) if p.seed is not None else base + j for j, p in enumerate(params)]
+
+
+def _int64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                         invariant: bool = False) -> torch.Tensor:
     """logits [n, V] fp32; top_k [n] int (0 = off); top_p [n] float. Masks dropped tokens to -inf.
@@ -61,38 +80,39 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
     want_logprobs: bool = False, invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, V] fp32 -> (token ids [n] int64, log-probabilities [n, V] of the model's raw
-    distribution, or None unless asked for). Everything stays on the logits' device. `invariant`
-    (the deterministic mode): the sampling distribution comes from kernels/log_softmax.py, whose
-    rows' bits do not depend on their place in the batch (torch's softmax's do)."""
+    distribution, or None unless asked for). Row r's noise is keyed by seeds[r] and counted by
+    positions[r], the position of the token whose logits it holds (greedy rows ignore both).
+    Everything stays on the logits' device. `invariant` (the deterministic mode): top-p's nucleus
+    from kernels/log_softmax.py, whose rows' bits do not depend on their place in the batch (torch's
+    softmax's do); the choice itself is per row in any mode."""
     n = logits.shape[0]
     logprobs = log_softmax(logits, invariant) if want_logprobs else None
-    out = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]  # greedy: temperature < GREEDY_BELOW
-    if not rows:
-        return out, logprobs
+    # greedy: temperature < GREEDY_BELOW; sampled ones are >= it, so the scaled logits stay finite
+    inv_t = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
     dev = logits.device
-    idx = to_device(rows, torch.long, dev)
-    # Sampled rows have temperature >= GREEDY_BELOW (the rest are greedy, above), so the division
-    # below stays finite for any finite logits a model produces.
-    temp = to_device([params[i].temperature for i in rows], torch.float32, dev)
-    scaled = logits[idx] / temp[:, None]
-    # The filter sorts every row over the whole vocabulary (milliseconds a step at 256 rows of a
-    # 152k vocabulary): only when some row asks for top-k or top-p.
-    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
-        top_k = to_device([params[i].top_k for i in rows], torch.long, dev)
-        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p, invariant)
-    probs = softmax(scaled, invariant)
-    # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals multinomial, and lets each
-    # seeded row take its noise from its own generator.
-    noise = torch.empty_like(probs).exponential_()
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            noise[j] = torch.empty(probs.shape[1], device=dev).exponential_(generator=generators[i])
-    out[idx] = (probs / noise).argmax(dim=-1)
+    if not any(inv_t):
+        out = logits.argmax(dim=-1)
+        return out, logprobs
+    filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)]
+    if filtered:
+        # The filter sorts every row over the whole vocabulary (milliseconds a step at 256 rows of a
+        # 152k vocabulary): only when some row asks for top-k or top-p. Its rows are scaled here.
+        idx = to_device(filtered, torch.long, dev)
+        scaled = logits[idx] * to_device([inv_t[i] for i in filtered], torch.float32, dev)[:, None]
+        top_k = to_device([params[i].top_k for i in filtered], torch.long, dev)
+        top_p = to_device([params[i].top_p for i in filtered], torch.float32, dev)
+        logits = logits.index_put((idx,), _filter_top_k_top_p(scaled, top_k, top_p, invariant))
+        for i in filtered:
+            inv_t[i] = 1.0
+    noise = (to_device(inv_t, torch.float32, dev), to_device(seeds, torch.int64, dev),
+             to_device(positions, torch.int64, dev))
+    if logits.is_cuda:
+        out = argmax_rows(logits, logits.shape[1], noise=noise)
+    else:
+        out = sampled_argmax_ref(logits, logits.shape[1], *noise)
     assert out.shape[0] == n
     return out, logprobs

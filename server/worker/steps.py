@@ -32,6 +32,8 @@ class StepHandle:
     plan: RowsPlan | None = None
     error: Exception | None = None  # choosing the tokens failed: collect() raises it
     released: list[str] = field(default_factory=list)  # CPU: requests ended while the choice was pending
+    positions: list[int] = field(default_factory=list)  # each row's last input position (a step with a plan)
+    graph_size: int = 0  # a constrained step of decodes only: its decode graph's size (ChoiceGraphs)
 
 
 @dataclass(slots=True)
@@ -41,15 +43,27 @@ class RowsPlan:
     rows: list[SeqState]  # the sequences, in row order
     controls: StepControls | None  # None: no row's logits are edited (e.g. logprobs only)
     structured: bool  # a row is grammar-constrained: the step carries a GrammarFill
-    # structured, every row greedy without logprobs, and the grammar the only control: the live rows'
-    # allowed argmax is the whole choice (kernels/grammar_mask.py), no sampler
-    grammar_greedy: bool
-    # Every row greedy without logprobs, and penalties the only control: each row's TokenCounts slot
-    # (-1 for a row without penalties), for the decode graph and _penalized_greedy. Else None.
-    penalty_slots: list[int] | None
-    # penalty_slots on the device, uploaded the first time a step chooses rows after its forward
-    # (an eager step, or a prefill chunk beside graphed decodes); kept with the plan
-    penalty_slots_dev: torch.Tensor | None = None
+    # Every row's choice is the argmax kernel's own (no logprobs, no top-k or top-p, and penalties or
+    # a grammar the only controls): what the decode graph (not for a constrained step: its masks
+    # come after the forward) and server/worker/choice.py choose with. Else None.
+    choice: ArgmaxChoice | None
+
+
+@dataclass(slots=True)
+class ArgmaxChoice:
+    """Per row of a step, what kernels/argmax.py chooses its token with: its TokenCounts slot (-1:
+    no penalties), 1/temperature (0: greedy) and noise key (kernels/sampling_noise.py)."""
+
+    penalty_slots: list[int]
+    inv_temperature: list[float]
+    keys: list[int]
+    # on the device, uploaded the first time a step chooses rows after its forward (an eager step,
+    # or a prefill chunk beside graphed decodes); kept with the plan
+    device: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return any(self.inv_temperature)
 
 
 @dataclass(slots=True)

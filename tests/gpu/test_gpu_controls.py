@@ -76,38 +76,52 @@ def test_asynchronous_scheduling_changes_no_constrained_token():
     assert len(runs[0][4]) >= 15  # min_tokens held the end back
 
 
-def test_penalized_greedy_rows_choose_in_the_graph_what_the_sampler_would():
-    """Greedy rows whose only control is penalties choose inside the decode graph (a prefill
-    chunk's first token beside graphed decodes: the same penalized argmax after it); the same rows with a
-    zero logit_bias (which changes no logit) take the general sampler. 40 rows of mixed prompt
-    lengths under a 64-token step budget, so that prompts finish prefilling while others decode;
-    48 steps each (each step's counts feed the next's penalties): the same tokens either way, and
-    the penalties changed the output. Deterministic mode, so that the two runs' logits are the
-    same bits."""
+def test_argmax_rows_choose_in_the_graph_what_the_sampler_would():
+    """Rows whose choice is the argmax kernel's (greedy or seeded sampled, penalties the only
+    control) choose inside the decode graph (a prefill chunk's first token beside graphed decodes:
+    the same choice after it); the same rows with a zero logit_bias (which changes no logit) take
+    the general sampler. 40 rows of mixed prompt lengths under a 64-token step budget, so that
+    prompts finish prefilling while others decode; 48 steps each (each step's counts feed the
+    next's penalties): the same tokens either way, and the penalties changed the output.
+    Deterministic mode, so that the two runs' logits are the same bits."""
     gpu = LLMEngine(EngineConfig(device="cuda", num_blocks=512, deterministic=True, max_num_batched_tokens=64))
     base = gpu.tokenizer.encode("The the the cat sat on the mat and the")
     prompts = [(base * 12)[: 3 + 7 * i] for i in range(40)]
     kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
-             dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3)] * 10
-    fused = [_params(ignore_eos=True, max_tokens=48, **k) for k in kinds]
-    general = [_params(ignore_eos=True, max_tokens=48, logit_bias={5: 0.0}, **k) for k in kinds]
+             dict(repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3),
+             dict(temperature=0.8), dict(temperature=1.2, presence_penalty=0.9),
+             dict(temperature=0.5, repetition_penalty=1.2, frequency_penalty=0.4), dict()] * 5
+    kinds = [dict(k, seed=i) if k.get("temperature") else k for i, k in enumerate(kinds)]
+    fused = [SamplingParams(**{"temperature": 0, "ignore_eos": True, "max_tokens": 48, **k}) for k in kinds]
+    general = [SamplingParams(**{"temperature": 0, "ignore_eos": True, "max_tokens": 48, "logit_bias": {5: 0.0}, **k})
+               for k in kinds]
     a = [o.token_ids for o in gpu.generate(prompts, fused)]
     b = [o.token_ids for o in gpu.generate(prompts, general)]
     assert a == b
-    plain = [o.token_ids for o in gpu.generate(prompts[:4], [_params(ignore_eos=True, max_tokens=48)] * 4)]
-    assert all(x != y for x, y in zip(a[:4], plain))
+    plain = [o.token_ids for o in gpu.generate(prompts[:8], [_params(ignore_eos=True, max_tokens=48)] * 8)]
+    assert all(a[i] != plain[i] for i in range(7))  # penalized or sampled: not the plain argmax's tokens
+    assert a[7] == plain[7]
     assert gpu.block_manager.check_all_free()
     gpu.close()
 
 
-def test_constrained_greedy_rows_choose_in_one_kernel_what_the_sampler_would(gpu):
-    """Greedy constrained rows with no other control take their allowed argmax in one launch; the
-    same rows with a zero logit_bias (which changes no logit) go through the general sampler with
-    the masks applied in place: the same tokens."""
+def test_constrained_rows_choose_in_one_kernel_what_the_sampler_would(gpu):
+    """Constrained rows whose other controls are at most temperature and penalties take their
+    masked choice in one kernel (replayed from a captured graph in steps of decodes only:
+    server/worker/choice.py); the same rows with a zero logit_bias (which changes no logit) go
+    through the general sampler with the masks applied in place: the same tokens, greedy, seeded
+    sampled, penalized, and beside unconstrained sampled rows."""
     prompts = [gpu.tokenizer.encode(t) for t in ("Value: ", "def main():\n", "A person, as JSON: ", "x")] * 8
     specs = [REGEX, CHOICE, SCHEMA, StructuredOutput("json_object")] * 8
-    a = [o.token_ids for o in gpu.generate(prompts, [_params(structured=s) for s in specs])]
-    b = [o.token_ids for o in gpu.generate(prompts, [_params(structured=s, logit_bias={5: 0.0}) for s in specs])]
+    kinds = [dict(), dict(temperature=0.9), dict(temperature=0.7, presence_penalty=0.8), dict(repetition_penalty=1.3)]
+    params = [dict(structured=s, **kinds[(i + i // 4) % 4]) for i, s in enumerate(specs)]  # each spec, each kind
+    params = [dict(p, seed=i) if p.get("temperature") else p for i, p in enumerate(params)]
+    params[-1] = dict(temperature=1.1, seed=99, ignore_eos=True, max_tokens=30)  # unconstrained, sampled
+
+    def run(**extra):
+        return [o.token_ids for o in gpu.generate(prompts, [SamplingParams(**{"temperature": 0, "max_tokens": 60,
+                                                                               **p, **extra}) for p in params])]
+    a, b = run(), run(logit_bias={5: 0.0})
     assert a == b
     while gpu.has_unfinished():  # a step launched before the last request finished is collected
         gpu.step()

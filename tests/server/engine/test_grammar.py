@@ -216,18 +216,17 @@ def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call():
 
 
 def test_a_request_aborted_while_its_choice_is_pending_leaves_nothing_behind(engine):
-    """CPU: a seeded, sampled constrained request aborted between steps, while its step's choice is
-    still pending (which makes the request's generator): its generator and counts go once the
-    choice has run."""
+    """CPU: a seeded, sampled, penalized constrained request aborted between steps, while its step's
+    choice is still pending (which counts the request's token): its counts go once the choice has run."""
     engine.add_request("gone", prompt(engine), SamplingParams(max_tokens=30, temperature=1.0, seed=3,
                                                               structured=SCHEMA, presence_penalty=0.5))
     engine.step()
     engine.step()
-    assert engine.runner.pending is not None and "gone" in engine.runner.generators
+    assert engine.runner.pending is not None and "gone" in engine.runner.counts.slots
     engine.abort_request("gone")
     while engine.has_unfinished():
         engine.step()
-    assert "gone" not in engine.runner.generators and "gone" not in engine.runner.counts.slots
+    assert "gone" not in engine.runner.counts.slots
     assert engine.runner.pending is None and engine.block_manager.check_all_free()
 
 

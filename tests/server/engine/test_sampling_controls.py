@@ -160,16 +160,18 @@ def test_controls_are_built_again_only_when_the_rows_change(eng, hf, prompts, mo
     assert 2 <= len(built) <= 4
 
 
-def test_greedy_penalized_steps_choose_in_one_pass_and_others_use_the_sampler(eng, hf, prompts, monkeypatch):
-    """Greedy steps whose only control is penalties take the penalized argmax (in the decode graph
-    on a GPU; here, without graphs, server/worker/runner.py _penalized_greedy with its reference),
-    never the general sampler, and still give the reference's tokens and counts (the counts feed
-    the next steps' penalties); a step with a bias or a sampled penalized row takes the sampler."""
+def test_argmax_steps_choose_in_one_pass_and_others_use_the_sampler(eng, hf, prompts, monkeypatch):
+    """Steps whose rows need only the argmax kernel's choice (greedy or sampled, penalties the only
+    control) take it (in the decode graph on a GPU; here, without graphs, server/worker/choice.py
+    argmax_choice with its reference), never the general sampler, and still give the reference's
+    tokens and counts (the counts feed the next steps' penalties); a step with a bias or a top-p
+    row takes the sampler. Seeded sampled rows give the same tokens either way."""
+    import server.worker.choice as choice_mod
     import server.worker.runner as runner_mod
 
     calls = {"fused": 0, "sampler": 0}
-    fused, sampler = runner_mod.penalized_argmax_ref, runner_mod.sample
-    monkeypatch.setattr(runner_mod, "penalized_argmax_ref",
+    fused, sampler = choice_mod.penalized_argmax_ref, runner_mod.sample
+    monkeypatch.setattr(choice_mod, "penalized_argmax_ref",
                         lambda *a, **kw: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a, **kw))
     monkeypatch.setattr(runner_mod, "sample",
                         lambda *a, **kw: calls.__setitem__("sampler", calls["sampler"] + 1) or sampler(*a, **kw))
@@ -183,6 +185,16 @@ def test_greedy_penalized_steps_choose_in_one_pass_and_others_use_the_sampler(en
     sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True, frequency_penalty=1.5)
     eng.generate([prompts[1], prompts[2]], [biased, sampled])
     assert calls == {"fused": 10, "sampler": 4}
+    kinds = [dict(temperature=0.8, seed=5), dict(temperature=1.3, seed=6, presence_penalty=0.9),
+             dict(temperature=0.6, seed=7, repetition_penalty=1.3, frequency_penalty=0.4), dict(temperature=0)]
+    one_pass = eng.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True, **k) for k in kinds])
+    assert calls == {"fused": 22, "sampler": 4}
+    general = eng.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={5: 0.0}, **k)
+                                     for k in kinds])
+    assert calls == {"fused": 22, "sampler": 16}
+    assert [o.token_ids for o in one_pass] == [o.token_ids for o in general]
+    top_p = eng.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, ignore_eos=True))
+    assert calls == {"fused": 22, "sampler": 19} and len(top_p[0].token_ids) == 3
 
 
 def test_logit_bias_forces_and_bans_tokens(eng, prompts):

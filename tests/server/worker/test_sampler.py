@@ -1,4 +1,4 @@
-"""The batched sampler: greedy, top-k/top-p filtering, per-row seeds, logprobs."""
+"""The batched sampler: greedy, top-k/top-p filtering, per-row seeds and positions, logprobs."""
 
 import pytest
 import torch
@@ -17,9 +17,12 @@ def random_logits(n, vocab=50, seed=0):
     return torch.randn(n, vocab, generator=gen(seed)) * 3
 
 
-def draw(logits, params, gens=None, want_logprobs=False):
-    params = params if isinstance(params, list) else [params] * logits.shape[0]
-    ids, lp = sample(logits, params, gens or [None] * len(params), want_logprobs)
+def draw(logits, params, seeds=None, positions=None, want_logprobs=False):
+    """Rows draw independently: distinct seeds unless given."""
+    n = logits.shape[0]
+    params = params if isinstance(params, list) else [params] * n
+    ids, lp = sample(logits, params, list(range(n)) if seeds is None else seeds,
+                     [0] * n if positions is None else positions, want_logprobs)
     assert ids.dtype == torch.int64 and ids.shape == (logits.shape[0],)
     return ids, lp
 
@@ -35,8 +38,8 @@ def test_greedy_rows_are_the_argmax_and_ties_go_to_the_lowest_index():
 def test_greedy_rows_are_untouched_by_sampled_rows_in_the_same_batch():
     logits = random_logits(4)
     params = [GREEDY, SamplingParams(temperature=5.0), GREEDY, SamplingParams(temperature=5.0)]
-    for _ in range(20):
-        ids, _ = draw(logits, params)
+    for pos in range(20):
+        ids, _ = draw(logits, params, positions=[pos] * 4)
         assert ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
 
 
@@ -59,34 +62,38 @@ def test_top_k_samples_only_among_the_k_largest():
     k = 5
     allowed = logits.topk(k, dim=-1).indices
     # A high temperature flattens the distribution, so that masked tokens would be drawn if kept.
-    ids, _ = draw(logits, SamplingParams(temperature=20.0, top_k=k), [gen(i) for i in range(400)])
+    ids, _ = draw(logits, SamplingParams(temperature=20.0, top_k=k))
     assert (allowed == ids[:, None]).any(-1).all()
     assert len(set(ids.tolist())) > 4  # it does sample, not just take the argmax
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
-    ids, _ = draw(logits, SamplingParams(top_p=0.7), [gen(i) for i in range(2000)])
+    ids, _ = draw(logits, SamplingParams(top_p=0.7))
     assert set(ids.tolist()) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 reaches it
 
 
-def test_same_seed_same_ids_wherever_the_row_sits_in_the_batch():
+def test_same_seed_and_position_same_ids_wherever_the_row_sits_in_the_batch():
     vocab = 200
     row = torch.zeros(1, vocab)  # uniform: every draw depends on the noise alone
     seeded = SamplingParams(temperature=1.0, seed=1234)
     other = SamplingParams(temperature=1.0)
 
-    def run(pos, n=5):
-        logits = torch.randn(n, vocab)
-        logits[pos] = row
-        params = [other] * n
-        params[pos] = seeded
-        gens = [None] * n
-        gens[pos] = gen(1234)
-        return [draw(logits, params, gens)[0][pos].item() for _ in range(10)]
+    def run(at, n=5):
+        out = []
+        for pos in range(10):
+            logits = torch.randn(n, vocab)
+            logits[at] = row
+            params = [other] * n
+            params[at] = seeded
+            seeds = [7 * i + pos for i in range(n)]
+            seeds[at] = 1234
+            positions = [pos if i == at else 99 for i in range(n)]
+            out.append(draw(logits, params, seeds, positions)[0][at].item())
+        return out
 
     ref = run(0, n=1)
-    assert len(set(ref)) > 1  # successive draws advance the row's generator
+    assert len(set(ref)) > 5  # each position draws afresh
     assert run(0) == ref and run(2) == ref and run(4) == ref
 
 
@@ -94,11 +101,26 @@ def test_different_seeds_differ_and_equal_seeds_agree():
     n, vocab = 64, 1000
     logits = torch.zeros(n, vocab)
     p = SamplingParams(temperature=1.0)
-    a, _ = draw(logits, p, [gen(1000 + i) for i in range(n)])
-    b, _ = draw(logits, p, [gen(2000 + i) for i in range(n)])
-    c, _ = draw(logits, p, [gen(1000 + i) for i in range(n)])
-    assert (a != b).any()
+    a, _ = draw(logits, p, [1000 + i for i in range(n)])
+    b, _ = draw(logits, p, [2000 + i for i in range(n)])
+    c, _ = draw(logits, p, [1000 + i for i in range(n)])
+    d, _ = draw(logits, p, [1000 + i for i in range(n)], positions=[1] * n)
+    assert (a != b).any() and (a != d).any()
     assert a.tolist() == c.tolist()
+
+
+def test_draws_follow_the_distribution_for_every_kind_of_key():
+    """Gumbel-max over the counter-based noise draws from softmax(logits / T): across seeds (one
+    position), across positions (one seed), and with seeds past 2**32 or negative."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = (probs.log() * 0.7)[None].repeat(6000, 1)
+    p = SamplingParams(temperature=0.7)
+    keys = [list(range(6000)), [5] * 6000, [2**40 + 3 * i for i in range(6000)], [-(i + 1) for i in range(6000)]]
+    positions = [[0] * 6000, list(range(6000)), [17] * 6000, [i % 7 for i in range(6000)]]
+    for seeds, pos in zip(keys, positions):
+        ids, _ = draw(logits, p, seeds, pos)
+        freq = torch.bincount(ids, minlength=5).float() / 6000
+        torch.testing.assert_close(freq, probs, atol=0.02, rtol=0)
 
 
 def test_logprobs_are_of_the_raw_logits_whatever_the_temperature():
@@ -120,7 +142,7 @@ def test_plain_temperature_skips_the_filter_and_keeps_the_distribution(monkeypat
 
     monkeypatch.setattr(sampler, "_filter_top_k_top_p", no_sort)
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(4000, 1)
-    ids, _ = draw(logits * 0.5, SamplingParams(temperature=0.5), [gen(i) for i in range(4000)])
+    ids, _ = draw(logits * 0.5, SamplingParams(temperature=0.5))
     freq = torch.bincount(ids, minlength=3).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
     with pytest.raises(AssertionError, match="filter ran"):
@@ -160,3 +182,20 @@ def test_top_logprobs_ties_lowest_id_first():
     got_v, got_i = top_logprobs(y, 7, invariant=True)
     assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
     assert torch.equal(top_logprobs(y, 7, invariant=False)[1], want_i)
+
+
+def test_noise_keys_are_seeds_as_int64_and_fresh_draws_for_unseeded_rows():
+    """A seeded row's key is its seed (seed + choice past 2**63 - 1 wraps to a negative int64,
+    still distinct); unseeded rows get distinct keys, new ones each call."""
+    import random
+
+    from server.worker.sampler import noise_keys
+
+    rng = random.Random(0)
+    params = [SamplingParams(seed=5), SamplingParams(seed=2**63 - 1), SamplingParams(seed=2**63), SamplingParams(),
+              SamplingParams()]
+    keys = noise_keys(params, rng)
+    assert keys[:3] == [5, 2**63 - 1, -(2**63)]
+    assert keys[3] != keys[4] and all(-(2**63) <= k < 2**63 for k in keys)
+    again = noise_keys(params, rng)
+    assert again[:3] == keys[:3] and again[3:] != keys[3:]
