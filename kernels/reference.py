@@ -133,12 +133,11 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of m * x for a constant m < 2**32 and int64 x in [0, 2**32), in
-    int64 arithmetic (the product needs 64 unsigned bits): x split into 16-bit halves."""
-    lo_part = m * (x & 0xFFFF)  # < 2**48
-    hi_part = m * (x >> 16)  # < 2**48
-    t = lo_part + ((hi_part & 0xFFFF) << 16)
-    return (hi_part >> 16) + (t >> 32), t & _MASK32
+    """(high, low) 32-bit words of m * x for a constant m < 2**32 and int64 x in [0, 2**32). The
+    product needs 64 unsigned bits: int64 multiplication wraps, which keeps the low 64 bits, and
+    the arithmetic shift's sign bits are masked off (Random123's known answers test it)."""
+    p = m * x
+    return (p >> 32) & _MASK32, p & _MASK32
 
 
 def philox4x32_ref(counter: tuple, key: tuple, rounds: int = 10) -> tuple:

@@ -28,6 +28,17 @@ def test_reference_philox_gives_random123s_known_answers(counter, key, want):
     assert tuple(int(w) for w in philox4x32_ref(counter, key)) == want
 
 
+def test_column_words_are_the_first_words_of_their_calls():
+    """Column c of a row is the first word of the call with counter (c, position, 0, 0): seed 0 at
+    position 0, column 0 gives Random123's first known answer; seed -1 (key words 0xFFFFFFFF and
+    0xFFFFFFFF) at the last position, the direct call's first words."""
+    assert int(philox_word_ref(torch.tensor([0]), torch.tensor([0]), 3)[0, 0]) == KATS[0][2][0]
+    seed, position = -1, 0xFFFFFFFF
+    words = philox_word_ref(torch.tensor([seed]), torch.tensor([position]), 40)[0]
+    want = philox4x32_ref((torch.arange(40), position, 0, 0), (0xFFFFFFFF, 0xFFFFFFFF))[0]
+    assert torch.equal(words, want)
+
+
 @triton.jit
 def _noise_kernel(seeds_ptr, positions_ptr, words_ptr, noise_ptr, num_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
