@@ -1,5 +1,6 @@
 """Test helpers shared across the suite (importable as tests.helpers)."""
 
+import contextlib
 import json
 
 
@@ -11,6 +12,35 @@ def sse_events(resp) -> list:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+@contextlib.contextmanager
+def failing_fill(engine, at: int):
+    """The engine's grammar job raises "injected fill failure" on its `at`-th mask fill (the others
+    fill as usual) inside the block; the real fill is back after it."""
+    fill, calls = engine.grammars.fill_bitmask, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise RuntimeError("injected fill failure")
+        return fill(*args, **kwargs)
+
+    engine.grammars.fill_bitmask = failing
+    try:
+        yield
+    finally:
+        engine.grammars.fill_bitmask = fill
+
+
+def run_to_end(engine) -> dict:
+    """Step the engine until nothing is left: the final output of each request, by id."""
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
 
 def _train_tokenizer(path, vocab_size: int) -> None:
     """A small byte-level BPE, so tests need no network; saved in Hugging Face format."""

@@ -11,6 +11,7 @@ import torch
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams, StructuredOutput
+from tests.helpers import failing_fill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -131,19 +132,8 @@ def test_constrained_rows_choose_in_one_kernel_what_the_sampler_would(gpu):
 def test_a_fill_that_fails_does_not_hang_the_device(gpu):
     """The grammar job raises: it still raises the flag the device waits on, the step's requests end
     with "error", and the engine serves on."""
-    fill, calls = gpu.grammars.fill_bitmask, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("injected fill failure")
-        return fill(*args, **kwargs)
-
-    gpu.grammars.fill_bitmask = failing
-    try:
+    with failing_fill(gpu, at=4):
         outs = gpu.generate([gpu.tokenizer.encode("Value: ")] * 3, [_params(structured=SCHEMA)] * 3)
-    finally:
-        gpu.grammars.fill_bitmask = fill
     assert all(o.finish_reason == "error" and "injected fill failure" in o.error for o in outs)
     while gpu.has_unfinished():
         gpu.step()

@@ -12,6 +12,7 @@ from server.config import EngineConfig
 from server.engine import LLMEngine, RequestError
 from server.engine.grammar import choice_grammar
 from server.sampling_params import SamplingParams, StructuredOutput
+from tests.helpers import failing_fill, run_to_end
 
 REGEX = StructuredOutput("regex", r"[a-z]{3,6}-[0-9]{2}")
 CHOICE = StructuredOutput("choice", json.dumps(["red", "green", "blue sky", 'say "hi"']))
@@ -168,22 +169,10 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_schedul
     otherwise wait for ever), the step's requests end with "error", no block leaks, and the next
     constrained requests are served."""
     eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=async_scheduling))
-    fill, calls = eng.grammars.fill_bitmask, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected fill failure")
-        return fill(*args, **kwargs)
-
-    eng.grammars.fill_bitmask = failing
-    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
-    eng.add_request("y", prompt(eng), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    final = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    with failing_fill(eng, at=3):
+        eng.add_request("x", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+        eng.add_request("y", prompt(eng), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        final = run_to_end(eng)
     assert final["x"].finish_reason == "error" and final["y"].finish_reason == "error"
     assert "injected fill failure" in final["x"].error
     assert eng.block_manager.check_all_free() and not eng.seqs and not eng._fill_jobs
@@ -203,11 +192,7 @@ def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call():
     assert doomed[0] not in prompt(eng)
     eng.add_request("bad", doomed, SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
     eng.add_request("other", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
-    final = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = run_to_end(eng)
     for rid in ("bad", "other"):  # both were in the failed batch
         assert final[rid].finish_reason == "error" and len(final[rid].token_ids) == 3
     assert eng.block_manager.check_all_free() and not eng.seqs
