@@ -287,8 +287,8 @@ class ModelRunner:
             self.release(request_id)
 
     def _choose(self, handle: StepHandle, parts: list[torch.Tensor], plan: RowsPlan, fill: GrammarFill) -> None:
-        if plan.choice is not None and handle.graph_size:
-            self.choice_graphs.run(handle.graph_size, fill)
+        if plan.choice is not None and handle.graph_size and self.choice_graphs is not None:
+            self.choice_graphs.run(handle.graph_size, fill)  # (None if their capture failed: that step failed)
             return
         bits, live = self.grammar.masks(fill, len(handle.rows))
         if plan.choice is not None:
