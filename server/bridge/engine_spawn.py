@@ -27,16 +27,23 @@ class ClientChannel:
     out: Connection  # engine -> API
 
 
-def spawn_engine(config: EngineConfig, count: int, log_level: str = "info",
-                 log_format: str = "text") -> tuple[BaseProcess, list[ClientChannel]]:
-    """Start the engine process with `count` channels; returns it and the API ends of the channels."""
-    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+def channel_pipes(count: int, ctx=mp) -> tuple[list[ClientChannel], list[tuple[Connection, Connection]]]:
+    """`count` channels of two one-way pipes each: the API processes' ends, and the engine's ends
+    (commands reader, outputs writer) in the same order."""
     ours, theirs = [], []
     for _ in range(count):
         cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
         out_reader, out_writer = ctx.Pipe(duplex=False)
         ours.append(ClientChannel(cmd_writer, out_reader))
         theirs.append((cmd_reader, out_writer))
+    return ours, theirs
+
+
+def spawn_engine(config: EngineConfig, count: int, log_level: str = "info",
+                 log_format: str = "text") -> tuple[BaseProcess, list[ClientChannel]]:
+    """Start the engine process with `count` channels; returns it and the API ends of the channels."""
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    ours, theirs = channel_pipes(count, ctx)
     # The target is this module's function, not engine_main itself: pickling a function by name
     # imports its module here, and server/bridge/engine_loop.py imports the engine (torch).
     process = ctx.Process(target=_engine_entry, args=(config, theirs, log_level, log_format),

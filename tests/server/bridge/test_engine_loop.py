@@ -3,11 +3,10 @@ process over real pipes: each channel gets exactly its own requests' outputs, a 
 another channel is refused, a closed channel's requests are aborted and their blocks freed, engine
 statistics go to one channel only, and every channel hears a fresh snapshot when the engine idles."""
 
-import multiprocessing as mp
-
 import pytest
 
 from server.bridge.engine_loop import EngineChannel, _Router
+from server.bridge.engine_spawn import channel_pipes
 from server.bridge.messages import AbortRequest, AddRequest, StepOutputs, StopEngine, decode_up, encode
 from server.config import EngineConfig
 from server.engine import LLMEngine
@@ -23,14 +22,9 @@ def engine(tiny_ckpt):
 
 
 def channels(n):
-    """(the engine's ends, the API's (command writer, output reader) ends) of n channels."""
-    ours, theirs = [], []
-    for _ in range(n):
-        cmd_r, cmd_w = mp.Pipe(duplex=False)
-        out_r, out_w = mp.Pipe(duplex=False)
-        ours.append(EngineChannel(cmd_r, out_w))
-        theirs.append((cmd_w, out_r))
-    return ours, theirs
+    """(the engine's channels, the API's ends) of n channels."""
+    api, engine_ends = channel_pipes(n)
+    return [EngineChannel(*ends) for ends in engine_ends], api
 
 
 def received(conn) -> list[StepOutputs]:
@@ -63,11 +57,11 @@ def test_each_channel_gets_its_own_outputs_and_duplicates_are_refused(engine):
     alone = engine.generate([[1, 2, 3], [4, 5, 6, 7]], params)
     ends, api = channels(3)
     router = _Router(engine, ends)
-    api[0][0].send_bytes(encode([AddRequest("a", [1, 2, 3], params)]))
-    api[1][0].send_bytes(encode([AddRequest("b", [4, 5, 6, 7], params)]))
-    api[2][0].send_bytes(encode([AddRequest("a", [9, 9], params)]))  # "a" is in flight from channel 0
+    api[0].commands.send_bytes(encode([AddRequest("a", [1, 2, 3], params)]))
+    api[1].commands.send_bytes(encode([AddRequest("b", [4, 5, 6, 7], params)]))
+    api[2].commands.send_bytes(encode([AddRequest("a", [9, 9], params)]))  # "a" is in flight from channel 0
     run(router, engine)
-    got = [received(out) for _, out in api]
+    got = [received(c.out) for c in api]
     assert tokens(got[0], "a") == alone[0].token_ids and tokens(got[1], "b") == alone[1].token_ids
     assert not any(o.request_id == "b" for m in got[0] for o in m.outputs)
     assert not any(m.outputs for m in got[2])
@@ -85,15 +79,15 @@ def test_an_abort_counts_only_from_the_owner_and_a_closed_channel_frees_its_requ
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ends, api = channels(2)
     router = _Router(engine, ends)
-    api[0][0].send_bytes(encode([AddRequest("x", [1, 2, 3], params), AddRequest("y", [3, 2, 1], params)]))
-    api[1][0].send_bytes(encode([AddRequest("z", [5, 5], params)]))
+    api[0].commands.send_bytes(encode([AddRequest("x", [1, 2, 3], params), AddRequest("y", [3, 2, 1], params)]))
+    api[1].commands.send_bytes(encode([AddRequest("z", [5, 5], params)]))
     router.receive(block=False)
     router.route(engine.step(), engine.stats.take())
-    api[1][0].send_bytes(encode([AbortRequest("x")]))  # not channel 1's request: ignored
-    api[0][0].send_bytes(encode([StopEngine()]))  # API process 0 stops: x and y are aborted
+    api[1].commands.send_bytes(encode([AbortRequest("x")]))  # not channel 1's request: ignored
+    api[0].commands.send_bytes(encode([StopEngine()]))  # API process 0 stops: x and y are aborted
     router.receive(block=False)
     assert router.open == [1] and set(engine.seqs) == {"z"} and set(router.owner) == {"z"}
-    api[1][0].close()  # API process 1 goes away (EOF): z too
+    api[1].commands.close()  # API process 1 goes away (EOF): z too
     router.receive(block=False)
     assert router.open == [] and not engine.seqs and not router.owner
     assert engine.block_manager.check_all_free()
