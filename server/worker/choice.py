@@ -32,6 +32,14 @@ def argmax_choice(parts: list[torch.Tensor], choice: ArgmaxChoice, positions: li
     logits (in row order), into last_ids; penalized rows counted. `positions`: every row's (the
     noise counter); `mask`: a constrained step's (bits, live, covered); skip: the rows the decode
     graph chose (its part; the rest is a prefill part beside it, or all of an eager step), or 0."""
+    todo, row0 = [], 0
+    for logits in parts:
+        if row0 >= skip:
+            todo.append((slice(row0, row0 + logits.shape[0]), logits))
+        row0 += logits.shape[0]
+    if not todo:  # the decode graph chose every row: nothing to upload or launch
+        counts.updated()
+        return
     device = last_ids.device
     if choice.device is None:
         choice.device = (to_device(choice.penalty_slots, torch.int32, device),
@@ -39,12 +47,7 @@ def argmax_choice(parts: list[torch.Tensor], choice: ArgmaxChoice, positions: li
                          to_device(choice.keys, torch.int64, device))
     slots, inv_t, keys = choice.device
     pos = to_device(positions, torch.int64, device) if choice.sampled else None
-    row0 = 0
-    for logits in parts:
-        rows = slice(row0, row0 + logits.shape[0])
-        row0 = rows.stop
-        if rows.start < skip:
-            continue
+    for rows, logits in todo:
         noise = (inv_t[rows], keys[rows], pos[rows]) if pos is not None else None
         out = last_ids[rows]
         if logits.is_cuda:
