@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.grammar_mask import allowed_columns
 from kernels.penalties import penalize
 from kernels.sampling_noise import gumbel_noise
 from kernels.scratch import scratch
@@ -89,8 +90,7 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, num_cols, stride_row, num_chunks, slo
             x = x * inv_t + gumbel_noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), cols)
     if MASK:
         if tl.load(live_ptr + row, volatile=True) != 0:
-            word = tl.load(bits_ptr + row * words + cols // 32, mask=cols < covered, other=0, volatile=True)
-            x = tl.where(((word >> (cols % 32)) & 1) != 0, x, float("-inf"))
+            x = tl.where(allowed_columns(bits_ptr, row, words, cols, covered), x, float("-inf"))
     m = tl.max(x, axis=0)
     first = tl.min(tl.where((x == m) & ok, cols, _BIG), axis=0)  # an all -inf chunk: its first column
     tl.store(val_ptr + row * num_chunks + chunk, m)

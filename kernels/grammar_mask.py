@@ -43,6 +43,14 @@ MAX_SPINS = 1 << 20  # flag reads before giving up (each crosses the bus: a micr
 
 
 @triton.jit
+def allowed_columns(bits_ptr, row, words, cols, covered):
+    """Which of the columns `cols` row `row`'s mask allows (the layout above; none >= covered).
+    Volatile: the host wrote the masks while the device may have cached an earlier step's."""
+    word = tl.load(bits_ptr + row * words + cols // 32, mask=cols < covered, other=0, volatile=True)
+    return (((word >> (cols % 32)) & 1) != 0) & (cols < covered)
+
+
+@triton.jit
 def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, words, live_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     live = tl.load(live_ptr + row, volatile=True)
@@ -50,8 +58,7 @@ def _grammar_kernel(logits_ptr, stride_row, num_cols, covered, bits_ptr, words, 
         for start in range(0, num_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < num_cols
-            word = tl.load(bits_ptr + row * words + cols // 32, mask=cols < covered, other=0, volatile=True)
-            allowed = (((word >> (cols % 32)) & 1) != 0) & (cols < covered)
+            allowed = allowed_columns(bits_ptr, row, words, cols, covered)
             tl.store(logits_ptr + row * stride_row + cols,
                      tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty),
                      mask=in_row & ~allowed)

@@ -26,7 +26,7 @@ from server.worker.choice import ChoiceGraphs, argmax_choice
 from server.worker.grammar_rows import GrammarBuffers, GrammarFill
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts, to_device
-from server.worker.sampler import log_softmax, noise_keys, sample, top_logprobs
+from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
@@ -246,8 +246,7 @@ class ModelRunner:
                 and all(p.logprobs is None and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)) for p in params)):
             choice = ArgmaxChoice([self.counts.slots.get(s.request_id, -1) if p.penalized else -1
                                    for s, p in zip(rows, params)],
-                                  [0.0 if p.greedy else 1.0 / p.temperature for p in params],
-                                  noise_keys(params, self.rng))
+                                  inverse_temperatures(params), noise_keys(params, self.rng))
         plan = RowsPlan(list(rows), controls, structured=structured, choice=choice)
         self.last_plan = None if pending else plan
         return plan

@@ -48,6 +48,12 @@ def top_logprobs(logprobs: torch.Tensor, k: int, invariant: bool) -> tuple[torch
     return logprobs.gather(-1, ids), ids
 
 
+def inverse_temperatures(params: list[SamplingParams]) -> list[float]:
+    """Each row's 1/temperature, 0 for a greedy row (temperature < GREEDY_BELOW: a sampled row's is
+    at most 1/GREEDY_BELOW, so its scaled logits stay finite)."""
+    return [0.0 if p.greedy else 1.0 / p.temperature for p in params]
+
+
 def noise_keys(params: list[SamplingParams], rng: random.Random) -> list[int]:
     """Each row's noise key (kernels/sampling_noise.py): a seeded row's seed as an int64 (seed +
     choice may pass 2**63 - 1), else one drawn from `rng` now (a row's position makes each step's
@@ -91,8 +97,7 @@ def sample(
     softmax's do); the choice itself is per row in any mode."""
     n = logits.shape[0]
     logprobs = log_softmax(logits, invariant) if want_logprobs else None
-    # greedy: temperature < GREEDY_BELOW; sampled ones are >= it, so the scaled logits stay finite
-    inv_t = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
+    inv_t = inverse_temperatures(params)
     dev = logits.device
     if not any(inv_t):
         out = logits.argmax(dim=-1)
