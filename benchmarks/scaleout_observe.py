@@ -22,7 +22,9 @@ from benchmarks.common import summarize
 
 class Observer(threading.Thread):
     """Every `interval` s until stopped: each replica's requests in flight (running + waiting, from
-    GET /debug/kv) and the time of one POST /v1/completions/render of `prompt` to each, in turn."""
+    GET /debug/kv) and the time of one POST /v1/completions/render of `prompt` to each, in turn.
+    Each render's prompt ends in a new number: a replica remembers the prompts it tokenized lately
+    (server/api/tokenize.py), and the routed requests it stands for are new to it."""
 
     def __init__(self, replicas: list[str], model: str, prompt: str, interval: float = 0.2) -> None:
         super().__init__(daemon=True)
@@ -39,8 +41,9 @@ class Observer(threading.Thread):
                 try:
                     self.loads.append([_in_flight(client, url) for url in self.replicas])
                     for url in self.replicas:
+                        body = {**self.body, "prompt": f"{self.body['prompt']} {len(self.render_s)}"}
                         t0 = time.perf_counter()
-                        client.post(url + "/v1/completions/render", json=self.body).raise_for_status()
+                        client.post(url + "/v1/completions/render", json=body).raise_for_status()
                         self.render_s.append(time.perf_counter() - t0)
                 except httpx.HTTPError:
                     self.errors += 1

@@ -37,7 +37,7 @@ from server.api.openai import install_openai
 from server.api.render import router as render_router
 from server.api.openai_serving import DONE, EventStream, encode_json, sse
 from server.api.tokens import install_tokens
-from server.api.tokenize import encode
+from server.api.tokenize import encode, use_backend
 from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams()  # the schema's defaults are the engine's
@@ -238,6 +238,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     app.state.engine = engine
     app.state.ignored_fields = set()  # (route, field names) already warned about (server/api/fields.py)
     tokenizer = engine.engine.tokenizer
+    app.state.tokenizer_backend = use_backend(tokenizer, limits.tokenizer_backend)  # fastokens or the tokenizer's
     app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Draining or engine dead"}})

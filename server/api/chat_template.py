@@ -5,13 +5,18 @@ The template is the tokenizer's own (`chat_template` in tokenizer_config.json, o
 chat_template.jinja), or the flag's file in its place. It is rendered by transformers'
 `apply_chat_template` (a sandboxed Jinja environment) with `add_generation_prompt=True`, and the
 text is tokenized with `add_special_tokens=False`: a template writes the special tokens it wants
-(BOS included), so the tokenizer must not add them a second time.
+(BOS included), so the tokenizer must not add them a second time. Each API process remembers the
+ids of the conversations it rendered last (server/api/tokenize.py says why).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 from pathlib import Path
+
+from server.api.tokenize import encode_now, memo_of
 
 
 class ChatTemplateError(ValueError):
@@ -44,4 +49,15 @@ def render_chat(tokenizer, messages: list[dict], template: str | None) -> tuple[
                                              add_generation_prompt=True)
     except Exception as e:  # jinja2.TemplateError (raise_exception(...) included), or what the template hit
         raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, encode_now(tokenizer, [text], add_special_tokens=False)[0]
+
+
+async def chat_prompt_ids(tokenizer, messages: list[dict], template: str | None) -> list[int]:
+    """render_chat's token ids, off the event loop, or this process's memory of them."""
+    key = (json.dumps(messages, ensure_ascii=False), template)  # the body's order: a template may see it
+    memo = memo_of(tokenizer, "chat")
+    ids = memo.get(key)
+    if ids is None:
+        _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, template)
+        memo.put(key, ids)
+    return ids

@@ -127,6 +127,7 @@ class ServerLimits:
     api_key: str | None = None
     chat_template: str | None = None  # --chat-template's text, in place of the tokenizer's own template
     unknown_fields: str = "ignore"  # top-level body fields no route knows: "ignore" (warned once) or "reject"
+    tokenizer_backend: str = "auto"  # prompts encoded by fastokens where it agrees with the tokenizer (fast_encoder.py)
     # Connections (server/api/connections.py). uvicorn bounds none of these with its httptools parser.
     max_connections: int = 2048  # at the cap a new connection closes the longest-idle one
     keep_alive_timeout: float = 5.0  # no byte of a request yet (new, or between requests): closed (uvicorn's default)
@@ -136,6 +137,7 @@ class ServerLimits:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
+        d = cls()
         return cls(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                    max_prompt_tokens=args.max_prompt_tokens or None,
                    max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
@@ -144,7 +146,8 @@ class ServerLimits:
                    chat_template=getattr(args, "chat_template", None), max_connections=args.max_connections,
                    keep_alive_timeout=args.keep_alive_timeout, header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes,
-                   unknown_fields=args.unknown_fields)
+                   unknown_fields=args.unknown_fields,
+                   tokenizer_backend=getattr(args, "tokenizer_backend", d.tokenizer_backend))
 
 
 SIZE = "a size in bytes (e.g. 64KiB)"

@@ -25,12 +25,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from fastapi import Request
 
-from server.api.chat_template import ChatTemplateError, render_chat
+from server.api.chat_template import ChatTemplateError, chat_prompt_ids
 from server.api.guards import LimitError, ServerLimits, check_prompt_tokens
 from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
 from server.api.openai_protocol import OpenAIError
@@ -66,7 +65,7 @@ async def chat_choices(engine, limits: ServerLimits, body: ChatCompletionRequest
     choice's parameters validated, as /v1/chat/completions runs them and its /render shows them."""
     limit, top_n = body.completion_limit(), body.top_n()
     try:
-        _, ids = await asyncio.to_thread(render_chat, engine.tokenizer, messages, limits.chat_template)
+        ids = await chat_prompt_ids(engine.tokenizer, messages, limits.chat_template)
         check_prompt_tokens(len(ids), limits, "messages")
     except (ChatTemplateError, LimitError) as e:
         raise OpenAIError(400, str(e), param="messages") from None

@@ -36,7 +36,7 @@ from server.api.guards import LimitError, ServerLimits, check_prompt_chars, chec
 from server.api.openai_chat_protocol import ChatCompletionRequest, ChatMessage
 from server.api.openai_protocol import BODY, OpenAIError, validation_error
 from server.api.openai_serving import answer, openai_errors
-from server.api.tokenize import decode, encode, token_strings
+from server.api.tokenize import decode, encode, encode_now, token_strings
 
 PATHS = frozenset({"/tokenize", "/detokenize"})
 ERRORS = {400: {"description": "Invalid request, or over a prompt limit"}, 404: {"description": "Unknown model"}}
@@ -139,8 +139,8 @@ def _render(tokenizer, messages: list[dict], template: str | None, generation_pr
                                                  add_generation_prompt=False, continue_final_message=continue_final)
         except Exception as e:  # as render_chat: jinja2 errors, raise_exception(...), no final message to continue
             raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text, add_special_tokens=True) if special else ids
+        ids = encode_now(tokenizer, [text], add_special_tokens=False)[0]
+    return encode_now(tokenizer, [text], add_special_tokens=True)[0] if special else ids
 
 
 async def _chat_ids(body: TokenizeChatRequest, tokenizer, limits: ServerLimits) -> list[int]:
