@@ -32,6 +32,7 @@ class Observer(threading.Thread):
         self.body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
         self.loads: list[list[int]] = []
         self.render_s: list[float] = []
+        self.renders = 0  # renders sent (each with a prompt of its own)
         self.errors = 0
         self._stop_event = threading.Event()
 
@@ -41,7 +42,8 @@ class Observer(threading.Thread):
                 try:
                     self.loads.append([_in_flight(client, url) for url in self.replicas])
                     for url in self.replicas:
-                        body = {**self.body, "prompt": f"{self.body['prompt']} {len(self.render_s)}"}
+                        self.renders += 1
+                        body = {**self.body, "prompt": f"{self.body['prompt']} {self.renders}"}
                         t0 = time.perf_counter()
                         client.post(url + "/v1/completions/render", json=body).raise_for_status()
                         self.render_s.append(time.perf_counter() - t0)

@@ -54,10 +54,10 @@ def render_chat(tokenizer, messages: list[dict], template: str | None) -> tuple[
 
 async def chat_prompt_ids(tokenizer, messages: list[dict], template: str | None) -> list[int]:
     """render_chat's token ids, off the event loop, or this process's memory of them."""
-    key = (json.dumps(messages, ensure_ascii=False), template)  # the body's order: a template may see it
+    text = json.dumps(messages, ensure_ascii=False)  # as conversation() built them: one order of keys
     memo = memo_of(tokenizer, "chat")
-    ids = memo.get(key)
+    ids = memo.get((text, template))
     if ids is None:
         _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, template)
-        memo.put(key, ids)
+        memo.put((text, template), ids, len(text))
     return ids

@@ -19,6 +19,7 @@ auto`, the default, logs why; `fastokens` refuses to start). Decoding stays with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
@@ -28,6 +29,8 @@ log = logging.getLogger("flashpage.api")
 
 BACKENDS = ("auto", "fastokens", "hf")
 PROBES = 300  # random probe strings, on top of the fixed ones
+LONG_PROBES = 2  # random probe strings of 8,000 pieces (~30,000 characters)
+MAX_TOKENS = 256  # added tokens probed at most (a random sample beyond, the special ones always)
 _PIECES = ["the", " quick", " brown", "fox", "Hello", " world", "I'm", " don't", "we'll", "ABC", "xYz", "a",
            "0", "7", "42", "1234", "3.14159", "1,000,000", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ",
            ".", ",", "!", "?", "...", "--", "'", '"', "(", ")", "[", "]", "{", "}", "<", ">", "/", "\\", "#", "@",
@@ -51,16 +54,23 @@ class FastEncoder:
 
 
 def probe_texts(tokenizer, seed: int = 0) -> list[str]:
-    """What `load` encodes both ways: the fixed strings, each special and added token inside text,
-    and PROBES random strings of pieces and tokens."""
+    """What `load` encodes both ways: the fixed strings, special and added tokens inside text (all
+    of them, or MAX_TOKENS of them where a tokenizer has more: each costs three probes at start),
+    PROBES random strings of pieces and tokens, and LONG_PROBES of tens of thousands of characters
+    (a truncation length, a limit on a word's or a run's length)."""
+    rng = random.Random(seed)
     tokens = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
                     | set(getattr(tokenizer, "all_special_tokens", [])))
+    if len(tokens) > MAX_TOKENS:
+        tokens = sorted(set(getattr(tokenizer, "all_special_tokens", [])) | set(rng.sample(tokens, MAX_TOKENS)))
     out = list(_FIXED)
     out += [f"{t}" for t in tokens] + [f"before {t} after" for t in tokens] + [f"{t}{t}\n{t}x" for t in tokens]
-    rng = random.Random(seed)
     pieces = _PIECES + tokens
     for _ in range(PROBES):
         out.append("".join(rng.choice(pieces) for _ in range(rng.randint(1, 60))))
+    for _ in range(LONG_PROBES):
+        out.append("".join(rng.choice(pieces) for _ in range(8000)))
+    out += ["a" * 20000, "7" * 5000, " " * 5000 + "x", "\n" * 3000]
     return out
 
 
@@ -97,13 +107,33 @@ def _check(tokenizer, config: str) -> FastEncoder | str:
     try:
         import fastokens
 
-        enc = FastEncoder(fastokens.Tokenizer.from_json_str(config),
-                          bool(getattr(tokenizer, "split_special_tokens", False)))
-        for text in probe_texts(tokenizer):
-            for special in (True, False):
-                want = tokenizer.encode(text, add_special_tokens=special, split_special_tokens=enc.split_special_tokens)
-                if enc.encode([text], special)[0] != want:
-                    return f"it encodes {text[:40]!r} (add_special_tokens={special}) differently"
-    except Exception as e:  # not installed, or a tokenizer.json it cannot read
+        fast = fastokens.Tokenizer.from_json_str(config)
+        # tokenizer.json may carry a truncation length and padding, which transformers switches off
+        # on every encode call: fastokens would otherwise cut prompts longer than every probe.
+        fast.no_truncation()
+        fast.no_padding()
+        enc = FastEncoder(fast, bool(getattr(tokenizer, "split_special_tokens", False)))
+        with _quiet_transformers():  # the long probes would log "longer than the model's maximum"
+            for text in probe_texts(tokenizer):
+                for special in (True, False):
+                    want = tokenizer.encode(text, add_special_tokens=special,
+                                            split_special_tokens=enc.split_special_tokens)
+                    if enc.encode([text], special)[0] != want:
+                        return f"it encodes {text[:40]!r} (add_special_tokens={special}) differently"
+    except BaseException as e:  # not installed, a tokenizer.json it cannot read, a Rust panic (pyo3's)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         return f"{type(e).__name__}: {e}"
     return enc
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -137,7 +137,6 @@ class ServerLimits:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
-        d = cls()
         return cls(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                    max_prompt_tokens=args.max_prompt_tokens or None,
                    max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
@@ -147,7 +146,7 @@ class ServerLimits:
                    keep_alive_timeout=args.keep_alive_timeout, header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes,
                    unknown_fields=args.unknown_fields,
-                   tokenizer_backend=getattr(args, "tokenizer_backend", d.tokenizer_backend))
+                   tokenizer_backend=getattr(args, "tokenizer_backend", cls.tokenizer_backend))
 
 
 SIZE = "a size in bytes (e.g. 64KiB)"

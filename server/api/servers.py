@@ -48,11 +48,6 @@ if TYPE_CHECKING:  # imported where it runs: the parent process needs no torch, 
 log = logging.getLogger("flashpage.servers")
 
 MAX_API_SERVERS = 64
-# An API process hands long prompts and chat templates to a worker thread (server/api/tokenize.py);
-# when that thread is done it waits for the GIL, which a loop busy streaming yields only every switch
-# interval: Python's default 5 ms made each such request, and each render a router waits for, that
-# much later. As the in-process engine thread (server/bridge/thread_core.py).
-API_SWITCH_INTERVAL_S = 0.0005
 STOP_WAIT_S = 30.0  # after the drain: how long an API process or the engine may take to exit
 
 
@@ -82,7 +77,13 @@ def api_main(spec: ApiProcessSpec) -> None:
     from server.logs import setup_logging
 
     setup_logging(spec.log_level, spec.log_format)
-    sys.setswitchinterval(min(sys.getswitchinterval(), API_SWITCH_INTERVAL_S))
+    from server.bridge.thread_core import GIL_SWITCH_INTERVAL_S
+
+    # An API process hands long prompts and chat templates to a worker thread (server/api/tokenize.py);
+    # when that thread is done it waits for the GIL, which a loop busy streaming yields only every
+    # switch interval: Python's default 5 ms made each such request, and each render a router waits
+    # for, that much later. The in-process engine thread's interval (thread_core.py), for that reason.
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     from server.api.app import create_app
     from server.api.connections import raise_fd_limit
     from server.api.lifecycle import serve

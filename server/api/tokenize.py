@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -42,39 +43,47 @@ FAST_INLINE_CHARS = 65536
 # Ids decoded inline: 2,000 decode in ~0.3 ms on a 2-core CPU (token strings in ~0.55 ms), about
 # what the hand-off to a thread costs; a 1 MiB body can carry some 200,000 of them.
 INLINE_IDS = 2048
-# What each process remembers (per tokenizer and kind of key): the last MEMO_PROMPTS prompts' ids,
-# MEMO_IDS ids in all (a few MB of Python ints at most). A router's render and its request come
-# milliseconds apart.
+# What each process remembers (per tokenizer and kind of key): the last MEMO_PROMPTS prompts, within
+# MEMO_UNITS ids and key characters in all (at most ~10 MB of Python objects), for MEMO_TTL_S each:
+# a router's render and its request come milliseconds apart, and a chat template may write today's
+# date (Llama 3.x's do), so a conversation's ids are not kept long.
 MEMO_PROMPTS = 256
-MEMO_IDS = 1 << 19
+MEMO_UNITS = 1 << 18
+MEMO_TTL_S = 5.0
 
 
 class IdsMemo:
     """The token ids of the prompts prepared last (by any hashable key), newest last, within
-    MEMO_PROMPTS and MEMO_IDS."""
+    MEMO_PROMPTS and MEMO_UNITS, each for MEMO_TTL_S from when it was put."""
 
     def __init__(self) -> None:
-        self.ids: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self.ids: OrderedDict[Hashable, tuple[list[int], int, float]] = OrderedDict()  # key -> ids, units, put at
         self.total = 0
 
     def get(self, key: Hashable) -> list[int] | None:
-        ids = self.ids.get(key)
-        if ids is None:
+        entry = self.ids.get(key)
+        if entry is None:
+            return None
+        if time.monotonic() - entry[2] > MEMO_TTL_S:
+            self.total -= self.ids.pop(key)[1]
             return None
         self.ids.move_to_end(key)
-        return list(ids)  # a copy: callers own what they are given
+        return list(entry[0])  # a copy: callers own what they are given
 
-    def put(self, key: Hashable, ids: list[int]) -> None:
-        if len(ids) > MEMO_IDS or key in self.ids:
+    def put(self, key: Hashable, ids: list[int], chars: int) -> None:
+        """Remember `ids` under `key`, whose text is `chars` characters long."""
+        units = len(ids) + chars
+        if units > MEMO_UNITS or key in self.ids:
             return
-        self.ids[key] = list(ids)
-        self.total += len(ids)
-        while len(self.ids) > MEMO_PROMPTS or self.total > MEMO_IDS:
-            self.total -= len(self.ids.popitem(last=False)[1])
+        self.ids[key] = (list(ids), units, time.monotonic())
+        self.total += units
+        while len(self.ids) > MEMO_PROMPTS or self.total > MEMO_UNITS:
+            self.total -= self.ids.popitem(last=False)[1][1]
 
 
 _memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {kind: IdsMemo}
 _fast: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> FastEncoder, where one is used
+_warned: list[bool] = [False]  # fastokens' first failure in this process is a warning, later ones debug lines
 
 
 def memo_of(tokenizer, kind: str) -> IdsMemo:
@@ -82,7 +91,10 @@ def memo_of(tokenizer, kind: str) -> IdsMemo:
     kinds = _memos.get(tokenizer)
     if kinds is None:
         kinds = _memos[tokenizer] = {}
-    return kinds.setdefault(kind, IdsMemo())
+    memo = kinds.get(kind)
+    if memo is None:
+        memo = kinds[kind] = IdsMemo()
+    return memo
 
 
 def use_backend(tokenizer, backend: str) -> str:
@@ -96,18 +108,33 @@ def use_backend(tokenizer, backend: str) -> str:
     return "fastokens"
 
 
-def encode_now(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    """`encode` without the memo, blocking: fastokens where `use_backend` chose it (the tokenizer's
-    own where it fails, e.g. on a regex resource limit hit by adversarial text), else the tokenizer's."""
+def _fast_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]] | None:
+    """fastokens' ids where `use_backend` chose it and it does not fail; else None."""
     fast = _fast.get(tokenizer)
-    if fast is not None:
-        try:
-            return fast.encode(texts, add_special_tokens)
-        except Exception as e:
-            log.warning("fastokens failed on a prompt (%s: %s); encoding it with the tokenizer", type(e).__name__,
-                        clip(str(e)))
+    if fast is None:
+        return None
+    try:
+        return fast.encode(texts, add_special_tokens)
+    except BaseException as e:  # a Rust panic is pyo3's PanicException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        # e.g. a regex resource limit hit by adversarial text: the tokenizer's own encoder takes it
+        (log.debug if _warned[0] else log.warning)(
+            "fastokens failed on a prompt (%s: %s); it is encoded by the tokenizer", type(e).__name__, clip(str(e)))
+        _warned[0] = True
+        return None
+
+
+def _tokenizer_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     # tokenizer(texts) encodes as tokenizer.encode(text) does, in one call.
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def encode_now(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """`encode` without the memo, blocking: fastokens where `use_backend` chose it (and it does not
+    fail), else the tokenizer."""
+    ids = _fast_ids(tokenizer, texts, add_special_tokens)
+    return ids if ids is not None else _tokenizer_ids(tokenizer, texts, add_special_tokens)
 
 
 async def encode(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -118,13 +145,15 @@ async def encode(tokenizer, texts: list[str], add_special_tokens: bool = True) -
     todo = [t for t, ids in zip(texts, out) if ids is None]
     if not todo:
         return out
-    inline = FAST_INLINE_CHARS if tokenizer in _fast else INLINE_CHARS
-    if sum(map(len, todo)) <= inline:
-        fresh = encode_now(tokenizer, todo, add_special_tokens)
-    else:
-        fresh = await asyncio.to_thread(encode_now, tokenizer, todo, add_special_tokens)
+    chars, fresh = sum(map(len, todo)), None
+    if tokenizer in _fast:
+        fresh = (_fast_ids(tokenizer, todo, add_special_tokens) if chars <= FAST_INLINE_CHARS
+                 else await asyncio.to_thread(_fast_ids, tokenizer, todo, add_special_tokens))
+    if fresh is None:  # the tokenizer's own encoder, or fastokens failed: by the tokenizer's own bound
+        fresh = (_tokenizer_ids(tokenizer, todo, add_special_tokens) if chars <= INLINE_CHARS
+                 else await asyncio.to_thread(_tokenizer_ids, tokenizer, todo, add_special_tokens))
     for t, ids in zip(todo, fresh):
-        memo.put((t, add_special_tokens), ids)
+        memo.put((t, add_special_tokens), ids, len(t))
     made = iter(fresh)
     return [ids if ids is not None else next(made) for ids in out]
 

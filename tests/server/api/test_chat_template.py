@@ -35,7 +35,8 @@ def test_a_conversation_rendered_again_is_remembered(tokenizer, monkeypatch):
     ids.append(-1)  # the caller's own
     assert asyncio.run(chat_template.chat_prompt_ids(tokenizer, chat, None)) == real(tokenizer, chat, None)[1]
     assert len(renders) == 1
-    # another turn, another template, or the same words in another order: rendered afresh
+    # another turn, another template, or the same words with keys in another order (not what
+    # conversation() builds, but another key): rendered afresh
     longer = chat + [{"role": "user", "content": "And at night?"}]
     asyncio.run(chat_template.chat_prompt_ids(tokenizer, longer, None))
     other = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -22,18 +22,15 @@ def tokenizer():
 @pytest.fixture(autouse=True)
 def _forget():
     tokenize._memos.clear()  # each test starts with nothing remembered
+    tokenize._warned[0] = False
     yield
 
 
 class Counting:
-    """A tokenizer that counts the texts it is asked to encode (one by one or as a batch)."""
+    """A tokenizer that counts the texts it is asked to encode (as a batch: how encode calls it)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.texts = tokenizer, []
-
-    def encode(self, text, add_special_tokens=True):
-        self.texts.append(text)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def __call__(self, texts, add_special_tokens=True):
         self.texts.extend(texts)
@@ -96,38 +93,56 @@ def test_a_prompt_encoded_again_is_remembered(tokenizer, monkeypatch):
 
 def test_the_memo_keeps_the_latest_within_its_bounds(monkeypatch):
     monkeypatch.setattr(tokenize, "MEMO_PROMPTS", 3)
-    monkeypatch.setattr(tokenize, "MEMO_IDS", 10)
+    monkeypatch.setattr(tokenize, "MEMO_UNITS", 20)  # ids and key characters
     memo = tokenize.IdsMemo()
     for key, n in (("a", 2), ("b", 2), ("c", 2)):
-        memo.put(key, list(range(n)))
+        memo.put(key, list(range(n)), 1)
     assert memo.get("a") == [0, 1]  # "a" is now the newest
-    memo.put("d", [7])  # four prompts: the oldest, "b", goes
+    memo.put("d", [7], 1)  # four prompts: the oldest, "b", goes
     assert memo.get("b") is None and memo.get("a") == [0, 1] and memo.get("d") == [7]
-    memo.put("e", list(range(6)))  # c, a, d, e: 2 + 2 + 1 + 6 ids > 10, so the oldest, "c", goes
-    assert list(memo.ids) == ["a", "d", "e"] and memo.total == 9
-    memo.put("f", list(range(11)))  # more than the memo holds at all: not kept, nothing evicted
+    memo.put("e", list(range(6)), 6)  # c, a, d, e: 3 + 3 + 2 + 12 units > 20, so the oldest, "c", goes
+    assert list(memo.ids) == ["a", "d", "e"] and memo.total == 17
+    memo.put("f", list(range(11)), 10)  # more than the memo holds at all: not kept, nothing evicted
     assert memo.get("f") is None and list(memo.ids) == ["a", "d", "e"]
-    memo.put("d", [8])  # kept as first given
+    memo.put("d", [8], 1)  # kept as first given
     assert memo.get("d") == [7]
 
 
-def test_fastokens_encodes_inline_and_a_failure_falls_back_to_the_tokenizer(tokenizer, monkeypatch, caplog):
+def test_the_memo_forgets_after_its_time(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tokenize.time, "monotonic", lambda: now[0])
+    memo = tokenize.IdsMemo()
+    memo.put("chat", [1, 2, 3], 10)
+    now[0] += tokenize.MEMO_TTL_S - 0.01
+    assert memo.get("chat") == [1, 2, 3]  # asked often or not, an entry lives MEMO_TTL_S from its put
+    now[0] += 0.02
+    assert memo.get("chat") is None and memo.total == 0 and not memo.ids
+
+
+@pytest.fixture()
+def fast(tokenizer):
     assert tokenize.use_backend(tokenizer, "auto") == "fastokens"
-    try:
-        long = _text(tokenize.INLINE_CHARS * 4)  # past the tokenizer's inline bound, within fastokens'
-        ids, threads = _encode(tokenizer, [long], monkeypatch)
-        assert ids == [tokenizer.encode(long)] and threads == 0
-        huge = [_text(tokenize.FAST_INLINE_CHARS // 2 + 1), _text(tokenize.FAST_INLINE_CHARS // 2 + 3)]
-        ids, threads = _encode(tokenizer, huge, monkeypatch)
-        assert ids == [tokenizer.encode(t) for t in huge] and threads == 1
+    yield tokenizer
+    tokenize._fast.clear()  # the module's other tests use the tokenizer's own encoder
 
-        class Failing:
-            def encode(self, texts, special):
-                raise RuntimeError("match limit exceeded")
 
-        monkeypatch.setitem(tokenize._fast, tokenizer, Failing())
-        text = _text(777)
-        ids, _ = _encode(tokenizer, [text], monkeypatch)
-        assert ids == [tokenizer.encode(text)] and "fastokens failed on a prompt" in caplog.text
-    finally:
-        assert tokenize.use_backend(tokenizer, "hf") == "hf"
+def test_fastokens_encodes_inline_and_a_failure_falls_back_to_the_tokenizer(fast, monkeypatch, caplog):
+    long = _text(tokenize.INLINE_CHARS * 4)  # past the tokenizer's inline bound, within fastokens'
+    ids, threads = _encode(fast, [long], monkeypatch)
+    assert ids == [fast.encode(long)] and threads == 0
+    huge = [_text(tokenize.FAST_INLINE_CHARS // 2 + 1), _text(tokenize.FAST_INLINE_CHARS // 2 + 3)]
+    ids, threads = _encode(fast, huge, monkeypatch)
+    assert ids == [fast.encode(t) for t in huge] and threads == 1
+
+    class Panicking:  # pyo3 turns a Rust panic into a BaseException
+        def encode(self, texts, special):
+            raise BaseException("fastokens panicked")
+
+    monkeypatch.setitem(tokenize._fast, fast, Panicking())
+    short, longer = _text(777), _text(tokenize.INLINE_CHARS + 5)
+    ids, threads = _encode(fast, [short], monkeypatch)
+    assert ids == [fast.encode(short)] and threads == 0 and "fastokens failed on a prompt" in caplog.text
+    # the tokenizer's own encoder takes over by its own bound: off the loop past INLINE_CHARS
+    ids, threads = _encode(fast, [longer], monkeypatch)
+    assert ids == [fast.encode(longer)] and threads == 1  # fastokens' attempt inline, then the tokenizer's
+    assert tokenize.encode_now(fast, [short]) == [fast.encode(short)]
