@@ -98,7 +98,7 @@ def load(tokenizer, backend: str) -> FastEncoder | None:
 
 
 # A verdict per tokenizer configuration (class, tokenizer.json's digest, split_special_tokens): a FastEncoder, or
-# why not. Every app of a process (tests make many) would otherwise probe again (~0.1 s).
+# why not. Every app of a process (tests make many) would otherwise probe again (~0.2 s on a 2-core CPU).
 _verdicts: dict[tuple[str, str, bool], FastEncoder | str] = {}
 
 
