@@ -139,7 +139,7 @@ def _render(tokenizer, messages: list[dict], template: str | None, generation_pr
                                                  add_generation_prompt=False, continue_final_message=continue_final)
         except Exception as e:  # as render_chat: jinja2 errors, raise_exception(...), no final message to continue
             raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
-        ids = encode_now(tokenizer, [text], add_special_tokens=False)[0]
+        return encode_now(tokenizer, [text], add_special_tokens=special)[0]
     return encode_now(tokenizer, [text], add_special_tokens=True)[0] if special else ids
 
 
