@@ -7,8 +7,10 @@
   constrained run produced (ignore_eos), so both decode exactly as many tokens.
 - penalties: presence, frequency and repetition penalties (device-side token counts) against the
   same requests without them, `--max-tokens` each (ignore_eos).
-Each pair runs greedy and sampled (temperature 1, seeded), `--repeats` times alternating; the
-median throughput of each side is reported with their ratio.
+Each pair runs greedy and sampled (temperature 1, seeded), once to warm up (discarded: the first
+run of each path is cold), then `--repeats` times alternating; the median throughput of each side
+is reported with their ratio. The schema is compiled once before the runs and that time reported
+apart: a server compiles each distinct schema once.
 
 The checkpoint is GPT-2 small at its real shape with random weights and the embedded model's
 8k byte-level BPE (benchmarks/checkpoint.py): XGrammar's token masks are built over that
@@ -165,6 +167,50 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     return "\n".join(lines)
 
 
+ROW_GROUPS = ((64, 64), (33, 63), (9, 32), (1, 8))  # decode steps by rows (batch 64: all, then as rows end)
+
+
+def step_times(engine: LLMEngine, prompts, temperature: float, max_tokens: int) -> list[dict]:
+    """One more structured pair, each step timed on the device (CUDA events recorded as each step
+    is launched): the two sides' steps summed by how many rows decoded in them, so that the table
+    says where the constrained run's extra time goes (the prompts' step; the steps of all 64 rows;
+    the steps in which rows end)."""
+    runner, launch, marks = engine.runner, engine.runner.launch, []
+
+    def timed_launch(prefills, decodes):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((event, len(decodes), len(prefills)))
+        return launch(prefills, decodes)
+
+    def group(n: int, prefills: int) -> str:
+        return "prompts" if prefills else next(f"{lo}-{hi}" if lo < hi else f"{lo}" for lo, hi in ROW_GROUPS
+                                               if lo <= n <= hi)
+
+    def run(params) -> dict:
+        marks.clear()
+        outs = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        sums: dict = {}
+        for (a, n, p), (b, _, _) in zip(marks, marks[1:]):  # the last launch has no successor
+            steps, us = sums.get(group(n, p), (0, 0.0))
+            sums[group(n, p)] = (steps + 1, us + a.elapsed_time(b) * 1e3)
+        return {"lengths": [len(o.token_ids) for o in outs], "sums": sums}
+
+    spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+    runner.launch = timed_launch
+    try:
+        w = run([sampling(temperature, i, max_tokens=max_tokens, structured=spec) for i in range(len(prompts))])
+        wo = run([sampling(temperature, i, max_tokens=n, ignore_eos=True) for i, n in enumerate(w["lengths"])])
+    finally:
+        runner.launch = launch
+    rows = []
+    for name in ["prompts"] + [f"{lo}-{hi}" if lo < hi else f"{lo}" for lo, hi in ROW_GROUPS]:
+        (n, a), (m, b) = w["sums"].get(name, (0, 0.0)), wo["sums"].get(name, (0, 0.0))
+        rows.append(dict(rows=name, steps_with=n, steps_without=m, with_us=round(a), without_us=round(b)))
+    return rows
+
+
 def summary(runs: list[dict]) -> dict:
     w = statistics.median(r["with_tok_s"] for r in runs)
     wo = statistics.median(r["without_tok_s"] for r in runs)
@@ -178,7 +224,8 @@ def summary(runs: list[dict]) -> dict:
 def report(result: dict) -> str:
     """The README's table (benchmarks/make_report.py)."""
     lines = [f"Batch {result['rows'][0]['batch']}, prompts of {result['prompt_len']} random ids, {result['model']}; "
-             f"median of {result['repeats']} alternating runs per side. Structured: a JSON schema of 7 fields "
+             f"median of {result['repeats']} alternating runs per side, after one discarded pair (the first run of each "
+             f"path is cold; the schema compiled before them, once: {result.get('schema_compile_ms', '?')} ms). Structured: a JSON schema of 7 fields "
              "(nested object, array, enum, bounded numbers, a pattern) to the grammar's end, against unconstrained "
              f"decoding of the same lengths; penalties: {', '.join(f'{k} {v}' for k, v in result['penalties'].items())}, "
              f"{result['max_tokens']} tokens each.", "",
@@ -188,6 +235,19 @@ def report(result: dict) -> str:
         parsed = f"{r['parsed']}/{r['batch']}" if "parsed" in r else ""
         lines.append(f"| {r['kind'].replace('_', ' ')} | {'greedy' if not r['temperature'] else 'temperature 1'} | "
                      f"{r['with_tok_s']:,.0f} | {r['without_tok_s']:,.0f} | {r['ratio']:.2f} | {parsed} |")
+    timed = [r for r in result["rows"] if "steps" in r]
+    if timed:
+        lines += ["", "Where the structured runs' extra time goes: one more pair, each step timed on the device "
+                  "(from its launch to the next), summed by the rows that decoded in it (64 until the first output "
+                  "ends; the prompts' step first).", "",
+                  "| sampling | rows in the step | steps | with (ms) | without (ms) | with, per step (us) | "
+                  "without, per step (us) |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in timed:
+            for s in r["steps"]:
+                per = lambda us, n: f"{us / n:,.0f}" if n else "-"  # noqa: E731
+                lines.append(f"| {'greedy' if not r['temperature'] else 'temperature 1'} | {s['rows']} | "
+                             f"{s['steps_with']} | {s['with_us'] / 1e3:.2f} | {s['without_us'] / 1e3:.2f} | "
+                             f"{per(s['with_us'], s['steps_with'])} | {per(s['without_us'], s['steps_without'])} |")
     return "\n".join(lines)
 
 
@@ -196,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--checkpoint", help="a checkpoint directory (default: random GPT-2 small, fp16)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out-dir", default=None)
@@ -218,6 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
         engine.generate(prompts[:4], [SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"),
                                                      **PENALTIES)] * 4)  # warm-up: compile, first matchers
+        # The schema compiles once per process (cached after): timed here, outside the runs, which
+        # measure decoding as a server does once it has seen the schema.
+        t0 = time.perf_counter()
+        engine.grammars.compile(StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True)))
+        compile_ms = (time.perf_counter() - t0) * 1e3
         if args.phases:
             import xgrammar as xgr
 
@@ -242,14 +307,17 @@ def main(argv: list[str] | None = None) -> dict:
             if kind not in args.kinds:
                 continue
             for temperature in (0.0, 1.0):
+                pair(engine, prompts, temperature, args.max_tokens)  # warm-up: each path's first run is cold
                 runs = [pair(engine, prompts, temperature, args.max_tokens) for _ in range(args.repeats)]
                 rows.append(dict(impl="flashpage", kind=kind, temperature=temperature, batch=args.batch,
                                  **summary(runs)))
+                if kind == "structured_json" and torch.cuda.is_available():
+                    rows[-1]["steps"] = step_times(engine, prompts, temperature, args.max_tokens)
     on_gpu = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
     head = gpu_run_info("bench_structured.py", argv) if on_gpu else dict(device="cpu", date=time.strftime("%Y-%m-%d"))
     result = dict(**head, model="gpt2-small (random weights, fp16, embedded tokenizer)" if not args.checkpoint
                   else args.checkpoint, schema=SCHEMA, penalties=PENALTIES, prompt_len=args.prompt_len,
-                  max_tokens=args.max_tokens, repeats=args.repeats, rows=rows)
+                  max_tokens=args.max_tokens, repeats=args.repeats, schema_compile_ms=round(compile_ms, 1), rows=rows)
     print(f"{'kind':16} {'temp':>4} {'with tok/s':>11} {'without':>11} {'ratio':>6}")
     for r in rows:
         print(f"{r['kind']:16} {r['temperature']:4.1f} {r['with_tok_s']:11.1f} {r['without_tok_s']:11.1f} "

@@ -34,6 +34,8 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from server.engine.grammar_rewrite import unroll_bounded_strings
 from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 FILL_THREADS = 1  # see the module docstring
+HEAD_WORDS = 8  # the words of a mask row checked first for a dead end (see _end_dead_ends)
 SWITCH_INTERVAL_S = 1e-4  # the engine process's GIL switch interval once a grammar is in use (see Grammars)
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[19:35:30] /project/cpp/regex_converter.cc:83: "
 
@@ -125,17 +128,25 @@ class Grammars:
             self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], fill.bits, live)
         flags[live] = 1
         if self.end is not None:
-            # A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
-            # its row would pick an arbitrary token forever. Let it end instead.
-            bits = fill.bits_np
-            tail = bits[live, -1]
-            if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
-                tail = tail & _word((1 << (self.vocab_size % 32)) - 1)
-            for j, t, before in zip(live, tail, bits[live, :-1].any(axis=1)):
-                if not t and not before:
-                    bits[j] = 0
-                    bits[j, self.end // 32] = _word(1 << (self.end % 32))
+            self._end_dead_ends(fill.bits_np, flags, len(matchers))
         return live
+
+    def _end_dead_ends(self, bits: np.ndarray, flags: np.ndarray, n: int) -> None:
+        """A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
+        its row would pick an arbitrary token forever. Let it end instead. This runs on the path to
+        the step's flag with the GIL held, so it looks at the first words of each row first (a
+        byte-level vocabulary's single bytes: nearly every state allows one) and reads whole rows
+        only for the few that allowed none of those."""
+        full, rest = divmod(self.vocab_size, 32)  # bits past the vocabulary in a last word are not tokens
+        shut = np.flatnonzero((flags[:n] != 0) & ~bits[:n, : min(HEAD_WORDS, full)].any(axis=1))
+        if not shut.size:
+            return
+        for j in shut.tolist():
+            row = bits[j]
+            if row[:full].any() or (rest and row[full] & _word((1 << rest) - 1)):
+                continue
+            row[:] = 0
+            row[self.end // 32] = _word(1 << (self.end % 32))
 
     # -- the grammar thread -------------------------------------------------------------------
     def submit(self, accept: tuple[list, list[int]] | None, rows: list | None, fill: GrammarFill | None) -> Future:

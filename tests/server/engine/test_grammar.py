@@ -3,9 +3,11 @@ errors say what is wrong, outputs match their grammar and end with it, constrain
 unconstrained rows of their batch alone, and asynchronous scheduling, preemption and aborts keep
 every matcher in step with its sequence."""
 
+import copy
 import json
 import re
 
+import numpy as np
 import pytest
 
 from server.config import EngineConfig
@@ -234,3 +236,27 @@ def test_the_batch_accept_advances_every_matcher_as_the_public_call_does(engine)
     for a, b in zip(batch, single):
         assert a.is_terminated() == b.is_terminated()
         assert a._debug_print_internal_state() == b._debug_print_internal_state()
+
+
+@pytest.mark.parametrize("cut", [0, 5])
+def test_a_dead_end_row_is_found_past_the_first_words_too(engine, cut):
+    """_end_dead_ends reads the first words of each row first: a live row that allows only high ids
+    is left alone, a live row that allows nothing (or only bits past the vocabulary) gets the end
+    token, a row that is not live is never touched. cut: a vocabulary that ends inside a word."""
+    g = copy.copy(engine.grammars)
+    g.vocab_size -= cut
+    words = -(-g.vocab_size // 32)
+    bits = np.zeros((4, words), dtype=np.int32)
+    high = g.vocab_size - 3  # past the words checked first
+    bits[0, high // 32] = np.array([1 << (high % 32)], dtype=np.uint32).view(np.int32)[0]
+    rest = g.vocab_size % 32
+    if rest:
+        past = ~((1 << rest) - 1) & 0xFFFFFFFF  # every bit of the last word past the vocabulary
+        bits[2, -1] = np.array([past], dtype=np.uint32).view(np.int32)[0]
+    flags = np.array([1, 1, 1, 0], dtype=np.int32)
+    before = bits.copy()
+    g._end_dead_ends(bits, flags, 4)
+    assert np.array_equal(bits[0], before[0]) and np.array_equal(bits[3], before[3])
+    end_row = np.zeros(words, dtype=np.int32)
+    end_row[g.end // 32] = np.array([1 << (g.end % 32)], dtype=np.uint32).view(np.int32)[0]
+    assert np.array_equal(bits[1], end_row) and np.array_equal(bits[2], end_row)
