@@ -100,8 +100,8 @@ def penalty_pair(engine, prompts, temperature: float, max_tokens: int) -> dict:
 
 def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "structured_json") -> str:
     """Where a constrained step's time goes: each phase's mean milliseconds per step, timed on the
-    host by wrapping the engine's methods (the grammar job runs on its own thread; runner.collect is
-    the engine's thread blocked on the device, which waits for the job's fill)."""
+    host by wrapping the engine's methods (the grammar job runs in the grammar process; runner.collect
+    is the engine's thread blocked on the device, which waits for the job's fill)."""
     from collections import defaultdict
 
     import server.worker.logits as logits_mod
@@ -129,7 +129,7 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     runner, grammars = engine.runner, engine.grammars
     saved = [(runner, n, timed_method(runner, n, f"runner.{n}")) for n in ("launch", "collect", "complete")]
     saved += [(engine, n, timed_method(engine, n, f"engine.{n}")) for n in ("step", "_launch", "_finish")]
-    saved += [(grammars, n, timed_method(grammars, n, f"grammar thread: {n}")) for n in ("accept", "fill_bitmask")]
+    saved += [(grammars, n, timed_method(grammars, n, f"grammar process: {n}")) for n in ("job", "check")]
     # inside runner.launch and runner.complete
     saved += [(runner, n, timed_method(runner, n, f"  runner.{n}")) for n in ("_plan", "_sample", "_choose",
                                                                                     "_finish_launch")]
@@ -138,13 +138,6 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     saved += [(runner.counts, "add", timed_method(runner.counts, "add", "  TokenCounts.add"))]
     build = logits_mod.StepControls.build
     logits_mod.StepControls.build = staticmethod(timing(build, "StepControls.build"))
-    submit = grammars.submit
-
-    def submit_timed(*a, **kw):  # the engine's thread waiting for the job's result (after collect)
-        fut = submit(*a, **kw)
-        fut.result = timing(fut.result, "engine waits for the grammar job")
-        return fut
-    grammars.submit = submit_timed
     try:
         if kind == "structured_json":
             spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
@@ -158,7 +151,6 @@ def phase_times(engine: LLMEngine, prompts, max_tokens: int, kind: str = "struct
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
-        grammars.submit = submit
         logits_mod.StepControls.build = staticmethod(build)
     steps = calls["engine.step"]
     lines = [f"{sum(len(o.token_ids) for o in outs)} tokens, {steps} steps, {wall / steps * 1e3:.3f} ms a step",
@@ -264,7 +256,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help="only profile one greedy run of that pair on the host (cProfile, by own time)")
     ap.add_argument("--phases", choices=["structured_json", "penalties", "plain"],
                     help="only time one greedy run's step phases on the host (see phase_times)")
-    ap.add_argument("--grammar-threads", type=int, nargs="*", help="with --phases: XGrammar thread counts to try")
     ap.add_argument("--kinds", nargs="+", choices=["structured_json", "penalties"],
                     default=["structured_json", "penalties"], help="which pairs to run")
     args = ap.parse_args(argv)
@@ -278,20 +269,19 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
         engine.generate(prompts[:4], [SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"),
                                                      **PENALTIES)] * 4)  # warm-up: compile, first matchers
-        # The schema compiles once per process (cached after): timed here, outside the runs, which
-        # measure decoding as a server does once it has seen the schema.
+        # The schema compiles once per process (cached after): timed here (in this process, as an
+        # API process compiles it), outside the runs, which measure decoding as a server does once
+        # it has seen the schema (the warm-up pair compiles it in the engine's grammar process).
+        from server.engine.grammar import Grammars
+
+        grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.eos_token_ids)
         t0 = time.perf_counter()
-        engine.grammars.compile(StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True)))
+        grammars.compile(StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True)))
         compile_ms = (time.perf_counter() - t0) * 1e3
         if args.phases:
-            import xgrammar as xgr
-
-            for threads in args.grammar_threads or [None]:
-                if threads:
-                    engine.grammars.batch = xgr.BatchGrammarMatcher(max_threads=threads)
-                for _ in range(2):  # the first run compiles what it first meets
-                    text = phase_times(engine, prompts, args.max_tokens, args.phases)
-                print(f"-- grammar threads {threads or 'default'}\n{text}")
+            for _ in range(2):  # the first run compiles what it first meets
+                text = phase_times(engine, prompts, args.max_tokens, args.phases)
+            print(text)
             return {}
         if args.profile:
             import cProfile

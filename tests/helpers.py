@@ -15,21 +15,13 @@ def sse_events(resp) -> list:
 
 @contextlib.contextmanager
 def failing_fill(engine, at: int):
-    """The engine's grammar job raises "injected fill failure" on its `at`-th mask fill (the others
-    fill as usual) inside the block; the real fill is back after it."""
-    fill, calls = engine.grammars.fill_bitmask, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == at:
-            raise RuntimeError("injected fill failure")
-        return fill(*args, **kwargs)
-
-    engine.grammars.fill_bitmask = failing
+    """The engine's grammar process fails its `at`-th mask fill from now ("injected fill failure";
+    the others fill as usual) inside the block; no fill fails after it."""
+    engine.grammars.fail_fill_at(at)
     try:
         yield
     finally:
-        engine.grammars.fill_bitmask = fill
+        engine.grammars.fail_fill_at(0)
 
 
 def run_to_end(engine) -> dict:

@@ -11,14 +11,14 @@ per sequence, and the token bitmask of each step.
   `:` and `,`, no newlines): small models otherwise emit whitespace until max_tokens. A schema whose
   strings have a `maxLength` compiles from XGrammar's own EBNF for it with those strings rewritten
   (server/engine/grammar_rewrite.py): the same language, masks an order of magnitude cheaper to fill.
-- Each step, one job on the grammar thread (`Grammars.submit`) advances the matchers by the
-  previous step's tokens, then fills the masks of the step the device is running and raises its
-  flag (server/worker/grammar_rows.py), while the engine's thread detokenizes; the device waits
-  for the flag, then masks the logits and chooses (kernels/grammar_mask.py). Jobs run in order on
-  one thread, so each matcher has taken every earlier token before its next fill.
+- Each step, one job in the grammar process (server/engine/grammar_process.py, which holds the
+  matchers) advances the matchers by the previous step's tokens (`accept`), then fills the masks
+  of the step the device is running (`fill_bitmask`) into memory it shares with the engine, and
+  raises the step's flag (server/worker/grammar_rows.py); the device waits for the flag, then
+  masks the logits and chooses (kernels/grammar_mask.py).
 - The fill runs on one thread (`FILL_THREADS`): XGrammar's pool made it slower, not faster
-  (64 rows of the benchmark schema on an H200 host: 0.21 ms a step on one thread, 0.39 on two,
-  0.54 on eight; `bench_structured.py --phases --grammar-threads`).
+  (64 rows of the benchmark schema, GPT-2 small at batch 64 on an H100: 0.81x unconstrained
+  throughput on one thread, 0.77x, 0.73x and 0.60x on 2, 4 and 8).
 - The grammar ends the output: it allows an end token (the model's EOS ids) only where it may
   end, so a constrained sequence stops (finish_reason "stop") on the EOS it samples, `ignore_eos`
   or not.
@@ -30,8 +30,6 @@ import functools
 import json
 import os
 import re
-import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,14 +37,12 @@ import numpy as np
 from server.engine.grammar_rewrite import unroll_bounded_strings
 from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
-from server.worker.grammar_rows import GrammarFill
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 FILL_THREADS = 1  # see the module docstring
 HEAD_WORDS = 8  # the words of a mask row checked first for a dead end (see _end_dead_ends)
-SWITCH_INTERVAL_S = 1e-4  # the engine process's GIL switch interval once a grammar is in use (see Grammars)
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[19:35:30] /project/cpp/regex_converter.cc:83: "
 
 
@@ -75,13 +71,6 @@ class Grammars:
         self.accept_batch = _raw_batch_accept(xgr)
         self.stop_token_ids = stop_token_ids
         self.end = min(stop_token_ids) if stop_token_ids else None  # what a dead-end grammar may do
-        # The engine's thread runs Python (detokenizing, scheduling) while the grammar thread's job
-        # runs; each time the job comes back from XGrammar or torch it needs the GIL, which Python
-        # hands over only every switch interval (5 ms by default): a job of ~0.5 ms of C++ then
-        # took until the engine's thread blocked. A short interval lets it through within ~0.1 ms.
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self.thread: ThreadPoolExecutor | None = None  # the grammar thread, started by the first job
-        self.compile_thread: ThreadPoolExecutor | None = None
 
     def compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
         """Raise RequestError naming what is wrong with the spec."""
@@ -106,30 +95,23 @@ class Grammars:
     def matcher(self, s: StructuredOutput) -> xgr.GrammarMatcher:
         return self.xgr.GrammarMatcher(self.compile(s))
 
-    def matcher_later(self, s: StructuredOutput) -> Future:
-        """The matcher, made on the compile thread: a new schema takes tens of milliseconds (more
-        with a large vocabulary) to compile, which the engine's step loop must not wait for."""
-        if self.compile_thread is None:
-            self.compile_thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
-        return self.compile_thread.submit(self.matcher, s)
-
-    def fill_bitmask(self, matchers: list, fill: GrammarFill, ended: frozenset[int] = frozenset()) -> list[int]:
+    def fill_bitmask(self, matchers: list, bits: np.ndarray, live: np.ndarray,
+                     ended: frozenset[int] = frozenset()) -> list[int]:
         """Fill a step's masks: the rows j whose matchers[j] is live (not None, and not in `ended`:
-        the ids of matchers that just took an end token) get what they allow next in fill.bits[j]
-        and live[j] = 1; every other row live[j] = 0 (left alone). Returns the live rows."""
-        live = [j for j, m in enumerate(matchers) if m is not None and id(m) not in ended]
-        flags = fill.live_np
-        flags[:] = 0
-        if not live:
-            return live
-        if len(live) == 1:
-            matchers[live[0]].fill_next_token_bitmask(fill.bits, live[0])
+        the ids of matchers that just took an end token) get what they allow next in bits[j] and
+        live[j] = 1; every other row live[j] = 0 (left alone). Returns the live rows."""
+        rows = [j for j, m in enumerate(matchers) if m is not None and id(m) not in ended]
+        live[: len(matchers)] = 0
+        if not rows:
+            return rows
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(bits, rows[0])
         else:
-            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in live], fill.bits, live)
-        flags[live] = 1
+            self.batch.batch_fill_next_token_bitmask([matchers[j] for j in rows], bits, rows)
+        live[rows] = 1
         if self.end is not None:
-            self._end_dead_ends(fill.bits_np, flags, len(matchers))
-        return live
+            self._end_dead_ends(bits, live, len(matchers))
+        return rows
 
     def _end_dead_ends(self, bits: np.ndarray, flags: np.ndarray, n: int) -> None:
         """A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
@@ -148,38 +130,12 @@ class Grammars:
             row[:] = 0
             row[self.end // 32] = _word(1 << (self.end % 32))
 
-    # -- the grammar thread -------------------------------------------------------------------
-    def submit(self, accept: tuple[list, list[int]] | None, rows: list | None, fill: GrammarFill | None) -> Future:
-        """A job for the grammar thread: advance `accept`'s matchers by their tokens, then fill the
-        masks of a constrained step (`rows`: a matcher or None per row) and raise its flag, also if
-        the job fails (the step's rows are then left alone, and the future raises: the engine fails
-        the step). One thread runs the jobs in the order they were submitted, and only it touches a
-        matcher once its sequence runs: the engine's thread goes on detokenizing meanwhile
-        (XGrammar releases the GIL)."""
-        if self.thread is None:
-            self.thread = ThreadPoolExecutor(1, thread_name_prefix="flashpage-grammar")
-        return self.thread.submit(self._job, accept, rows, fill)
-
-    def _job(self, accept: tuple[list, list[int]] | None, rows: list | None, fill: GrammarFill | None) -> None:
-        try:
-            ended = self.accept(*accept) if accept is not None else frozenset()
-            if fill is not None:
-                self.fill_bitmask(rows, fill, ended)
-        except BaseException:
-            if fill is not None:
-                fill.live_np[:] = 0
-            raise
-        finally:
-            if fill is not None:
-                fill.done()
-
     def accept(self, matchers: list, tokens: list[int]) -> frozenset[int]:
         """Advance each matcher by its sequence's sampled token (the masks allowed only what it
         accepts), in one call into XGrammar when there are several. Returns the ids of the matchers
         that took an end token: they have terminated, and the engine finishes their sequences.
         (The engine never hands a terminated matcher back, so nothing here asks XGrammar whether
-        one is: each such call lets go of the GIL, and 64 of them a step waited on the engine's
-        thread for it 64 times.)"""
+        one is: 64 calls into XGrammar a step saved.)"""
         if len(matchers) == 1:
             matchers[0].accept_token(tokens[0])
         elif matchers:
@@ -191,7 +147,7 @@ class Grammars:
 def _raw_batch_accept(xgr):
     """XGrammar's batch accept without its result. The public `batch_accept_token` turns the
     binding's result into a list of bools, one call into the FFI per row with the GIL held: ~80 us
-    a step at 64 rows (this project's CPU), on the grammar thread whose time bounds constrained
+    a step at 64 rows (this project's CPU), in the grammar job whose time bounds constrained
     decoding (GPT-2 small on an H100, batch 64: 0.87x unconstrained through the binding, 0.73x
     through the wrapper, alternating in one process). The engine ignores the result (the masks
     allowed only what each matcher accepts), so it calls the binding where it has the form this

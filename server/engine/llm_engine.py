@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvcache import BlockManager
@@ -25,12 +24,14 @@ from server.engine.requests import EngineFatalError, RequestBounds, RequestError
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.grammar import Grammars
+from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
 from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
 log = logging.getLogger("flashpage.engine")
+COMPILE_WAIT_S = 0.05  # how long an idle step waits for the matchers of new constrained requests
 
 
 @dataclass(slots=True)
@@ -58,8 +59,11 @@ class LLMEngine:
         eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
         self.runner.stop_ids = self.eos_token_ids  # what min_tokens holds back
-        self._grammars = None  # server/engine/grammar.py, made when the first structured request comes
-        self._fill_jobs: dict[int, Future] = {}  # grammar jobs by the constrained step they fill
+        self.model_path = path
+        self._grammars: GrammarProcess | None = None  # started when the first structured request comes
+        self._mask_fd = -1  # the memory it fills masks into (a memfd), made with it, kept for a restart
+        self._grammar_keys = 0  # each constrained sequence's matcher is a key in the process
+        self._compiler: Grammars | None = None  # compiles the specs of requests no front end checked
         self.compiling: list[Sequence] = []  # waiting requests whose grammar compiles
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
@@ -76,11 +80,21 @@ class LLMEngine:
         validate_request(prompt_token_ids, params, self.limits())
 
     @property
-    def grammars(self):
-        """Compiles structured-output specs (XGrammar, imported only when first needed)."""
+    def grammars(self) -> GrammarProcess:
+        """The grammar process (server/engine/grammar_process.py): started by the first structured
+        request, and again by the next one if it died (its sequences then fail, step by step)."""
+        if self._grammars is not None and not self._grammars.alive:
+            log.error("the grammar process exited (code %s); starting another", self._grammars.proc.poll())
+            self._grammars.close()
+            self._grammars = None
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
-            self.runner.grammar_vocab = self._grammars.vocab_size  # what its masks cover
+            if self._mask_fd < 0:
+                # The tokenizer's ids only: rows of the logits past them (padding) are never text.
+                covered = min(self.spec.vocab_size, len(self.tokenizer))
+                self._mask_fd, self.runner.grammar_memory = mask_memory(
+                    self.config.max_num_seqs, covered, lambda: self._grammars is not None and self._grammars.alive)
+            self._grammars = GrammarProcess(self.model_path, self.spec.vocab_size, self.eos_token_ids,
+                                            self._mask_fd, self.runner.grammar_memory)
         return self._grammars
 
     def limits(self) -> RequestBounds:
@@ -110,11 +124,13 @@ class LLMEngine:
             self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
         if params.structured is not None:
-            if validated:  # the front end compiled it already: it compiles; do it off this thread
-                seq.compiling = self.grammars.matcher_later(params.structured)
-                self.compiling.append(seq)
-            else:
-                seq.grammar = self.grammars.matcher(params.structured)  # RequestError if invalid
+            if not validated:  # the front end compiles it before queueing; offline callers get the error here
+                if self._compiler is None:
+                    self._compiler = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+                self._compiler.compile(params.structured)  # RequestError if invalid (cached per spec)
+            self._grammar_keys += 1
+            seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # admitted once made
+            self.compiling.append(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         if deadline is not None:
@@ -131,6 +147,9 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.runner.release(seq.request_id)
+        key = seq.grammar if seq.grammar is not None else getattr(seq.compiling, "key", None)
+        if key is not None and self._grammars is not None:
+            self._grammars.drop(key)
         if self.stats is not None:
             now = time.monotonic()
             n = len(seq.output_token_ids)
@@ -138,8 +157,12 @@ class LLMEngine:
             self.stats.finished(now - seq.arrival_time, tpot, str(reason))
 
     def close(self) -> None:
-        """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this process."""
+        """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this
+        process; stop the grammar process."""
         self.runner.close()
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -159,9 +182,15 @@ class LLMEngine:
                                          token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt))
         return outputs
 
-    def _compiled(self) -> list[RequestOutput]:
+    def _compiled(self, wait: bool) -> list[RequestOutput]:
         """Hand each request whose grammar has compiled its matcher (it may be admitted now); one
-        whose compile failed ends with finish_reason "error"."""
+        whose compile failed ends with finish_reason "error". `wait`: nothing runs, so wait a little
+        (COMPILE_WAIT_S) for the matchers asked for, rather than admit them a few at a time."""
+        if wait:
+            deadline = time.monotonic() + COMPILE_WAIT_S
+            while (time.monotonic() < deadline
+                   and not all(seq.is_finished or seq.compiling.done() for seq in self.compiling)):
+                self.grammars.wait_for_reply(0.002)
         outputs, still = [], []
         for seq in self.compiling:
             if seq.is_finished or not seq.compiling.done():
@@ -185,11 +214,11 @@ class LLMEngine:
         Requests past their deadline end first, so that no step is spent on them.
 
         A step with grammar-constrained rows is launched like any other; its masks are filled by
-        the grammar job that starts once step k-1's ids are in (detokenizing overlaps it), and the
-        device waits for them before choosing (server/worker/grammar_rows.py)."""
+        the grammar process, sent the job once step k-1's ids are in (server/engine/grammar_process.py),
+        and the device waits for them before choosing (server/worker/grammar_rows.py)."""
         expired = self._expire() if self.deadlines else []
         if self.compiling:
-            expired += self._compiled()
+            expired += self._compiled(wait=not self.scheduler.running and self.inflight is None)
         launched = self._launch()
         if isinstance(launched, LaunchFailure):
             return expired + self._finish(self.inflight) + self._fail_step(launched.batch, launched.error)
@@ -219,19 +248,23 @@ class LLMEngine:
             seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         return launched
 
-    def _submit_grammar(self, accept: tuple[list, list[int]] | None,
+    def _submit_grammar(self, accept: tuple[list[int], list[int]] | None,
                         launched: tuple[SchedulerOutput, StepHandle] | None) -> None:
-        """Hand the grammar thread the matchers' new tokens and the masks of a constrained step to
+        """Send the grammar process the matchers' new tokens and the masks of a constrained step to
         fill; then let the runner choose that step's tokens (behind a wait for the fill)."""
         fill = rows = None
         if launched is not None and launched[1].parts is not None:
             fill = launched[1].grammar
-            rows = [None if s.is_finished else s.grammar for s in launched[1].rows]
+            rows = [-1 if s.is_finished or s.grammar is None else s.grammar for s in launched[1].rows]
         if accept is None and fill is None:
             return
-        job = self.grammars.submit(accept, rows, fill)
+        try:
+            self.grammars.job(None if fill is None else fill.step, *(accept or ([], [])), rows)
+        except RuntimeError as e:  # the process is gone: the step fails when collected
+            log.error("%s", e)
+            if fill is not None:
+                fill.flag.fail(fill.step)
         if fill is not None:
-            self._fill_jobs[fill.step] = job
             self.runner.complete(launched[1])
 
     def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None,
@@ -247,11 +280,10 @@ class LLMEngine:
             self._submit_grammar(None, fill)
             return []
         batch, handle = launched
-        job = self._fill_jobs.pop(handle.grammar.step, None) if handle.grammar is not None else None
         try:
             result = self.runner.collect(handle)
-            if job is not None:
-                job.result()  # done, or nearly: the device (or the CPU) waited for its flag; raises if it failed
+            if handle.grammar is not None:  # the device (or the CPU) waited for its flag: did the fill fail?
+                self.grammars.check(handle.grammar.step)
         except Exception as e:
             self._submit_grammar(None, fill)
             return self._fail_step(batch, e)
@@ -324,7 +356,7 @@ class LLMEngine:
         reason = token_stop(tok, num_output, len(seq.prompt_token_ids) + num_output, p, self.eos_token_ids,
                             self.max_model_len)
         if seq.grammar is not None and reason is None and tok in self.eos_token_ids:
-            reason = STOP  # the grammar allowed its end (the grammar thread owns the matcher now)
+            reason = STOP  # the grammar allowed its end (its matcher, in the grammar process, took it)
         decoded = self.detokenizer.step(seq, final=reason is not None)
         if p.stop and decoded and num_output >= p.min_tokens:
             cut = find_stop(seq.text, len(decoded), p.stop)

@@ -8,8 +8,9 @@ its fill, on the engine's thread, which is what bounds a decoding step of a smal
 from Python it was five launches and ~0.17-0.25 ms of host time a step (H100 host, 64 rows), as
 much as the grammar cost the step in all; replayed, one launch. The graph reads what changes from
 step to step where it lies: the wait's target in pinned memory (GrammarBuffers.target), the masks
-in the parity's pinned buffers, the rows' penalty slots, temperatures, noise keys and positions in
-the decode graph's static inputs (DecodeGraphs.choice_inputs).
+in the parity's buffers (shared with the grammar process, page-locked), the rows' penalty slots,
+temperatures, noise keys and positions in the decode graph's static inputs
+(DecodeGraphs.choice_inputs).
 """
 
 from __future__ import annotations

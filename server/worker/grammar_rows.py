@@ -1,18 +1,21 @@
-"""Grammar-constrained rows on the worker: the host buffers a step's token masks are filled into, the
+"""Grammar-constrained rows on the worker: the memory a step's token masks are filled into, the
 flag that says they are, and how the step's tokens are chosen from them.
 
 A constrained step's masks need the previous step's tokens on the host and then XGrammar's fill,
 while the step itself is enqueued before those tokens are known (asynchronous scheduling). So:
 
-- Each constrained step takes a number and a pair of host buffers (`GrammarFill`: bits [rows, words]
-  int32 in XGrammar's layout, live [rows] int32; pinned on a GPU). The engine's grammar job fills
-  them, then raises the flag to the step's number (`GrammarFill.done`), also when the fill failed.
-- On a GPU the step's choice is enqueued once the job is handed the fill: a kernel that waits on
+- The masks are filled by the grammar process (server/engine/grammar_process.py) into memory it
+  shares with this one (`MaskLayout`: two flags, then two pairs of buffers; page-locked and mapped
+  for the device on a GPU). Each constrained step takes a number and the pair of its parity
+  (`GrammarFill`: bits [rows, words] int32 in XGrammar's layout, live [rows] int32). The process
+  fills them, then writes the step's number to the flag, also when the fill failed (then it writes
+  the number to the second flag first, and leaves every row's live at 0).
+- On a GPU the step's choice is enqueued once the process is sent the job: a kernel that waits on
   the device until the flag reaches the step's number, a copy of the masks to device memory, then
   the choice (kernels/grammar_mask.py). The host never waits for the fill: the next step is
   enqueued behind this one at once, and the fill runs while the device computes the forward.
 - On the CPU nothing queues: the choice runs when its ids are first needed (the next launch, whose
-  forward reads them, or collect), after waiting on the flag's condition.
+  forward reads them, or collect), after polling the flag.
 
 Two pairs of buffers, by the step number's parity: the fill of step k+1 may start once step k's ids
 are on the host, and must not write the buffers step k may still be reading.
@@ -20,7 +23,8 @@ are on the host, and must not write the buffers step k may still be reading.
 
 from __future__ import annotations
 
-import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,72 +33,130 @@ import torch
 from kernels.grammar_mask import wait_for_flag
 
 FILL_TIMEOUT_S = 60.0  # the CPU path's wait for a fill before it fails the step
+POLL_S = 5e-5  # the CPU path's poll of the flag
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """Where the masks lie in the shared memory: flags int64 [2] (the last step filled, the last
+    step whose fill failed), live int32 [2][rows], bits int32 [2][rows, words], each part 64-byte
+    aligned. The grammar process and the runner map the same bytes by this."""
+
+    rows: int
+    words: int
+
+    def _offsets(self) -> tuple[int, int, int]:
+        up = lambda n: -(-n // 64) * 64  # noqa: E731
+        live = 64
+        bits = live + 2 * up(4 * self.rows)
+        return live, bits, bits + 2 * up(4 * self.rows * self.words)
+
+    @property
+    def nbytes(self) -> int:
+        return self._offsets()[2]
+
+    def views(self, buffer) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """(flags [2] int64, live [2] of [rows] int32, bits [2] of [rows, words] int32) over `buffer`."""
+        live, bits, _ = self._offsets()
+        stride_live, stride_bits = (bits - live) // 2, (self.nbytes - bits) // 2
+        flags = np.frombuffer(buffer, np.int64, 2, 0)
+        lives = [np.frombuffer(buffer, np.int32, self.rows, live + k * stride_live) for k in range(2)]
+        bitss = [np.frombuffer(buffer, np.int32, self.rows * self.words, bits + k * stride_bits)
+                 .reshape(self.rows, self.words) for k in range(2)]
+        return flags, lives, bitss
 
 
 class GrammarFlag:
-    """The number of the last step whose masks are filled: pinned host memory the device reads, and
-    a condition the CPU path waits on."""
+    """The number of the last step whose masks are filled (and of the last whose fill failed), in
+    the shared memory: the device reads the first, the CPU path polls it (while `alive()`)."""
 
-    def __init__(self, pinned: bool) -> None:
-        self.value = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
-        self._np = self.value.numpy()  # written through numpy: no torch op (and no GIL hand-off)
-        self._cond = threading.Condition()
+    def __init__(self, flags: np.ndarray, alive: Callable[[], bool]) -> None:
+        self._np = flags
+        self.alive = alive
+        self.value = torch.from_numpy(flags[:1])  # what the device's wait reads
 
-    def raise_to(self, step: int) -> None:
-        with self._cond:
-            self._np[0] = step  # after every write to the masks (one thread, x86's store order)
-            self._cond.notify_all()
+    @property
+    def filled(self) -> int:
+        return int(self._np[0])
+
+    @property
+    def failed(self) -> int:
+        return int(self._np[1])
+
+    def fail(self, step: int) -> None:
+        """Mark `step` failed and release every wait up to it (the engine, when the grammar process
+        is gone: nobody else will)."""
+        self._np[1] = step
+        self._np[0] = max(int(self._np[0]), step)
 
     def wait_for(self, step: int, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: int(self._np[0]) >= step, timeout)
+        deadline = time.monotonic() + timeout
+        polls = 0
+        while int(self._np[0]) < step:
+            polls += 1
+            if time.monotonic() > deadline or (polls % 100 == 0 and not self.alive()):
+                return False
+            time.sleep(POLL_S)
+        return True
 
 
 @dataclass(slots=True)
 class GrammarFill:
-    """What the engine's grammar job fills for one constrained step: row r of `bits` is what the
-    step's row r may choose, live[r] = 1 where that row is constrained (0: left alone)."""
+    """What the grammar process fills for one constrained step: row r of `bits` is what the step's
+    row r may choose, live[r] = 1 where that row is constrained (0: left alone)."""
 
     step: int
-    bits: torch.Tensor  # [rows, words] int32 (pinned on a GPU)
-    live: torch.Tensor  # [rows] int32 (likewise)
+    bits: torch.Tensor  # [rows, words] int32, in the shared memory
+    live: torch.Tensor  # [rows] int32, likewise
     flag: GrammarFlag
-
-    @property
-    def bits_np(self) -> np.ndarray:
-        return self.bits.numpy()
-
-    @property
-    def live_np(self) -> np.ndarray:
-        return self.live.numpy()
-
-    def done(self) -> None:
-        """The masks are written (or the fill failed, its rows left alone): release the step."""
-        self.flag.raise_to(self.step)
 
     def wait(self, timeout: float = FILL_TIMEOUT_S) -> bool:
         return self.flag.wait_for(self.step, timeout)
 
 
-class GrammarBuffers:
-    """The two pairs of mask buffers and the flag, made when the first constrained step comes."""
+@dataclass(frozen=True)
+class MaskMemory:
+    """The shared memory the engine's grammar process fills (the engine hands it to the runner)."""
 
-    def __init__(self, max_rows: int, covered: int, device: torch.device) -> None:
-        self.covered = covered  # the tokenizer's vocabulary: tokens past it are never allowed
-        words = -(-covered // 32)
-        pinned = device.type == "cuda"
+    buffer: object  # writable, layout.nbytes (an mmap of a memfd both processes map)
+    layout: MaskLayout
+    covered: int  # the tokenizer's vocabulary: tokens past it are never allowed
+    alive: Callable[[], bool]  # whether a grammar process is there to fill them
+
+
+class GrammarBuffers:
+    """The two pairs of mask buffers and the flags over the shared memory, and the device's copies;
+    made when the first constrained step comes."""
+
+    def __init__(self, memory: MaskMemory, device: torch.device) -> None:
+        self.covered = memory.covered
+        layout = memory.layout
+        rows, words = layout.rows, layout.words
+        flags, lives, bitss = layout.views(memory.buffer)
+        if device.type == "cuda":  # page-locked and mapped: async copies from it, and the wait reads it
+            base = torch.from_numpy(np.frombuffer(memory.buffer, np.uint8))
+            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), layout.nbytes, 3)  # portable | mapped
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the grammar masks failed: {err}")
+            self._registered = base
         # where a GPU copies a step's masks once they are filled (reading them over the bus block
         # by block cost a round trip each)
-        self.device_bits = torch.zeros(max_rows, words, dtype=torch.int32, device=device)
-        self.device_live = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.bits = [torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
-        self.live = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
-        self.flag = GrammarFlag(pinned)
+        self.device_bits = torch.zeros(rows, words, dtype=torch.int32, device=device)
+        self.device_live = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.bits = [torch.from_numpy(b) for b in bitss]
+        self.live = [torch.from_numpy(v) for v in lives]
+        self.flag = GrammarFlag(flags, memory.alive)
         # the step each parity's wait is for, written by the host before it queues the wait (which
         # reads it when it runs: a captured choice reads the step of its replay; see ChoiceGraphs)
-        self.targets = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self.targets = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._targets_np = self.targets.numpy()
-        self.step = 0
+        self.step = int(flags[0])  # a new grammar process starts its numbers past the last one
+
+    def close(self) -> None:
+        """Unregister the shared memory from CUDA (before it is unmapped)."""
+        base, self._registered = getattr(self, "_registered", None), None
+        if base is not None:
+            torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
 
     def next(self, rows: int) -> GrammarFill:
         self.step += 1

@@ -12,6 +12,7 @@ model's attention backend for metadata and warm-up.
 
 from __future__ import annotations
 
+import gc
 import operator
 import random
 
@@ -23,7 +24,7 @@ from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.choice import ChoiceGraphs, argmax_choice
-from server.worker.grammar_rows import GrammarBuffers, GrammarFill
+from server.worker.grammar_rows import GrammarBuffers, GrammarFill, MaskMemory
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts, to_device
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
@@ -60,7 +61,7 @@ class ModelRunner:
         self.stop_ids: frozenset[int] = frozenset()  # the model's EOS ids (the engine sets them): min_tokens
         self.counts = TokenCounts(model.vocab_size, device)  # generated-token counts of penalized sequences
         self.last_plan: RowsPlan | None = None  # the last step's rows and how they choose: see _plan
-        self.grammar_vocab = 0  # the tokenizer's vocabulary, which grammar masks cover (the engine sets it)
+        self.grammar_memory: MaskMemory | None = None  # where its grammar process fills masks (the engine sets it)
         self.grammar: GrammarBuffers | None = None  # made by the first constrained step
         self.choice_graphs: ChoiceGraphs | None = None  # likewise, where decode graphs run
         self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
@@ -132,10 +133,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
-        import gc
-
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.choice_graphs = None
         self.kv_caches = []
+        if self.grammar is not None:
+            self.grammar.close()
+            self.grammar = None
         gc.collect()
         if self.on_cuda:
             torch.cuda.empty_cache()
@@ -205,7 +207,7 @@ class ModelRunner:
                                     + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
                 if plan.structured:
                     if self.grammar is None:
-                        self.grammar = GrammarBuffers(self.max_num_seqs, self.grammar_vocab, self.device)
+                        self.grammar = GrammarBuffers(self.grammar_memory, self.device)
                         if self.graphs is not None:
                             self.choice_graphs = ChoiceGraphs(self.graphs, self.grammar, self.last_ids, self.counts,
                                                               self.model.vocab_size)

@@ -53,7 +53,7 @@ def test_constrained_rows_match_their_grammar_beside_plain_rows(gpu):
     assert all(len(o.token_ids) == 40 for o in outs[len(specs):])
     while gpu.has_unfinished():
         gpu.step()
-    assert not gpu._fill_jobs and gpu.block_manager.check_all_free()
+    assert gpu.block_manager.check_all_free()
 
 
 def test_asynchronous_scheduling_changes_no_constrained_token():
@@ -126,17 +126,37 @@ def test_constrained_rows_choose_in_one_kernel_what_the_sampler_would(gpu):
     assert a == b
     while gpu.has_unfinished():  # a step launched before the last request finished is collected
         gpu.step()
-    assert not gpu._fill_jobs and gpu.block_manager.check_all_free()
+    assert gpu.block_manager.check_all_free()
 
 
 def test_a_fill_that_fails_does_not_hang_the_device(gpu):
-    """The grammar job raises: it still raises the flag the device waits on, the step's requests end
-    with "error", and the engine serves on."""
+    """The grammar process's fill raises: it still raises the flag the device waits on, the step's
+    requests end with "error", and the engine serves on."""
     with failing_fill(gpu, at=4):
         outs = gpu.generate([gpu.tokenizer.encode("Value: ")] * 3, [_params(structured=SCHEMA)] * 3)
     assert all(o.finish_reason == "error" and "injected fill failure" in o.error for o in outs)
     while gpu.has_unfinished():
         gpu.step()
-    assert gpu.block_manager.check_all_free() and not gpu._fill_jobs
+    assert gpu.block_manager.check_all_free()
     out = gpu.generate([gpu.tokenizer.encode("Value: ")], [_params(structured=REGEX, max_tokens=12)])[0]
     assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
+
+
+def test_a_grammar_process_killed_mid_run_fails_its_steps_not_the_device(gpu):
+    """The grammar process is killed while constrained rows decode: the device's waits end (the
+    engine marks the steps it can no longer fill failed; a fill in flight times out), the requests
+    end with "error", and the next structured request starts another process."""
+    gpu.add_request("k1", gpu.tokenizer.encode("Value: "), _params(structured=SCHEMA, max_tokens=60))
+    for _ in range(4):
+        gpu.step()
+    first = gpu.grammars
+    first.proc.kill()
+    first.proc.wait()
+    final = {}
+    while gpu.has_unfinished():
+        for out in gpu.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["k1"].finish_reason == "error" and gpu.block_manager.check_all_free()
+    out = gpu.generate([gpu.tokenizer.encode("Value: ")], [_params(structured=REGEX, max_tokens=12)])[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text) and gpu.grammars is not first

@@ -12,7 +12,7 @@ import pytest
 
 from server.config import EngineConfig
 from server.engine import LLMEngine, RequestError
-from server.engine.grammar import choice_grammar
+from server.engine.grammar import Grammars, choice_grammar
 from server.sampling_params import SamplingParams, StructuredOutput
 from tests.helpers import failing_fill, run_to_end
 
@@ -26,7 +26,15 @@ SCHEMA = StructuredOutput("json", json.dumps({"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(device="cpu", num_blocks=256))  # the embedded model: real text
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))  # the embedded model: real text
+    yield eng
+    eng.close()  # its grammar process too
+
+
+@pytest.fixture(scope="module")
+def grammars(engine):
+    """The engine's grammars as the API process compiles them (the engine's own are in its process)."""
+    return Grammars(engine.tokenizer, engine.spec.vocab_size, engine.eos_token_ids)
 
 
 def prompt(engine, text="Value: "):
@@ -39,12 +47,13 @@ def prompt(engine, text="Value: "):
     (StructuredOutput("grammar", 'root ::= "a" |'), "invalid EBNF grammar"),
     (StructuredOutput("grammar", 'start ::= "a"'), "invalid EBNF grammar"),
 ])
-def test_invalid_specs_name_what_is_wrong(engine, spec, words):
+def test_invalid_specs_name_what_is_wrong(engine, grammars, spec, words):
     with pytest.raises(RequestError) as e:
-        engine.grammars.compile(spec)
+        grammars.compile(spec)
     assert words in str(e.value) and ".cc:" not in str(e.value)  # no C++ source location
-    with pytest.raises(RequestError):
+    with pytest.raises(RequestError) as e:  # the engine's grammar process says the same
         engine.add_request("bad", prompt(engine), SamplingParams(structured=spec))
+    assert words in str(e.value)
     assert "bad" not in engine.seqs
 
 
@@ -144,25 +153,46 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
 
 
 def test_a_constrained_step_is_chosen_once_its_masks_are_filled(engine):
-    """A constrained step is launched like any other and its masks are filled by the grammar job of
-    the next call (after the previous step's ids); on the CPU its choice waits, pending, for the
-    job's flag, and runs when its ids are first needed. A plain batch has neither."""
+    """A constrained step is launched like any other and the grammar process is sent its job at
+    once (no tokens to take yet: it is the prompts' step); on the CPU its choice waits, pending, for
+    the step's flag in the shared memory, and runs when its ids are first needed. A plain batch has
+    neither."""
     engine.add_request("a1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
     engine.add_request("a2", prompt(engine), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.step()  # the prompts' step: launched with its masks' job; its ids are collected next call
     handle = engine.inflight[1]
     assert handle.grammar is not None and engine.runner.pending[0] is handle
-    assert handle.grammar.step in engine._fill_jobs
+    assert handle.grammar.wait(30)  # the process fills it without anything more from the engine
+    assert handle.grammar.live[0] == 1 and handle.grammar.live[1] == 0  # a1 constrained, a2 left alone
     engine.step()  # launches the first decode (choosing the prompts' step first: its forward reads them)
-    assert engine.runner.pending[0] is engine.inflight[1] and handle.grammar.step not in engine._fill_jobs
+    assert engine.runner.pending[0] is engine.inflight[1] and engine.inflight[1].grammar.step == handle.grammar.step + 1
     while engine.has_unfinished():
         engine.step()
-    assert engine.runner.pending is None and not engine._fill_jobs and engine.block_manager.check_all_free()
+    assert engine.runner.pending is None and engine.block_manager.check_all_free()
     engine.add_request("p", prompt(engine), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     engine.step()
     assert engine.inflight[1].grammar is None and engine.runner.pending is None
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_grammar_process_that_dies_fails_its_steps_and_another_starts():
+    """The grammar process is killed mid-run: the steps it owed masks fail their requests (and their
+    blocks go back), the engine serves on, and the next structured request starts another process."""
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
+    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
+    eng.add_request("y", prompt(eng), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    first = eng.grammars
+    first.proc.kill()
+    first.proc.wait()
+    final = run_to_end(eng)
+    assert final["x"].finish_reason == "error" and "grammar" in final["x"].error
+    assert eng.block_manager.check_all_free() and not eng.seqs
+    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text) and eng.grammars is not first
+    eng.close()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -177,7 +207,7 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_schedul
         final = run_to_end(eng)
     assert final["x"].finish_reason == "error" and final["y"].finish_reason == "error"
     assert "injected fill failure" in final["x"].error
-    assert eng.block_manager.check_all_free() and not eng.seqs and not eng._fill_jobs
+    assert eng.block_manager.check_all_free() and not eng.seqs
     out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
     assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
 
@@ -217,13 +247,13 @@ def test_a_request_aborted_while_its_choice_is_pending_leaves_nothing_behind(eng
     assert engine.runner.pending is None and engine.block_manager.check_all_free()
 
 
-def test_the_batch_accept_advances_every_matcher_as_the_public_call_does(engine):
+def test_the_batch_accept_advances_every_matcher_as_the_public_call_does(engine, grammars):
     """Grammars.accept calls XGrammar's binding without the public wrapper (see _raw_batch_accept):
     with the installed xgrammar it is the binding, and it moves each matcher exactly as accepting
     the tokens one by one does."""
     from server.engine.grammar import _raw_batch_accept
 
-    g = engine.grammars
+    g = grammars
     assert _raw_batch_accept(g.xgr) is not g.xgr.BatchGrammarMatcher.batch_accept_token  # the fast path is live
     docs = [engine.tokenizer.encode(d, add_special_tokens=False)
             for d in ('{"n": 7, "tags": ["ab", "c"]}', '{"n": 42, "tags": []}', '{"n": 0, "tags": ["xyz"]}')]
@@ -239,11 +269,11 @@ def test_the_batch_accept_advances_every_matcher_as_the_public_call_does(engine)
 
 
 @pytest.mark.parametrize("cut", [0, 5])
-def test_a_dead_end_row_is_found_past_the_first_words_too(engine, cut):
+def test_a_dead_end_row_is_found_past_the_first_words_too(grammars, cut):
     """_end_dead_ends reads the first words of each row first: a live row that allows only high ids
     is left alone, a live row that allows nothing (or only bits past the vocabulary) gets the end
     token, a row that is not live is never touched. cut: a vocabulary that ends inside a word."""
-    g = copy.copy(engine.grammars)
+    g = copy.copy(grammars)
     g.vocab_size -= cut
     words = -(-g.vocab_size // 32)
     bits = np.zeros((4, words), dtype=np.int32)
