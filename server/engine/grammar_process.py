@@ -78,6 +78,7 @@ class GrammarProcess:
         self.conn.send((model_path, vocab_size, sorted(stop_token_ids), layout.rows, layout.words))
         self.flags = layout.views(memory.buffer)[0]
         self.replies: dict[int, str | None] = {}  # key -> error of its matcher (None: made)
+        self.unwanted: set[int] = set()  # keys dropped before their reply came: it is not kept
         self.failures: dict[int | None, str] = {}  # step -> why its job failed
 
     @property
@@ -96,7 +97,9 @@ class GrammarProcess:
             while self.conn.poll(timeout):
                 timeout = 0.0
                 kind, ref, text = self.conn.recv()
-                if kind == "added":
+                if kind == "added" and ref in self.unwanted:
+                    self.unwanted.discard(ref)
+                elif kind == "added":
                     self.replies[ref] = text
                 else:
                     self.failures[ref] = text
@@ -113,9 +116,15 @@ class GrammarProcess:
         self._send(("add", key, spec.kind, spec.spec))
         return PendingMatcher(self, key)
 
-    def drop(self, key: int) -> None:
-        if self.alive:
+    def drop(self, key: int, answered: bool = True) -> None:
+        """The sequence ended: its matcher goes. `answered`: the process's reply about it was read
+        (else it is not kept when it comes)."""
+        if not answered and self.replies.pop(key, self) is self:
+            self.unwanted.add(key)
+        try:
             self._send(("drop", key))
+        except RuntimeError:
+            pass  # gone, and its matchers with it
 
     def job(self, step: int | None, keys: list[int], tokens: list[int], rows: list[int] | None) -> None:
         self._send(("job", step, keys, tokens, rows))

@@ -147,9 +147,10 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.runner.release(seq.request_id)
-        key = seq.grammar if seq.grammar is not None else getattr(seq.compiling, "key", None)
-        if key is not None and self._grammars is not None:
-            self._grammars.drop(key)
+        if self._grammars is not None and seq.grammar is not None:
+            self._grammars.drop(seq.grammar)
+        elif self._grammars is not None and seq.compiling is not None:  # its matcher may still be in the making
+            self._grammars.drop(seq.compiling.key, answered=False)
         if self.stats is not None:
             now = time.monotonic()
             n = len(seq.output_token_ids)

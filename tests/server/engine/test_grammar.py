@@ -290,3 +290,21 @@ def test_a_dead_end_row_is_found_past_the_first_words_too(grammars, cut):
     end_row = np.zeros(words, dtype=np.int32)
     end_row[g.end // 32] = np.array([1 << (g.end % 32)], dtype=np.uint32).view(np.int32)[0]
     assert np.array_equal(bits[1], end_row) and np.array_equal(bits[2], end_row)
+
+
+def test_a_request_aborted_while_its_matcher_is_made_leaves_nothing_behind(engine):
+    """Aborted before the grammar process answered about its matcher: the answer, when it comes, is
+    not kept, and the matcher is dropped in the process."""
+    import time
+
+    engine.add_request("c9", prompt(engine), SamplingParams(max_tokens=5, structured=CHOICE), validated=True)
+    key = engine.seqs["c9"].compiling.key
+    engine.abort_request("c9")
+    proc = engine.grammars
+    assert key in proc.unwanted or key not in proc.replies
+    deadline = time.monotonic() + 30
+    while key in proc.unwanted and time.monotonic() < deadline:
+        proc.wait_for_reply(0.05)
+    assert key not in proc.unwanted and key not in proc.replies
+    engine.step()
+    assert not engine.seqs and not engine.compiling
