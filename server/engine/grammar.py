@@ -113,14 +113,14 @@ class Grammars:
             self._end_dead_ends(bits, live, len(matchers))
         return rows
 
-    def _end_dead_ends(self, bits: np.ndarray, flags: np.ndarray, n: int) -> None:
+    def _end_dead_ends(self, bits: np.ndarray, live: np.ndarray, n: int) -> None:
         """A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
         its row would pick an arbitrary token forever. Let it end instead. This runs on the path to
         the step's flag with the GIL held, so it looks at the first words of each row first (a
         byte-level vocabulary's single bytes: nearly every state allows one) and reads whole rows
         only for the few that allowed none of those."""
         full, rest = divmod(self.vocab_size, 32)  # bits past the vocabulary in a last word are not tokens
-        shut = np.flatnonzero((flags[:n] != 0) & ~bits[:n, : min(HEAD_WORDS, full)].any(axis=1))
+        shut = np.flatnonzero((live[:n] != 0) & ~bits[:n, : min(HEAD_WORDS, full)].any(axis=1))
         if not shut.size:
             return
         for j in shut.tolist():

@@ -91,7 +91,7 @@ class GrammarProcess:
         except OSError as e:
             raise RuntimeError(f"the grammar process is gone (exit code {self.proc.poll()})") from e
 
-    def _drain(self, timeout: float = 0.0) -> None:
+    def drain(self, timeout: float = 0.0) -> None:
         """Read every reply that is there (waiting up to `timeout` for the first)."""
         try:
             while self.conn.poll(timeout):
@@ -107,10 +107,6 @@ class GrammarProcess:
                         log.error("a grammar job failed: %s", text)
         except (EOFError, OSError):
             pass  # gone: the callers see it in the flags, or in alive
-
-    def wait_for_reply(self, timeout: float) -> None:
-        """Block until a reply is there (or `timeout`), and read it."""
-        self._drain(timeout)
 
     def add(self, key: int, spec: StructuredOutput) -> PendingMatcher:
         self._send(("add", key, spec.kind, spec.spec))
@@ -138,7 +134,7 @@ class GrammarProcess:
         if int(self.flags[1]) == step or int(self.flags[0]) < step:
             deadline = time.monotonic() + 1.0
             while step not in self.failures and self.alive and time.monotonic() < deadline:
-                self._drain(0.05)
+                self.drain(0.05)
             why = self.failures.pop(step, None)
             if why is None:
                 why = "the grammar process is gone" if not self.alive else "its masks were not filled"
@@ -160,7 +156,7 @@ class PendingMatcher:
     key: int
 
     def done(self) -> bool:
-        self.process._drain()
+        self.process.drain()
         return self.key in self.process.replies or not self.process.alive
 
     def result(self, timeout: float = START_TIMEOUT_S) -> int:
@@ -168,7 +164,7 @@ class PendingMatcher:
         while self.key not in self.process.replies:
             if not self.process.alive or time.monotonic() > deadline:
                 raise RequestError("the grammar process did not answer (it is gone, or stuck)")
-            self.process._drain(0.05)
+            self.process.drain(0.05)
         error = self.process.replies.pop(self.key)
         if error is not None:
             raise RequestError(error)

@@ -191,7 +191,7 @@ class LLMEngine:
             deadline = time.monotonic() + COMPILE_WAIT_S
             while (time.monotonic() < deadline
                    and not all(seq.is_finished or seq.compiling.done() for seq in self.compiling)):
-                self.grammars.wait_for_reply(0.002)
+                self.grammars.drain(0.002)
         outputs, still = [], []
         for seq in self.compiling:
             if seq.is_finished or not seq.compiling.done():

@@ -75,14 +75,6 @@ class GrammarFlag:
         self.alive = alive
         self.value = torch.from_numpy(flags[:1])  # what the device's wait reads
 
-    @property
-    def filled(self) -> int:
-        return int(self._np[0])
-
-    @property
-    def failed(self) -> int:
-        return int(self._np[1])
-
     def fail(self, step: int) -> None:
         """Mark `step` failed and release every wait up to it (the engine, when the grammar process
         is gone: nobody else will)."""

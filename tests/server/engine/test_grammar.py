@@ -283,9 +283,9 @@ def test_a_dead_end_row_is_found_past_the_first_words_too(grammars, cut):
     if rest:
         past = ~((1 << rest) - 1) & 0xFFFFFFFF  # every bit of the last word past the vocabulary
         bits[2, -1] = np.array([past], dtype=np.uint32).view(np.int32)[0]
-    flags = np.array([1, 1, 1, 0], dtype=np.int32)
+    live = np.array([1, 1, 1, 0], dtype=np.int32)
     before = bits.copy()
-    g._end_dead_ends(bits, flags, 4)
+    g._end_dead_ends(bits, live, 4)
     assert np.array_equal(bits[0], before[0]) and np.array_equal(bits[3], before[3])
     end_row = np.zeros(words, dtype=np.int32)
     end_row[g.end // 32] = np.array([1 << (g.end % 32)], dtype=np.uint32).view(np.int32)[0]
@@ -304,7 +304,7 @@ def test_a_request_aborted_while_its_matcher_is_made_leaves_nothing_behind(engin
     assert key in proc.unwanted or key not in proc.replies
     deadline = time.monotonic() + 30
     while key in proc.unwanted and time.monotonic() < deadline:
-        proc.wait_for_reply(0.05)
+        proc.drain(0.05)
     assert key not in proc.unwanted and key not in proc.replies
     engine.step()
     assert not engine.seqs and not engine.compiling
