@@ -26,7 +26,7 @@ from models import CausalLM, StepRows
 from server.worker.choice import ChoiceGraphs, argmax_choice
 from server.worker.grammar_rows import GrammarBuffers, GrammarFill, MaskMemory
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
-from server.worker.logits import GrammarMask, StepControls, TokenCounts, to_device
+from server.worker.logits import GrammarMask, StepControls, TokenCounts
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
 from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult

@@ -1,0 +1,18 @@
+"""bench_structured's summary of its alternating runs (the GPU runs themselves are benchmarks, not tests)."""
+
+from benchmarks.bench_structured import paired_ratio, summary
+
+
+def run(with_tok_s: float, without_tok_s: float) -> dict:
+    return dict(tokens=100, with_tok_s=with_tok_s, without_tok_s=without_tok_s)
+
+
+def test_the_paired_ratio_is_the_median_of_each_pairs_own():
+    # Each pair costs 10%, on a fast host (100k) or a slow one (60k); one pair straddles a change of
+    # speed. The medians of the two sides then come from different stretches; the pairs do not.
+    runs = [run(90e3, 100e3), run(54e3, 60e3), run(90e3, 60e3)]
+    s = summary(runs)
+    assert s["paired_ratio"] == 0.9 and abs(paired_ratio(runs) - 0.9) < 1e-12
+    assert (s["with_tok_s"], s["without_tok_s"], s["ratio"]) == (90e3, 60e3, 1.5)
+    steady = [run(90e3, 100e3)] * 4 + [run(45e3, 100e3)]
+    assert summary(steady)["paired_ratio"] == summary(steady)["ratio"] == 0.9
