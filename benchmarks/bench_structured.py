@@ -10,8 +10,9 @@
 Each pair runs greedy and sampled (temperature 1, seeded), once to warm up (discarded: the first
 run of each path is cold), then `--repeats` times alternating; the median throughput of each side
 is reported with their ratio, and the median of each pair's own ratio: the device hosts' speed
-moves in stretches of seconds that take in both runs of a pair (~0.2 s) but not all the pairs. The schema is compiled once before the runs and that time reported
-apart: a server compiles each distinct schema once.
+moves in stretches of seconds that take in both runs of a pair (~0.2 s) but not all the pairs.
+The schema is compiled once before the runs and that time reported apart: a server compiles each
+distinct schema once.
 
 The checkpoint is GPT-2 small at its real shape with random weights and the embedded model's
 8k byte-level BPE (benchmarks/checkpoint.py): XGrammar's token masks are built over that
@@ -222,7 +223,8 @@ def summary(runs: list[dict]) -> dict:
 def report(result: dict) -> str:
     """The README's table (benchmarks/make_report.py)."""
     lines = [f"Batch {result['rows'][0]['batch']}, prompts of {result['prompt_len']} random ids, {result['model']}; "
-             f"median of {result['repeats']} alternating runs per side (paired: the median of each pair's own ratio), after one discarded pair (the first run of each "
+             f"median of {result['repeats']} alternating runs per side (paired: the median of each pair's own "
+             "ratio), after one discarded pair (the first run of each "
              f"path is cold; the schema compiled before them, once: {result.get('schema_compile_ms', '?')} ms). Structured: a JSON schema of 7 fields "
              "(nested object, array, enum, bounded numbers, a pattern) to the grammar's end, against unconstrained "
              f"decoding of the same lengths; penalties: {', '.join(f'{k} {v}' for k, v in result['penalties'].items())}, "
@@ -318,8 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'kind':16} {'temp':>4} {'with tok/s':>11} {'without':>11} {'ratio':>6} {'paired':>6}")
     for r in rows:
         print(f"{r['kind']:16} {r['temperature']:4.1f} {r['with_tok_s']:11.1f} {r['without_tok_s']:11.1f} "
-              f"{r['ratio']:6.3f} {r['paired_ratio']:6.3f}" + (f"  parsed {r['parsed']}/{r['batch']}, mean {r['mean_len']} tokens"
-                                      if "parsed" in r else ""))
+              f"{r['ratio']:6.3f} {r['paired_ratio']:6.3f}"
+              + (f"  parsed {r['parsed']}/{r['batch']}, mean {r['mean_len']} tokens" if "parsed" in r else ""))
     if args.out_dir:
         print("wrote", write_result(result, args.out_dir, "structured"))
     return result
