@@ -205,6 +205,63 @@ def step_times(engine: LLMEngine, prompts, temperature: float, max_tokens: int) 
     return rows
 
 
+def split_timeline(marks: list[tuple[float, int, int]], t0: float, t1: float) -> dict:
+    """Where one run's wall time went, on the host's clock: `marks` are (time, decodes, prefills)
+    at each launch, t0/t1 the run's start and end. pre_ms: start to the first launch; first_ms:
+    the first step (the prompts'), launch to launch; full_us: the median of the steps of every row
+    (the most decodes); tail_ms: the decode steps with fewer; post_ms: the last launch to the end."""
+    gaps = [(b[0] - a[0], a[1], a[2]) for a, b in zip(marks, marks[1:])]
+    most = max(n for _, n, _ in gaps)
+    full = [g for g, n, p in gaps if n == most and not p]
+    return dict(wall_ms=(t1 - t0) * 1e3, pre_ms=(marks[0][0] - t0) * 1e3, first_ms=gaps[0][0] * 1e3,
+                full_us=statistics.median(full) * 1e6, full_steps=len(full),
+                tail_ms=sum(g for g, n, p in gaps if n < most and not p) * 1e3, post_ms=(t1 - marks[-1][0]) * 1e3,
+                steps=len(marks))
+
+
+def timelines(engine: LLMEngine, prompts, max_tokens: int, repeats: int) -> str:
+    """`repeats` structured runs and their unconstrained twins (same lengths), greedy and seeded
+    temperature 1, split by split_timeline, with the messages the engine's thread sent the grammar
+    process and its time in them: the costs outside the steps (admission, the tail) beside the
+    steps' own."""
+    runner, launch, conn = engine.runner, engine.runner.launch, engine.grammars.conn
+    marks, sends = [], [0, 0.0]
+    send = conn.send
+
+    def timed_send(msg):
+        t = time.perf_counter()
+        send(msg)
+        sends[0] += 1
+        sends[1] += time.perf_counter() - t
+
+    def run(params) -> tuple[dict, list[int]]:
+        marks.clear()
+        sends[:] = [0, 0.0]
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        return dict(split_timeline(marks, t0, t1), sends=sends[0], send_ms=sends[1] * 1e3), [len(o.token_ids) for o in outs]
+
+    spec = StructuredOutput("json", json.dumps(SCHEMA, sort_keys=True))
+    runner.launch = lambda p, d: (marks.append((time.perf_counter(), len(d), len(p))), launch(p, d))[1]
+    conn.send = timed_send
+    keys = ["wall_ms", "pre_ms", "first_ms", "full_us", "full_steps", "tail_ms", "post_ms", "steps", "sends", "send_ms"]
+    lines = [f"{'t':>3} {'side':5} " + " ".join(f"{k:>10}" for k in keys)]
+    try:
+        for temperature in (0.0, 1.0):
+            for i in range(repeats + 1):  # the first pair is discarded (each path's first run is cold)
+                w, lengths = run([sampling(temperature, j, max_tokens=max_tokens, structured=spec)
+                                  for j in range(len(prompts))])
+                wo, _ = run([sampling(temperature, j, max_tokens=n, ignore_eos=True) for j, n in enumerate(lengths)])
+                for side, d in (("with", w), ("w/o", wo)) if i else ():
+                    lines.append(f"{temperature:3.0f} {side:5} " + " ".join(f"{d[k]:10.2f}" for k in keys))
+    finally:
+        runner.launch, conn.send = launch, send
+    return "\n".join(lines)
+
+
 def paired_ratio(runs: list[dict]) -> float:
     """The median of each pair's with/without ratio (see the module docstring)."""
     return statistics.median(r["with_tok_s"] / r["without_tok_s"] for r in runs)
@@ -265,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="only profile one greedy run of that pair on the host (cProfile, by own time)")
     ap.add_argument("--phases", choices=["structured_json", "penalties", "plain"],
                     help="only time one greedy run's step phases on the host (see phase_times)")
+    ap.add_argument("--timeline", type=int, metavar="N",
+                    help="only split N structured runs and their twins by phase on the host (see timelines)")
     ap.add_argument("--kinds", nargs="+", choices=["structured_json", "penalties"],
                     default=["structured_json", "penalties"], help="which pairs to run")
     args = ap.parse_args(argv)
@@ -291,6 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(2):  # the first run compiles what it first meets
                 text = phase_times(engine, prompts, args.max_tokens, args.phases)
             print(text)
+            return {}
+        if args.timeline:
+            print(timelines(engine, prompts, args.max_tokens, args.timeline))
             return {}
         if args.profile:
             import cProfile

@@ -124,13 +124,18 @@ class LLMEngine:
             self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
         if params.structured is not None:
-            if not validated:  # the front end compiles it before queueing; offline callers get the error here
+            # The front end compiles it before queueing; offline callers get the error here (a spec
+            # the grammar process compiled is valid: not again, ~10 us a request).
+            if not validated and params.structured not in self.grammars.ready:
                 if self._compiler is None:
                     self._compiler = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
                 self._compiler.compile(params.structured)  # RequestError if invalid (cached per spec)
             self._grammar_keys += 1
             seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # admitted once made
-            self.compiling.append(seq)
+            if seq.compiling is None:  # a spec the process compiled before: admitted now
+                seq.grammar = self._grammar_keys
+            else:
+                self.compiling.append(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         if deadline is not None:
@@ -201,9 +206,7 @@ class LLMEngine:
             try:
                 seq.grammar = future.result()
             except Exception as e:
-                self._retire(seq, ERROR)
-                outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
-                                             error=f"the request's grammar failed to compile: {e}"))
+                outputs.append(self._fail(seq, f"the request's grammar failed to compile: {e}"))
         self.compiling = still
         return outputs
 
@@ -228,6 +231,8 @@ class LLMEngine:
             self.inflight = launched
         else:
             outputs = self._finish(launched, launched)
+        if self._grammars is not None and (self.inflight is None or self.inflight[1].grammar is None):
+            self._grammars.flush()  # no job is on its way to carry the matchers made and dropped
         return expired + outputs if expired else outputs
 
     def _launch(self) -> tuple[SchedulerOutput, StepHandle] | LaunchFailure | None:
@@ -249,24 +254,22 @@ class LLMEngine:
             seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
         return launched
 
-    def _submit_grammar(self, accept: tuple[list[int], list[int]] | None,
-                        launched: tuple[SchedulerOutput, StepHandle] | None) -> None:
-        """Send the grammar process the matchers' new tokens and the masks of a constrained step to
-        fill; then let the runner choose that step's tokens (behind a wait for the fill)."""
-        fill = rows = None
-        if launched is not None and launched[1].parts is not None:
-            fill = launched[1].grammar
-            rows = [-1 if s.is_finished or s.grammar is None else s.grammar for s in launched[1].rows]
-        if accept is None and fill is None:
+    def _submit_grammar(self, tokens: list[int] | None, launched: tuple[SchedulerOutput, StepHandle] | None) -> None:
+        """Send the grammar process the ids the last constrained step sampled (its matchers take
+        them) and the masks of a constrained step to fill; then let the runner choose that step's
+        tokens (behind a wait for the fill)."""
+        handle = launched[1] if launched is not None and launched[1].parts is not None else None
+        if tokens is None and handle is None:
             return
         try:
-            self.grammars.job(None if fill is None else fill.step, *(accept or ([], [])), rows)
+            self.grammars.job(None if handle is None else handle.grammar.step, tokens,
+                              None if handle is None else handle.rows)
         except RuntimeError as e:  # the process is gone: the step fails when collected
             log.error("%s", e)
-            if fill is not None:
-                fill.flag.fail(fill.step)
-        if fill is not None:
-            self.runner.complete(launched[1])
+            if handle is not None:
+                handle.grammar.flag.fail(handle.grammar.step)
+        if handle is not None:
+            self.runner.complete(handle)
 
     def _finish(self, launched: tuple[SchedulerOutput, StepHandle] | None,
                 fill: tuple[SchedulerOutput, StepHandle] | None = None) -> list[RequestOutput]:
@@ -281,20 +284,23 @@ class LLMEngine:
             self._submit_grammar(None, fill)
             return []
         batch, handle = launched
+        broken = {}
         try:
             result = self.runner.collect(handle)
             if handle.grammar is not None:  # the device (or the CPU) waited for its flag: did the fill fail?
                 self.grammars.check(handle.grammar.step)
+                self._grammars.drain()
+                broken = self._grammars.broken  # matchers that could not be made: those rows ran free
         except Exception as e:
             self._submit_grammar(None, fill)
             return self._fail_step(batch, e)
         self.consecutive_step_failures = 0
-        taken = []
-        if self._grammars is not None:  # the grammars take the ids first: the step just launched waits for them
-            taken = [(seq.grammar, tok) for seq, tok in zip(handle.rows, result.token_ids)
-                     if seq.grammar is not None and seq.status is not Status.FINISHED and seq.params.max_tokens]
-        self._submit_grammar(([m for m, _ in taken], [t for _, t in taken]) if taken else None, fill)
+        # the grammars take the ids first: the step just launched waits for them
+        self._submit_grammar(result.token_ids if handle.grammar is not None else None, fill)
         outputs = []
+        if broken:  # (after the job: the step just launched has their rows; their tokens are dropped)
+            outputs = [self._fail(seq, f"the request's grammar failed: {broken[seq.grammar]}")
+                       for seq in handle.rows if seq.grammar in broken and seq.status is not Status.FINISHED]
         now = time.monotonic()
         advance = self._advance
         top = result.logprobs
@@ -335,18 +341,17 @@ class LLMEngine:
         log.error("engine step failed (%d in a row): %r; failing %d request(s)", n, exc, len(batch.scheduled),
                   exc_info=exc)
         message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
-        outputs = []
-        for item in batch.scheduled:
-            seq = item.seq
-            if seq.is_finished:
-                continue
-            self._retire(seq, ERROR)
-            outputs.append(RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
-                                         completion_tokens=len(seq.output_token_ids), text=seq.text,
-                                         token_ids=list(seq.output_token_ids), error=message))
+        outputs = [self._fail(item.seq, message) for item in batch.scheduled if not item.seq.is_finished]
         if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """End a request with finish_reason "error", with what it produced so far."""
+        self._retire(seq, ERROR)
+        return RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
+                             completion_tokens=len(seq.output_token_ids), text=seq.text,
+                             token_ids=list(seq.output_token_ids), error=message)
 
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
         """The stop rule (server/engine/stop.py) applied to a sequence's newest token."""

@@ -1,6 +1,6 @@
 """bench_structured's summary of its alternating runs (the GPU runs themselves are benchmarks, not tests)."""
 
-from benchmarks.bench_structured import paired_ratio, summary
+from benchmarks.bench_structured import paired_ratio, split_timeline, summary
 
 
 def run(with_tok_s: float, without_tok_s: float) -> dict:
@@ -16,3 +16,13 @@ def test_the_paired_ratio_is_the_median_of_each_pairs_own():
     assert (s["with_tok_s"], s["without_tok_s"], s["ratio"]) == (90e3, 60e3, 1.5)
     steady = [run(90e3, 100e3)] * 4 + [run(45e3, 100e3)]
     assert summary(steady)["paired_ratio"] == summary(steady)["ratio"] == 0.9
+
+
+def test_a_timeline_splits_the_wall_time_at_the_launches():
+    # start at 0; the prompts' step launched at 2 ms, 64-row steps 1 ms apart, then two steps as
+    # rows end (the last has no next launch: post), the last launch 0.5 ms before the end at 10 ms
+    marks = [(0.002, 0, 64), (0.004, 64, 0), (0.005, 64, 0), (0.006, 64, 0), (0.0075, 40, 0), (0.0095, 3, 0)]
+    t = split_timeline(marks, 0.0, 0.010)
+    assert round(t["pre_ms"], 6) == 2 and round(t["first_ms"], 6) == 2 and round(t["full_us"], 3) == 1000
+    assert t["full_steps"] == 3 and round(t["tail_ms"], 6) == 2 and round(t["post_ms"], 6) == 0.5
+    assert t["steps"] == 6 and round(t["wall_ms"], 6) == 10

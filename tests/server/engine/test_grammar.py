@@ -136,7 +136,8 @@ def test_a_grammar_that_allows_nothing_ends_instead_of_running_on(engine, spec):
 def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
     """validated=True (the bridge's adds): the grammar compiles on its own thread and the request
     waits unadmitted meanwhile; one whose compile fails ends with finish_reason "error"."""
-    engine.add_request("c1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=CHOICE),
+    fresh = StructuredOutput("choice", json.dumps(["red", "green", "blue sky", 'say "hi"', "off the loop"]))
+    engine.add_request("c1", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=fresh),
                        validated=True)
     engine.add_request("c2", prompt(engine), SamplingParams(max_tokens=30, temperature=0,
                                                             structured=StructuredOutput("regex", "[a-")),
@@ -147,7 +148,7 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    assert final["c1"].text in ("red", "green", "blue sky", 'say "hi"') and final["c1"].finish_reason == "stop"
+    assert final["c1"].text in json.loads(fresh.spec) and final["c1"].finish_reason == "stop"
     assert final["c2"].finish_reason == "error" and "invalid regular expression" in final["c2"].error
     assert engine.block_manager.check_all_free() and not engine.compiling
 
@@ -297,7 +298,8 @@ def test_a_request_aborted_while_its_matcher_is_made_leaves_nothing_behind(engin
     not kept, and the matcher is dropped in the process."""
     import time
 
-    engine.add_request("c9", prompt(engine), SamplingParams(max_tokens=5, structured=CHOICE), validated=True)
+    fresh = StructuredOutput("choice", json.dumps(["made", "while", "aborted"]))
+    engine.add_request("c9", prompt(engine), SamplingParams(max_tokens=5, structured=fresh), validated=True)
     key = engine.seqs["c9"].compiling.key
     engine.abort_request("c9")
     proc = engine.grammars
@@ -308,3 +310,55 @@ def test_a_request_aborted_while_its_matcher_is_made_leaves_nothing_behind(engin
     assert key not in proc.unwanted and key not in proc.replies
     engine.step()
     assert not engine.seqs and not engine.compiling
+    assert proc.held() == 0  # dropped before or after the compile thread made it: not kept
+
+
+def test_a_spec_compiled_before_is_admitted_at_once_and_its_matchers_ride_on_the_jobs(engine):
+    """The first request of a spec waits for the process to compile it; later ones are admitted
+    at once, their matchers made with the first job that needs them and dropped with a later one
+    (no message of their own), and a batch's rows go to the process only when they change: the
+    outputs match their grammar, and the process keeps nothing."""
+    spec = StructuredOutput("regex", r"(once|twice|thrice)-[0-9]")
+    first = SamplingParams(max_tokens=20, temperature=0, structured=spec)
+    engine.add_request("s0", prompt(engine), first, validated=True)
+    assert engine.seqs["s0"].compiling is not None
+    run_to_end(engine)
+    proc = engine.grammars
+    sent = []
+    send = proc.conn.send
+    proc.conn.send = lambda msg: (sent.append(msg), send(msg))
+    try:
+        for i in range(6):
+            engine.add_request(f"s{i + 1}", prompt(engine, f"Value {i}: "),
+                               SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured=spec), validated=True)
+            assert engine.seqs[f"s{i + 1}"].compiling is None and engine.seqs[f"s{i + 1}"].grammar is not None
+        engine.abort_request("s6")  # before any job carried its matcher: never made
+        final = run_to_end(engine)
+    finally:
+        proc.conn.send = send
+    assert {m[0] for m in sent} == {"job"}
+    fills = [m for m in sent if m[1] is not None]  # a decoding batch's rows go once, not every step
+    assert fills[0][5] is not None and sum(m[5] is None for m in fills) > len(fills) // 2
+    for i in range(5):
+        assert re.fullmatch(r"(once|twice|thrice)-[0-9]", final[f"s{i + 1}"].text), final[f"s{i + 1}"].text
+    assert proc.held() == 0 and not proc.adds and not proc.drops
+    assert engine.block_manager.check_all_free() and not engine.seqs
+
+
+def test_a_matcher_that_cannot_be_made_with_a_job_fails_its_request_alone(engine):
+    """A spec the engine takes for compiled whose matcher still cannot be made in the process (it
+    cannot happen to a spec that compiled, so the test says it did): that request ends with
+    "error" saying why, its constrained neighbour is served, and nothing is left behind."""
+    bad = StructuredOutput("regex", "[0-")
+    proc = engine.grammars
+    proc.compiled(bad)
+    engine.add_request("bad", prompt(engine), SamplingParams(max_tokens=20, temperature=0, structured=bad),
+                       validated=True)
+    engine.add_request("good", prompt(engine), SamplingParams(max_tokens=20, temperature=0, structured=REGEX))
+    final = run_to_end(engine)
+    assert final["bad"].finish_reason == "error" and "invalid regular expression" in final["bad"].error
+    assert final["bad"].token_ids == []
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", final["good"].text)
+    proc.ready.pop(bad)
+    assert proc.held() == 0 and not proc.broken
+    assert engine.block_manager.check_all_free() and not engine.seqs
