@@ -196,7 +196,7 @@ class LLMEngine:
             deadline = time.monotonic() + COMPILE_WAIT_S
             while (time.monotonic() < deadline
                    and not all(seq.is_finished or seq.compiling.done() for seq in self.compiling)):
-                self.grammars.drain(0.002)
+                self._grammars.drain(0.002)
         outputs, still = [], []
         for seq in self.compiling:
             if seq.is_finished or not seq.compiling.done():
@@ -261,9 +261,11 @@ class LLMEngine:
         handle = launched[1] if launched is not None and launched[1].parts is not None else None
         if tokens is None and handle is None:
             return
-        try:
-            self.grammars.job(None if handle is None else handle.grammar.step, tokens,
-                              None if handle is None else handle.rows)
+        try:  # (the process this step's rows were sent to: a dead one is replaced by the next request)
+            if self._grammars is None:
+                raise RuntimeError("the grammar process is gone")
+            self._grammars.job(None if handle is None else handle.grammar.step, tokens,
+                               None if handle is None else handle.rows)
         except RuntimeError as e:  # the process is gone: the step fails when collected
             log.error("%s", e)
             if handle is not None:
@@ -288,7 +290,7 @@ class LLMEngine:
         try:
             result = self.runner.collect(handle)
             if handle.grammar is not None:  # the device (or the CPU) waited for its flag: did the fill fail?
-                self.grammars.check(handle.grammar.step)
+                self._grammars.check(handle.grammar.step)
                 self._grammars.drain()
                 broken = self._grammars.broken  # matchers that could not be made: those rows ran free
         except Exception as e:

@@ -24,6 +24,7 @@ are on the host, and must not write the buffers step k may still be reading.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,12 +126,17 @@ class GrammarBuffers:
         layout = memory.layout
         rows, words = layout.rows, layout.words
         flags, lives, bitss = layout.views(memory.buffer)
+        self._unregister: weakref.finalize | None = None
         if device.type == "cuda":  # page-locked and mapped: async copies from it, and the wait reads it
             base = torch.from_numpy(np.frombuffer(memory.buffer, np.uint8))
-            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), layout.nbytes, 3)  # portable | mapped
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(base.data_ptr(), layout.nbytes, 3)  # portable | mapped
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the grammar masks failed: {err}")
-            self._registered = base
+            # Unregistered by close(), or when these buffers go without it (an engine dropped
+            # unclosed): before the views below let go of the memory, which may then be unmapped
+            # and a later mapping at the same address fail to register.
+            self._unregister = weakref.finalize(self, cudart.cudaHostUnregister, base.data_ptr())
         # where a GPU copies a step's masks once they are filled (reading them over the bus block
         # by block cost a round trip each)
         self.device_bits = torch.zeros(rows, words, dtype=torch.int32, device=device)
@@ -146,9 +152,8 @@ class GrammarBuffers:
 
     def close(self) -> None:
         """Unregister the shared memory from CUDA (before it is unmapped)."""
-        base, self._registered = getattr(self, "_registered", None), None
-        if base is not None:
-            torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+        if self._unregister is not None:
+            self._unregister()  # once: a finalizer that has run does nothing
 
     def next(self, rows: int) -> GrammarFill:
         self.step += 1

@@ -16,11 +16,9 @@ import gc
 import operator
 import random
 
-import numpy as np
 import torch
 
 from kernels.argmax import argmax_rows
-from kernels.flash_prefill import config_bounds
 from kvcache import CacheSpec, allocate_kv_cache
 from models import CausalLM, StepRows
 from server.worker.choice import ChoiceGraphs, argmax_choice
@@ -66,70 +64,14 @@ class ModelRunner:
         self.choice_graphs: ChoiceGraphs | None = None  # likewise, where decode graphs run
         self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
 
-    # -- start-up -----------------------------------------------------------------------------
-    def _run(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
+    # -- start-up (the runs before serving: server/worker/warmup.py) ---------------------------
+    def forward(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
+        """The model's forward over `caches` with its backend's metadata for `rows`."""
         meta = self.model.attention.metadata(rows)
         return self.model.forward(input_ids, positions, caches, meta, sampled_ids=sampled_ids)
 
-    @torch.inference_mode()
-    def profile_peak_memory(self) -> int:
-        """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
-        max_num_seqs rows) against a one-block cache and return the peak bytes it allocated."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        caches = allocate_kv_cache(self.cache_spec, 1, self.device)
-        n, seqs = self.max_tokens, self.max_num_seqs
-        per = -(-n // seqs)
-        lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
-        pos = np.concatenate([np.arange(k) for k in lens]) % self.model.spec.max_position_embeddings
-        ids, pos, rows = self._prefill_rows(pos, lens, [0] * len(lens), np.zeros((len(lens), 1)))
-        hidden = self._run(caches, ids, pos, rows)
-        sample(self.model.lm_head(hidden[:seqs])[:, : self.model.vocab_size].float(), [], [], [])
-        torch.cuda.synchronize(self.device)
-        del caches, hidden
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def _prefill_rows(self, positions: np.ndarray, lens: list[int], prefix: list[int], tables: np.ndarray
-                      ) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
-        """A start-up prefill step of these chunks that writes nothing (slots -1), packed as
-        prepare_step packs a real one, the backend's own arrays included, so that it launches (and
-        compiles) exactly the kernel variants serving will."""
-        n = len(positions)
-        extra = self.model.attention.prefill_arrays(lens, prefix, self.device)
-        v = self.packer.pack(ids=np.zeros(n), pos=positions, slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]),
-                             prefix=prefix, bt=tables, **extra)
-        rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, prefix, extra={k: v[k] for k in extra})
-        return v["ids"], v["pos"], rows
-
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device)
-
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """Run each kind of eager step once (prefill with and without a cached prefix, decode over
-        page tables of several widths) so that Triton compiles its kernel variants at start-up,
-        not in the middle of serving; then the backend's own warm-up. Nothing is written to the
-        cache (slots are -1)."""
-        bs, blocks = self.block_size, self.kv_caches[0][0].shape[0] - 1
-        steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)]
-        if self.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
-            steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
-        for plen, new in steps:
-            nb = -(-(plen + new) // bs)
-            if nb > min(blocks, self.max_blocks) or new > self.max_tokens:
-                continue
-            ids, pos, rows = self._prefill_rows(np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None])
-            self._run(self.kv_caches, ids, pos, rows)
-        for nb in sorted({1, 2, 4, 8, self.max_blocks}):
-            if nb > blocks:
-                continue
-            for n in (1, self.max_num_seqs):
-                v = self.packer.pack(ids=np.zeros(n), pos=np.full(n, nb * bs - 1), slots=np.full(n, -1),
-                                     ctx=np.full(n, nb * bs), bt=np.tile(np.arange(nb), (n, 1)))
-                rows = StepRows(v["slots"], 0, context_lens=v["ctx"], decode_block_tables=v["bt"])
-                self._run(self.kv_caches, v["ids"], v["pos"], rows)
-        self.model.attention.warmup(self.kv_caches, self.model.spec.num_heads)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
@@ -278,7 +220,8 @@ class ModelRunner:
         (pending, parts, plan), self.pending = self.pending, None
         try:
             if not pending.grammar.wait():
-                raise RuntimeError("the grammar masks of a constrained step were not filled in time")
+                why = "the grammar process is gone" if not pending.grammar.flag.alive() else "not in time"
+                raise RuntimeError(f"the grammar masks of a constrained step were not filled: {why}")
             with torch.inference_mode():
                 self._choose(pending, parts, plan, pending.grammar)
                 self._finish_launch(pending)
@@ -363,7 +306,7 @@ class ModelRunner:
         """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
         step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
-        hidden = self._run(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
+        hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
         if any(map(wants_scores, prefills)):
             self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda,
                                         self.model.deterministic)

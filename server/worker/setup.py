@@ -18,6 +18,7 @@ from kvcache import CacheSpec
 from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
+from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
 
@@ -76,7 +77,7 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     runner.allocate_cache(num_blocks)
     if on_cuda:
         t0 = time.monotonic()
-        runner.warmup()
+        warmup(runner)
         log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
@@ -104,7 +105,7 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
     if device.type == "cuda":
         # Size from what is left under the utilisation cap after weights and the activations of
         # the largest possible step (measured by running it), as vLLM does.
-        peak = runner.profile_peak_memory()
+        peak = profile_peak_memory(runner)
         torch.cuda.empty_cache()  # the cache is one allocation: free segments must be given back first
         free, total = torch.cuda.mem_get_info(device)
         in_use_elsewhere = total - free - torch.cuda.memory_reserved(device)

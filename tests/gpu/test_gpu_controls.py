@@ -160,3 +160,27 @@ def test_a_grammar_process_killed_mid_run_fails_its_steps_not_the_device(gpu):
     assert final["k1"].finish_reason == "error" and gpu.block_manager.check_all_free()
     out = gpu.generate([gpu.tokenizer.encode("Value: ")], [_params(structured=REGEX, max_tokens=12)])[0]
     assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text) and gpu.grammars is not first
+
+
+def test_mask_memory_of_buffers_dropped_unclosed_is_no_longer_registered():
+    """Buffers that go without close() (an engine dropped unclosed) unregister the shared mask
+    memory from CUDA before they let go of it: registering the same memory again then works
+    (cudaHostRegister fails on memory still registered), and close() after that does nothing."""
+    import gc
+    import os
+
+    from server.engine.grammar_process import mask_memory
+    from server.worker.grammar_rows import GrammarBuffers
+
+    fd, memory = mask_memory(8, 1000, lambda: True)
+    try:
+        first = GrammarBuffers(memory, torch.device("cuda"))
+        del first
+        gc.collect()
+        second = GrammarBuffers(memory, torch.device("cuda"))
+        second.close()
+        second.close()
+        third = GrammarBuffers(memory, torch.device("cuda"))  # closed: registers again
+        third.close()
+    finally:
+        os.close(fd)

@@ -1,4 +1,4 @@
-"""The runner's start-up steps launch what serving launches: its warm-up prefill steps carry the
+"""The runner's start-up steps (server/worker/warmup.py) launch what serving launches: its warm-up prefill steps carry the
 attention backend's own arrays (prefill_arrays: the Triton backend's tile map), so the kernel
 variants they compile are the ones a real step picks. On the CPU with a recording backend."""
 
@@ -8,6 +8,7 @@ import torch
 from kvcache import CacheSpec
 from models import load_model
 from server.worker.runner import ModelRunner
+from server.worker.warmup import warmup
 
 
 class Recording:
@@ -37,7 +38,7 @@ def test_warmup_prefill_steps_carry_the_backends_arrays(tiny_ckpt):
     runner = ModelRunner(model, cache, torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=512,
                          max_model_len=spec.max_position_embeddings)
     runner.allocate_cache(40)
-    runner.warmup()
+    warmup(runner)
     steps = model.attention.steps
     assert steps, "warm-up ran no prefill step"
     assert any(p for _, prefix, _ in steps for p in prefix), "warm-up never prefilled over a cached prefix"

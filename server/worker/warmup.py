@@ -1,0 +1,75 @@
+"""The runner's runs before serving (server/worker/setup.py calls them): the largest step the
+scheduler can produce, to size the KV cache from its peak memory, and one eager step of each kind,
+so that Triton compiles its kernel variants at start-up rather than in the middle of serving.
+Neither writes to the cache (every slot is -1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.flash_prefill import config_bounds
+from kvcache import allocate_kv_cache
+from models import StepRows
+from server.worker.runner import ModelRunner
+from server.worker.sampler import sample
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner: ModelRunner) -> int:
+    """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
+    max_num_seqs rows) against a one-block cache and return the peak bytes it allocated."""
+    device, model = runner.device, runner.model
+    torch.cuda.reset_peak_memory_stats(device)
+    caches = allocate_kv_cache(runner.cache_spec, 1, device)
+    n, seqs = runner.max_tokens, runner.max_num_seqs
+    per = -(-n // seqs)
+    lens = [min(per, n - i * per) for i in range(seqs) if n - i * per > 0]
+    pos = np.concatenate([np.arange(k) for k in lens]) % model.spec.max_position_embeddings
+    ids, pos, rows = prefill_rows(runner, pos, lens, [0] * len(lens), np.zeros((len(lens), 1)))
+    hidden = runner.forward(caches, ids, pos, rows)
+    sample(model.lm_head(hidden[:seqs])[:, : model.vocab_size].float(), [], [], [])
+    torch.cuda.synchronize(device)
+    del caches, hidden
+    return torch.cuda.max_memory_allocated(device)
+
+
+def prefill_rows(runner: ModelRunner, positions: np.ndarray, lens: list[int], prefix: list[int],
+                 tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
+    """A start-up prefill step of these chunks that writes nothing (slots -1), packed as
+    prepare_step packs a real one, the backend's own arrays included, so that it launches (and
+    compiles) exactly the kernel variants serving will."""
+    n = len(positions)
+    extra = runner.model.attention.prefill_arrays(lens, prefix, runner.device)
+    v = runner.packer.pack(ids=np.zeros(n), pos=positions, slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]),
+                           prefix=prefix, bt=tables, **extra)
+    rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, prefix, extra={k: v[k] for k in extra})
+    return v["ids"], v["pos"], rows
+
+
+@torch.inference_mode()
+def warmup(runner: ModelRunner) -> None:
+    """Run each kind of eager step once (prefill with and without a cached prefix, decode over
+    page tables of several widths), then the backend's own warm-up."""
+    caches, bs = runner.kv_caches, runner.block_size
+    blocks = caches[0][0].shape[0] - 1
+    steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)]
+    if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
+        steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
+    for plen, new in steps:
+        nb = -(-(plen + new) // bs)
+        if nb > min(blocks, runner.max_blocks) or new > runner.max_tokens:
+            continue
+        ids, pos, rows = prefill_rows(runner, np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None])
+        runner.forward(caches, ids, pos, rows)
+    for nb in sorted({1, 2, 4, 8, runner.max_blocks}):
+        if nb > blocks:
+            continue
+        for n in (1, runner.max_num_seqs):
+            v = runner.packer.pack(ids=np.zeros(n), pos=np.full(n, nb * bs - 1), slots=np.full(n, -1),
+                                   ctx=np.full(n, nb * bs), bt=np.tile(np.arange(nb), (n, 1)))
+            rows = StepRows(v["slots"], 0, context_lens=v["ctx"], decode_block_tables=v["bt"])
+            runner.forward(caches, v["ids"], v["pos"], rows)
+    runner.model.attention.warmup(caches, runner.model.spec.num_heads)
+    if runner.on_cuda:
+        torch.cuda.synchronize(runner.device)
