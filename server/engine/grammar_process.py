@@ -86,7 +86,9 @@ class GrammarProcess:
     """The engine's side: starts the process, sends it work, reads its replies without blocking."""
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: frozenset[int], fd: int,
-                 memory: MaskMemory) -> None:
+                 memory: MaskMemory, owed: dict[int, str] | None = None) -> None:
+        """`owed`: the failed steps of the process this one replaces (`abandon`), which the engine
+        checks with this one."""
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, str(theirs.fileno()), str(fd)],
                                      pass_fds=(theirs.fileno(), fd))
@@ -97,13 +99,14 @@ class GrammarProcess:
         self.flags = layout.views(memory.buffer)[0]
         self.replies: dict[int, str | None] = {}  # key -> error of its matcher (None: made)
         self.unwanted: set[int] = set()  # keys dropped before their reply came: it is not kept
-        self.failures: dict[int | None, str] = {}  # step -> why its job failed
+        self.failures: dict[int | None, str] = dict(owed or {})  # step -> why its job failed
         self.broken: dict[int, str] = {}  # key -> why its matcher of a job's adds was not made
         self.ready: OrderedDict[StructuredOutput, None] = OrderedDict()  # specs compiled there
         self.adds: list[tuple[int, str, str]] = []  # matchers to make (key, kind, spec), with the next job
         self.drops: list[int] = []  # and matchers to drop
         self.count: int | None = None  # the last answer to "count"
         self.filled: list | None = None  # the sequences of the last fill's rows (the process has their keys)
+        self.sent = 0  # the last step sent to be filled
 
     @property
     def alive(self) -> bool:
@@ -178,6 +181,21 @@ class GrammarProcess:
             if last is None or len(last) != len(seqs) or not all(map(operator.is_, last, seqs)):
                 rows = [-1 if s.grammar is None else s.grammar for s in seqs]
         self._send(("job", step, adds, drops, tokens, rows))
+        if step is not None:
+            self.sent = step
+
+    def abandon(self, step: int | None = None) -> dict[int, str]:
+        """The process is gone: every step sent to it and not yet filled (and `step`, whose job
+        never reached it) is marked failed, and the waits for them (the device's, the CPU path's)
+        end: the engine writes the flag the process no longer will. Returns those failures (for
+        the process that replaces it, whose check the steps meet)."""
+        last, filled = max(self.sent, step or 0), int(self.flags[0])
+        owed = {s: "the grammar process is gone" for s in range(filled + 1, last + 1)}
+        self.failures.update(owed)
+        if owed:
+            self.flags[1] = last
+            self.flags[0] = last
+        return owed
 
     def flush(self) -> None:
         """Send the matchers to make and drop now (no job is on its way to carry them)."""
@@ -202,7 +220,7 @@ class GrammarProcess:
 
     def check(self, step: int) -> None:
         """After a constrained step's ids are in: raise if its fill failed, or never came."""
-        if int(self.flags[1]) == step or int(self.flags[0]) < step:
+        if step in self.failures or int(self.flags[1]) == step or int(self.flags[0]) < step:
             deadline = time.monotonic() + 1.0
             while step not in self.failures and self.alive and time.monotonic() < deadline:
                 self.drain(0.05)

@@ -83,18 +83,19 @@ class LLMEngine:
     def grammars(self) -> GrammarProcess:
         """The grammar process (server/engine/grammar_process.py): started by the first structured
         request, and again by the next one if it died (its sequences then fail, step by step)."""
-        if self._grammars is not None and not self._grammars.alive:
-            log.error("the grammar process exited (code %s); starting another", self._grammars.proc.poll())
-            self._grammars.close()
-            self._grammars = None
-        if self._grammars is None:
-            if self._mask_fd < 0:
-                # The tokenizer's ids only: rows of the logits past them (padding) are never text.
-                covered = min(self.spec.vocab_size, len(self.tokenizer))
-                self._mask_fd, self.runner.grammar_memory = mask_memory(
-                    self.config.max_num_seqs, covered, lambda: self._grammars is not None and self._grammars.alive)
-            self._grammars = GrammarProcess(self.model_path, self.spec.vocab_size, self.eos_token_ids,
-                                            self._mask_fd, self.runner.grammar_memory)
+        proc = self._grammars
+        if proc is not None and proc.alive:
+            return proc
+        if proc is not None:
+            log.error("the grammar process exited (code %s); starting another", proc.proc.poll())
+            proc.close()
+        if self._mask_fd < 0:
+            # The tokenizer's ids only: rows of the logits past them (padding) are never text.
+            covered = min(self.spec.vocab_size, len(self.tokenizer))
+            self._mask_fd, self.runner.grammar_memory = mask_memory(
+                self.config.max_num_seqs, covered, lambda: self._grammars is not None and self._grammars.alive)
+        self._grammars = GrammarProcess(self.model_path, self.spec.vocab_size, self.eos_token_ids, self._mask_fd,
+                                        self.runner.grammar_memory, owed=proc.abandon() if proc is not None else None)
         return self._grammars
 
     def limits(self) -> RequestBounds:
@@ -261,15 +262,12 @@ class LLMEngine:
         handle = launched[1] if launched is not None and launched[1].parts is not None else None
         if tokens is None and handle is None:
             return
-        try:  # (the process this step's rows were sent to: a dead one is replaced by the next request)
-            if self._grammars is None:
-                raise RuntimeError("the grammar process is gone")
-            self._grammars.job(None if handle is None else handle.grammar.step, tokens,
-                               None if handle is None else handle.rows)
-        except RuntimeError as e:  # the process is gone: the step fails when collected
+        step = None if handle is None else handle.grammar.step
+        try:  # (the process the rows were sent to: a dead one is replaced only by the next request)
+            self._grammars.job(step, tokens, None if handle is None else handle.rows)
+        except RuntimeError as e:  # the process is gone: this step and those it owed fail when collected
             log.error("%s", e)
-            if handle is not None:
-                handle.grammar.flag.fail(handle.grammar.step)
+            self._grammars.abandon(step)
         if handle is not None:
             self.runner.complete(handle)
 

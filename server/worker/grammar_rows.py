@@ -76,12 +76,6 @@ class GrammarFlag:
         self.alive = alive
         self.value = torch.from_numpy(flags[:1])  # what the device's wait reads
 
-    def fail(self, step: int) -> None:
-        """Mark `step` failed and release every wait up to it (the engine, when the grammar process
-        is gone: nobody else will)."""
-        self._np[1] = step
-        self._np[0] = max(int(self._np[0]), step)
-
     def wait_for(self, step: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         polls = 0

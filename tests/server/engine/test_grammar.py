@@ -201,6 +201,29 @@ def test_a_grammar_process_that_dies_fails_its_steps_and_another_starts():
     eng.close()
 
 
+def test_steps_owed_by_a_dead_process_fail_at_once_once_another_has_started():
+    """Killed mid-run, and a structured request starts another process before the next step: the
+    steps the dead one owed fail as such (not after waiting for the new one to answer for them),
+    and the new request is served by the new process."""
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
+    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
+    for _ in range(500):  # until x decodes (the process's start and x's compile come first)
+        eng.step()
+        if len(eng.seqs["x"].output_token_ids) >= 3:
+            break
+    first = eng.grammars
+    first.proc.kill()
+    first.proc.wait()
+    eng.add_request("z", prompt(eng), SamplingParams(max_tokens=12, temperature=0, structured=REGEX))
+    assert eng.grammars is not first
+    final = run_to_end(eng)
+    assert final["x"].finish_reason == "error"
+    assert "the grammar process is gone" in final["x"].error or "started since" in final["x"].error, final["x"].error
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", final["z"].text)
+    assert eng.block_manager.check_all_free() and not eng.seqs
+    eng.close()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_scheduling):
     """The grammar job raises while filling a step's masks: it still releases the step (which would
