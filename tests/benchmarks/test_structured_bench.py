@@ -26,3 +26,11 @@ def test_a_timeline_splits_the_wall_time_at_the_launches():
     assert round(t["pre_ms"], 6) == 2 and round(t["first_ms"], 6) == 2 and round(t["full_us"], 3) == 1000
     assert t["full_steps"] == 3 and round(t["tail_ms"], 6) == 2 and round(t["post_ms"], 6) == 0.5
     assert t["steps"] == 6 and round(t["wall_ms"], 6) == 10
+
+
+def test_the_order_check_divides_each_pairs_first_throughput_by_its_second():
+    from benchmarks.bench_pair_order import order_ratios
+
+    # times in seconds: the first run of every pair takes 10% longer (throughput 1/1.1 of the second's)
+    r = order_ratios([1.1, 2.2, 3.3, 1.1], [1.0, 2.0, 3.0, 1.0])
+    assert abs(r["median"] - 1 / 1.1) < 1e-12 and r["pairs"] == 4 and r["q1"] <= r["median"] <= r["q3"]
