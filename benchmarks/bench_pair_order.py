@@ -9,7 +9,6 @@ one process on the GPU, GPT-2 small random fp16, batch 64, 256 tokens, greedy.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -19,11 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_structured import PENALTIES, sampling, timed  # noqa: E402
-from benchmarks.checkpoint import make_random_gpt2  # noqa: E402
+from benchmarks.bench_structured import PENALTIES, engine_and_prompts, sampling, timed  # noqa: E402
 from benchmarks.common import gpu_run_info  # noqa: E402
-from server.config import EngineConfig  # noqa: E402
-from server.engine import LLMEngine  # noqa: E402
 
 
 def order_ratios(first: list[float], second: list[float]) -> dict:
@@ -40,12 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_random_gpt2(Path(tmp) / "gpt2-small", "small", dtype=torch.float16))
-        engine = LLMEngine(EngineConfig(model=path, max_num_seqs=args.batch, enable_prefix_caching=False,
-                                        log_stats_interval=0))
-        rng = random.Random(0)
-        vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-        prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(args.batch)]
+        engine, prompts = engine_and_prompts(tmp, args.batch, 128)
         pen = [sampling(0.0, j, max_tokens=args.max_tokens, ignore_eos=True, **PENALTIES) for j in range(args.batch)]
         plain = [sampling(0.0, j, max_tokens=args.max_tokens, ignore_eos=True) for j in range(args.batch)]
         for params in (pen, plain, pen, plain):  # each path's first runs are cold

@@ -57,6 +57,18 @@ SCHEMA = {"type": "object", "properties": {
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
+def engine_and_prompts(tmp: str, batch: int, prompt_len: int, checkpoint: str | None = None,
+                       device: str | None = None) -> tuple[LLMEngine, list[list[int]]]:
+    """The benchmark's engine (`checkpoint`, or random GPT-2 small fp16 written under `tmp`) and
+    its `batch` prompts of `prompt_len` random ids (seeded: the same in every run)."""
+    path = checkpoint or str(make_random_gpt2(Path(tmp) / "gpt2-small", "small", dtype=torch.float16))
+    engine = LLMEngine(EngineConfig(model=path, device=device, max_num_seqs=batch, enable_prefix_caching=False,
+                                    log_stats_interval=0))
+    rng = random.Random(0)
+    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+    return engine, [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
 def timed(engine: LLMEngine, prompts, params) -> tuple[float, list]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -329,12 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or str(make_random_gpt2(Path(tmp) / "gpt2-small", "small", dtype=torch.float16))
-        engine = LLMEngine(EngineConfig(model=path, device=args.device, max_num_seqs=args.batch,
-                                        enable_prefix_caching=False, log_stats_interval=0))
-        rng = random.Random(0)
-        vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+        engine, prompts = engine_and_prompts(tmp, args.batch, args.prompt_len, args.checkpoint, args.device)
         engine.generate(prompts[:4], [SamplingParams(max_tokens=8, structured=StructuredOutput("json_object"),
                                                      **PENALTIES)] * 4)  # warm-up: compile, first matchers
         # The schema compiles once per process (cached after): timed here (in this process, as an

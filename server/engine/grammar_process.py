@@ -34,8 +34,8 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
 A fill that succeeds sends nothing: its flag is the answer (the device reads it; the engine reads
 it after collecting the step). A failed one writes its step to the second flag first.
 Why adds and drops ride on the jobs: a batch of 64 requests of one schema cost 128 messages of
-~17 us each on the engine's thread, and the engine waited ~4 ms for 64 answers before admitting
-them (GPT-2 small on an H100: a tenth of the run's time against unconstrained decoding). A
+20-30 us each on the engine's thread, and the engine waited 3-5 ms for 64 answers before admitting
+them (GPT-2 small on an H100, `bench_structured.py --timeline`: a run takes ~80 ms). A
 request whose spec the process has compiled is admitted at once; its matcher is made before the
 first fill that needs it, in the same message.
 The process reads until its socket closes (the engine closed it, or died), then exits.
