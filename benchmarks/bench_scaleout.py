@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: random weights at --model-shape)")
     ap.add_argument("--model-shape", default="gpt2", choices=["gpt2", *LLAMA_SHAPES],
-                    help="random checkpoint of this shape. GPT-2 small's prefill is so cheap that a prefix hit saves "
-                         "the replicas little; Llama-3.2-1B's costs enough that where prompts are cached decides "
-                         "throughput, as with the models served in production")
+                    help="random checkpoint of this shape (built on --device). GPT-2 small's prefill is so cheap "
+                         "that a prefix hit saves the replicas little; Llama-3.2-1B's costs enough that where prompts "
+                         "are cached decides throughput; Llama-3.1-8B's, the size served on one GPU, decides first-token "
+                         "latency too (2026-11-26)")
     ap.add_argument("--num-blocks", type=int, default=4096,
                     help="each replica's KV cache in blocks (0: its own sizing). The default holds a replica's "
                          "running sequences on either workload and about half the shared workload's system "
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None and args.model_shape == "gpt2":
         model = str(make_random_gpt2(work / "gpt2-small", dtype=torch.float16))
     elif model is None:
-        model = str(make_random_llama(work / args.model_shape, args.model_shape))
+        model = str(make_random_llama(work / args.model_shape, args.model_shape, device=args.device))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     replica_args = ["--block-size", str(args.block_size), *(["--num-blocks", str(args.num_blocks)] if args.num_blocks else []),
                     *args.server_args.split()]

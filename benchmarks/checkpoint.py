@@ -61,11 +61,20 @@ LLAMA_SHAPES = {
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                        tie_word_embeddings=True, max_position_embeddings=40960,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # the size served on one GPU today (Mistral-7B and Qwen2.5-7B are within 10% of it)
+    "llama-3.1-8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}),
 }
 
 
-def make_random_llama(path: str | Path, shape: str, seed: int = 0) -> Path:
-    """A random bf16 checkpoint of one of LLAMA_SHAPES, built by transformers' own model class."""
+def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str = "cpu") -> Path:
+    """A random bf16 checkpoint of one of LLAMA_SHAPES, built by transformers' own model class on
+    `device` (an 8B model's random initialisation takes minutes on a CPU, seconds on a GPU; the
+    weights differ between devices for one seed)."""
     import torch
     import transformers
 
@@ -76,8 +85,12 @@ def make_random_llama(path: str | Path, shape: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     fields = dict(LLAMA_SHAPES[shape])
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
+    del model  # its memory back before a server loads the checkpoint on the same device
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     for name in _TOKENIZER_FILES:
         if (EMBEDDED_MODEL / name).exists():
             shutil.copy(EMBEDDED_MODEL / name, path / name)
