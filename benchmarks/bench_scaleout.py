@@ -52,11 +52,13 @@ from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
 # Router configurations: a name, and the router arguments it runs with. `cache_aware` is the
 # router's own thresholds (it balances by load only once the busiest replica has 64 more requests
-# in flight than the idlest and 1.5x as many); `cache_aware_tight` balances sooner (16 and 1.25).
+# in flight than the idlest and 1.5x as many); `cache_aware_tight` balances sooner (16 and 1.25);
+# `power_of_two` ignores prefixes and sends each request to the less loaded of two replicas.
 POLICIES = {"round_robin": ["--policy", "round_robin"],
             "cache_aware": ["--policy", "cache_aware"],
             "cache_aware_tight": ["--policy", "cache_aware", "--balance-abs-threshold", "16",
-                                  "--balance-rel-threshold", "1.25"]}
+                                  "--balance-rel-threshold", "1.25"],
+            "power_of_two": ["--policy", "power_of_two"]}
 WORKLOADS = ("shared", "nosharing")
 # Plain words, so that a system prompt tokenizes to about 1.3 tokens a word with GPT-2's tokenizer.
 WORDS = ("the of and to in is was for on that with as by at from his her are were this be had not but "
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="extra arguments for every replica, one string")
     ap.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"], choices=list(POLICIES),
                     help="cache_aware_tight measured worse than cache_aware on both workloads (2026-11-25), so it "
-                         "runs only when named")
+                         "runs only when named, as does power_of_two (the load-balancing reference: 2.0x one 8B "
+                         "replica on nosharing where round_robin gave 1.8x, 2026-11-26)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--clients-per-replica", type=int, default=64,
                     help="closed-loop clients per replica behind the target, so N replicas see the load one does")
