@@ -46,7 +46,9 @@ def render(results_dir: Path) -> str:
             result = json.loads(f.read_text())
             meta = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}, {result['date']}; "
                     f"`{result['command']}` → `{f.relative_to(ROOT)}`")
-            parts.append(f"### {title}\n\n{meta}\n\n{report(result)}\n")
+            # the file's own part of its name (model, workload tag, GPU): one heading per file, apart
+            which = f.stem[len(prefix):].replace("_", ", ")
+            parts.append(f"### {title}: {which}\n\n{meta}\n\n{report(result)}\n")
     return "\n".join(parts) if parts else "No GPU results yet.\n"
 
 
