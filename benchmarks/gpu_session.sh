@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the engine benchmarks. Run from the repo root on the GPU machine
-# with .whl carried (fastapi/uvicorn/pydantic wheels, see ../shared/device/fetch-wheels.sh).
+# One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism]...
+# Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
+# machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
+# orjson), fetched here once:
+#   ../shared/device/fetch-wheels.sh msgspec httptools uvloop prometheus_client fastokens "vllm-router==0.1.17"
+# plus xgrammar without its dependencies (torch, transformers and triton are on the machine):
+#   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl xgrammar
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
