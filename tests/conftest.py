@@ -11,9 +11,10 @@ except Exception:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.interpreter_speedup import install
+    from tests import interpreter_dot, interpreter_speedup
 
-    install()  # helper calls inside interpreted kernels skip a redundant re-patch (see its docstring)
+    interpreter_speedup.install()  # helper calls inside interpreted kernels skip a redundant re-patch
+    interpreter_dot.install()  # tl.dot sums every row of a tile alike, whatever numpy's BLAS does
 
 import pytest
 
