@@ -12,7 +12,13 @@ vllm-router in front of them, and drives two closed-loop workloads of streamed /
   assistants looks like. Each replica's cache (--num-blocks) holds about half the prompts, so
   round_robin, which sends every prompt everywhere, keeps evicting them, while routing by prefix
   lets each replica keep its own half cached;
-- nosharing: prompts of the same length with nothing in common.
+- nosharing: prompts of the same length with nothing in common;
+- chat (named with --workloads): conversations of --turns user turns after one of
+  --chat-system-prompts system prompts, each turn a request of the conversation so far, the
+  replicas' answers included as they came back. A replica that served a conversation's last turn
+  holds all of it; round_robin sends the next turn to any replica. With random weights the answers
+  do not re-tokenize to the ids they were generated as, so under every policy a turn computes the
+  last answer again (a real model's answer comes back as the same ids, and is found cached).
 
 The load scales with the replicas (--clients-per-replica, --requests-per-replica), so N replicas
 are compared with one under the same pressure each, and the client processes start at one instant.
@@ -46,7 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.checkpoint import LLAMA_SHAPES, make_random_gpt2, make_random_llama  # noqa: E402
 from benchmarks.common import ServerProcess, free_port, gpu_slug, summarize, write_result  # noqa: E402
-from benchmarks.scaleout_load import SERVED_NAME, drive  # noqa: E402
+from benchmarks.scaleout_load import SERVED_NAME, Conversation, drive, turn_prompt  # noqa: E402
 from benchmarks.scaleout_observe import Observer, counter_deltas, metric_samples, router_counters  # noqa: E402
 from benchmarks.scaleout_report import plot, print_row, report  # noqa: E402
 
@@ -59,7 +65,7 @@ POLICIES = {"round_robin": ["--policy", "round_robin"],
             "cache_aware_tight": ["--policy", "cache_aware", "--balance-abs-threshold", "16",
                                   "--balance-rel-threshold", "1.25"],
             "power_of_two": ["--policy", "power_of_two"]}
-WORKLOADS = ("shared", "nosharing")
+WORKLOADS = ("shared", "nosharing", "chat")
 # Plain words, so that a system prompt tokenizes to about 1.3 tokens a word with GPT-2's tokenizer.
 WORDS = ("the of and to in is was for on that with as by at from his her are were this be had not but "
          "they which one you all their there an has been would more when will who time some can about "
@@ -162,16 +168,19 @@ def replica_ttft_p50_ms(before: list[ReplicaCounters], after: list[ReplicaCounte
 
 
 # ------------------------------------------------------------------------------- load
-def make_prompts(workload: str, seed: int, num_requests: int, args) -> list[str]:
+def make_prompts(workload: str, seed: int, num_requests: int, args) -> list[str | Conversation]:
+    """A run's prompts, or (chat) its conversations of args.turns requests each."""
     rng = random.Random(seed)
+    if workload == "chat":
+        systems = [words(rng, rng.randint(*args.system_words)) for _ in range(args.chat_system_prompts)]
+        return [Conversation(rng.choice(systems), [words(rng, rng.randint(*args.user_words)) for _ in range(args.turns)])
+                for _ in range(max(1, num_requests // args.turns))]
     systems = [words(rng, rng.randint(*args.system_words)) for _ in range(args.system_prompts)]
     prompts = []
     for _ in range(num_requests):
         user = words(rng, rng.randint(*args.user_words))
-        if workload == "shared":
-            prompts.append(f"{rng.choice(systems)}\nUser: {user}\nAssistant:")
-        else:
-            prompts.append(f"{words(rng, rng.randint(*args.system_words))}\nUser: {user}\nAssistant:")
+        system = rng.choice(systems) if workload == "shared" else words(rng, rng.randint(*args.system_words))
+        prompts.append(turn_prompt(system, user))
     return prompts
 
 
@@ -229,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache_aware_tight measured worse than cache_aware on both workloads (2026-11-25), so it "
                          "runs only when named, as does power_of_two (the load-balancing reference: 2.0x one 8B "
                          "replica on nosharing where round_robin gave 1.8x, 2026-11-26)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--workloads", nargs="+", default=["shared", "nosharing"], choices=WORKLOADS,
+                    help="chat runs only when named: its conversations outgrow GPT-2's 1024 positions")
+    ap.add_argument("--chat-system-prompts", type=int, default=32, help="chat: the system prompts conversations start from")
+    ap.add_argument("--turns", type=int, default=8, help="chat: user turns per conversation")
     ap.add_argument("--clients-per-replica", type=int, default=64,
                     help="closed-loop clients per replica behind the target, so N replicas see the load one does")
     ap.add_argument("--requests-per-replica", type=int, default=3072, help="requests per run, per replica")
@@ -297,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"server_args": shlex.join(replica_args),
                            **{k: getattr(args, k) for k in ("clients_per_replica", "requests_per_replica",
                                                             "system_prompts", "system_words", "user_words",
-                                                            "max_tokens", "client_processes")}},
+                                                            "max_tokens", "client_processes", "chat_system_prompts",
+                                                            "turns")}},
               "router": router_version(), "rows": rows}
     # GPT-2 small's file keeps its name (scaleout_<gpu>.json); a shape's is scaleout_<shape>_<gpu>.json
     prefix = "scaleout" if args.model or args.model_shape == "gpt2" else f"scaleout_{args.model_shape}"

@@ -1,10 +1,12 @@
 """The scale-out benchmark's clients (benchmarks/bench_scaleout.py): a closed loop of streamed
 /v1/completions, its clients dealt over several client processes that start at one instant, and
-what each request saw (time to first token, end to end, tokens)."""
+what each request saw (time to first token, end to end, tokens). A client takes a prompt, or a
+`Conversation`, whose turns it sends one after another, each with the conversation so far."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 
@@ -13,10 +15,25 @@ import httpx
 SERVED_NAME = "model"  # every replica's --served-model-name, what the requests name
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+@dataclass
+class Conversation:
+    """A chat: a system prompt and the user's turns. Each turn is a request of the conversation so
+    far, the replicas' answers included as they came back (as a chat client sends it)."""
+    system: str
+    turns: list[str]
+
+
+def turn_prompt(history: str, user: str) -> str:
+    """A request's prompt: what came before (a system prompt, or a conversation) and a user turn."""
+    return f"{history}\nUser: {user}\nAssistant:"
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      keep_text: bool = False) -> dict:
+    """One streamed completion: its TTFT, end to end and tokens (and, with keep_text, its text)."""
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    t0, ttft, chunks = time.perf_counter(), None, 0
+    t0, ttft, chunks, text = time.perf_counter(), None, 0, []
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -27,18 +44,40 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 chunks += 1
+                if keep_text:  # parsed only for conversations: a JSON parse per token costs the client
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
     except httpx.HTTPError as e:
         return {"error": type(e).__name__}
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": max_tokens if chunks else 0}
+    record = {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": max_tokens if chunks else 0}
+    if keep_text:
+        record["text"] = "".join(text)
+    return record
 
 
-async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: int) -> list[dict]:
+async def converse(client: httpx.AsyncClient, url: str, chat: Conversation, max_tokens: int,
+                   records: list[dict]) -> None:
+    """A conversation's turns in order, each request the conversation so far; a failed turn ends it."""
+    history = chat.system
+    for user in chat.turns:
+        prompt = turn_prompt(history, user)
+        record = await one_request(client, url, prompt, max_tokens, keep_text=True)
+        records.append(record)
+        if "error" in record:
+            return
+        history = prompt + record.pop("text")
+
+
+async def closed_loop(url: str, prompts: list[str | Conversation], clients: int, max_tokens: int) -> list[dict]:
     queue = list(reversed(prompts))
     records: list[dict] = []
 
     async def client_loop(client):
         while queue:
-            records.append(await one_request(client, url, queue.pop(), max_tokens))
+            item = queue.pop()
+            if isinstance(item, Conversation):
+                await converse(client, url, item, max_tokens, records)
+            else:
+                records.append(await one_request(client, url, item, max_tokens))
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -50,7 +89,7 @@ async def closed_loop(url: str, prompts: list[str], clients: int, max_tokens: in
 class ClientShare:
     """What one client process sends, and the wall-clock instant it starts at."""
     url: str
-    prompts: list[str]
+    prompts: list[str | Conversation]
     clients: int
     max_tokens: int
     start_at: float
@@ -85,7 +124,8 @@ class Driven:
 SPAWN_S = 5.0
 
 
-def drive(urls: list[str], prompts: list[str], clients: int, max_tokens: int, processes: int) -> Driven:
+def drive(urls: list[str], prompts: list[str | Conversation], clients: int, max_tokens: int,
+          processes: int) -> Driven:
     """The closed loop, its clients and prompts dealt over `processes` client processes (one asyncio
     process tops out near 10k streamed tokens/s, under what two GPUs serve), process i sending to
     urls[i % len(urls)]."""

@@ -63,6 +63,15 @@ def baseline(rows: list[dict]) -> float | None:
     return next((r["output_tokens_per_s"] for r in rows if r["replicas"] == 1 and r["workload"] == "nosharing"), None)
 
 
+def _chat(result: dict) -> str:
+    if not any(r["workload"] == "chat" for r in result["rows"]):
+        return ""
+    w = result["workload"]
+    return (f" chat: conversations of {w['turns']} user turns after one of {w['chat_system_prompts']} system prompts, "
+            "each turn a request of the conversation so far with the answers as they came back (random weights: an "
+            "answer does not re-tokenize to its own ids, so each turn computes the last answer again).")
+
+
 def report(result: dict) -> str:
     """README section: one row per (replicas, policy, workload), the throughput against one replica."""
     rows, w = result["rows"], result["workload"]
@@ -75,7 +84,7 @@ def report(result: dict) -> str:
              f"{w['max_tokens']} output tokens each; shared: "
              f"{w['system_prompts']} system prompts of {w['system_words'][0]}-{w['system_words'][1]} words plus a "
              f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn; nosharing: prompts of the same length with "
-             f"nothing in common. Replica arguments: `{w['server_args'] or '(defaults)'}`. "
+             f"nothing in common.{_chat(result)} Replica arguments: `{w['server_args'] or '(defaults)'}`. "
              f"{result.get('router', 'vllm-router')}; policy `direct`: no router, the clients dealt evenly over the "
              "replicas. Hit rate = prompt tokens the replicas found in their prefix caches / prompt tokens, over the "
              "run; split = each replica's share of the prompt tokens; engine TTFT = the replicas' own TTFT p50, from "

@@ -107,6 +107,48 @@ def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(replica
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
 
 
+# 8 conversations of 3 turns from 2 system prompts (~55 tokens each with this tokenizer, a turn ~50
+# more: the third within the model's 256 positions): the turns after the first find the conversation
+# so far cached on the replica that served the last one.
+CHAT = argparse.Namespace(**{**vars(SHARED), "system_words": [12, 14], "user_words": [6, 8]}, chat_system_prompts=2,
+                          turns=3)
+
+
+def test_chat_turns_carry_the_conversation_and_cache_aware_keeps_it_on_one_replica(replicas, router):
+    urls = [p.url for p in replicas]
+    chats = so.make_prompts("chat", 3, 24, CHAT)
+    assert len(chats) == 8 and all(len(c.turns) == 3 for c in chats)
+    rates = {}
+    for seed, policy in enumerate(["round_robin", "cache_aware"]):
+        started = router(policy)
+        row = so.run_once([started.url], urls, "chat", 10 + seed, CHAT, clients=2, num_requests=24,
+                          router_metrics=started.metrics_url)
+        assert row["errors"] == 0 and row["requests"] == 24, row
+        rates[policy] = row["hit_rate"]
+    # round_robin finds a conversation's earlier turns on the replica it sends a turn to about half
+    # the time; cache_aware sends every turn where the conversation is
+    assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
+
+
+def test_a_conversation_sends_each_turn_with_the_answers_before_it(monkeypatch):
+    """scaleout_load.converse: turn n's prompt is turn n-1's prompt, its answer and the new user turn."""
+    import asyncio
+
+    sent = []
+
+    async def fake_request(client, url, prompt, max_tokens, keep_text=False):
+        sent.append(prompt)
+        return {"ttft": 0.01, "e2e": 0.02, "tokens": max_tokens, "text": f" answer{len(sent)}"}
+
+    monkeypatch.setattr(scaleout_load, "one_request", fake_request)
+    records = []
+    asyncio.run(scaleout_load.converse(None, "http://x", scaleout_load.Conversation("sys", ["a", "b", "c"]), 4,
+                                       records))
+    assert sent == ["sys\nUser: a\nAssistant:", "sys\nUser: a\nAssistant: answer1\nUser: b\nAssistant:",
+                    "sys\nUser: a\nAssistant: answer1\nUser: b\nAssistant: answer2\nUser: c\nAssistant:"]
+    assert len(records) == 3 and all("text" not in r for r in records)  # the text is the next prompt's, not kept
+
+
 def test_direct_runs_deal_the_clients_over_the_replicas_from_one_start(replicas, monkeypatch):
     """The no-router baseline: two client processes, one per replica, both starting at one instant."""
     monkeypatch.setattr(scaleout_load, "SPAWN_S", 3.0)
