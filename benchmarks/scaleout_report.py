@@ -63,13 +63,18 @@ def baseline(rows: list[dict]) -> float | None:
     return next((r["output_tokens_per_s"] for r in rows if r["replicas"] == 1 and r["workload"] == "nosharing"), None)
 
 
-def _chat(result: dict) -> str:
-    if not any(r["workload"] == "chat" for r in result["rows"]):
-        return ""
-    w = result["workload"]
-    return (f" chat: conversations of {w['turns']} user turns after one of {w['chat_system_prompts']} system prompts, "
-            "each turn a request of the conversation so far with the answers as they came back (random weights: an "
-            "answer does not re-tokenize to its own ids, so each turn computes the last answer again).")
+def _workloads(result: dict) -> str:
+    """What each workload of the file's rows sends."""
+    w, present = result["workload"], {r["workload"] for r in result["rows"]}
+    words = f"{w['system_words'][0]}-{w['system_words'][1]} words"
+    said = {"shared": f"shared: {w['system_prompts']} system prompts of {words} plus a "
+                      f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn",
+            "nosharing": f"nosharing: prompts of {words} and a user turn, with nothing in common",
+            "chat": f"chat: conversations of {w.get('turns')} user turns of {w['user_words'][0]}-{w['user_words'][1]} "
+                    f"words after one of {w.get('chat_system_prompts')} system prompts of {words}, each turn a "
+                    "request of the conversation so far with the answers as they came back (random weights: an "
+                    "answer does not re-tokenize to its own ids, so each turn computes the last answer again)"}
+    return "; ".join(text for name, text in said.items() if name in present) + "."
 
 
 def report(result: dict) -> str:
@@ -81,10 +86,8 @@ def report(result: dict) -> str:
     requests = (f"{w['requests_per_replica']} streamed /v1/completions per replica" if "requests_per_replica" in w
                 else f"{w['num_requests']} streamed /v1/completions")
     lines = [f"Model: {_model(result)} (random weights). Closed loop, {clients}, {requests} per run, "
-             f"{w['max_tokens']} output tokens each; shared: "
-             f"{w['system_prompts']} system prompts of {w['system_words'][0]}-{w['system_words'][1]} words plus a "
-             f"{w['user_words'][0]}-{w['user_words'][1]}-word user turn; nosharing: prompts of the same length with "
-             f"nothing in common.{_chat(result)} Replica arguments: `{w['server_args'] or '(defaults)'}`. "
+             f"{w['max_tokens']} output tokens each; {_workloads(result)} "
+             f"Replica arguments: `{w['server_args'] or '(defaults)'}`. "
              f"{result.get('router', 'vllm-router')}; policy `direct`: no router, the clients dealt evenly over the "
              "replicas. Hit rate = prompt tokens the replicas found in their prefix caches / prompt tokens, over the "
              "run; split = each replica's share of the prompt tokens; engine TTFT = the replicas' own TTFT p50, from "
