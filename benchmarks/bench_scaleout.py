@@ -171,11 +171,12 @@ def replica_ttft_p50_ms(before: list[ReplicaCounters], after: list[ReplicaCounte
 def make_prompts(workload: str, seed: int, num_requests: int, args) -> list[str | Conversation]:
     """A run's prompts, or (chat) its conversations of args.turns requests each."""
     rng = random.Random(seed)
-    if workload == "chat":
-        systems = [words(rng, rng.randint(*args.system_words)) for _ in range(args.chat_system_prompts)]
+    chat = workload == "chat"
+    systems = [words(rng, rng.randint(*args.system_words))
+               for _ in range(args.chat_system_prompts if chat else args.system_prompts)]
+    if chat:
         return [Conversation(rng.choice(systems), [words(rng, rng.randint(*args.user_words)) for _ in range(args.turns)])
                 for _ in range(max(1, num_requests // args.turns))]
-    systems = [words(rng, rng.randint(*args.system_words)) for _ in range(args.system_prompts)]
     prompts = []
     for _ in range(num_requests):
         user = words(rng, rng.randint(*args.user_words))
