@@ -20,8 +20,11 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
-def _per_column(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """[N, ceil(K / group)] -> [N, K]: each group's value repeated over its columns."""
+def _per_column(t: torch.Tensor, group: int, k: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, ceil(K / group)] -> [N, K]: each group's value over its columns (column k's group is
+    g_idx[k] where given, else k // group)."""
+    if g_idx is not None:
+        return t[:, g_idx.long()]
     return t.repeat_interleave(min(group, k), dim=1)[:, :k]
 
 
@@ -38,12 +41,13 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1).to(torch.uint8)
 
 
-def dequant_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """The int4 layout's weight [N, K] in `dtype`: (q - zero) * scale in fp32, rounded once."""
+def dequant_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype,
+                 g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The int4 layout's weight [N, K] in `dtype`: (q - zero) * scale in fp32, rounded once; column
+    k's scale and zero those of group g_idx[k] where given (GPTQ's desc_act), else k // group."""
     q = unpack_int4(qweight).float()
     k = q.shape[1]
-    return ((q - _per_column(zero.float(), group, k)) * _per_column(scale.float(), group, k)).to(dtype)
+    return ((q - _per_column(zero.float(), group, k, g_idx)) * _per_column(scale.float(), group, k, g_idx)).to(dtype)
 
 
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -83,10 +87,10 @@ def fp8_matmul_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
 
 
 def wo_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                  group: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                  group: int, bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) in fp32, rounded once to x's dtype, where w is the int4 (zero given)
     or fp8 (zero None) layout's weight dequantized to x's dtype (``dequant_int4``/``dequant_fp8``)."""
-    w = dequant_int4(weight, scale, zero, group, x.dtype) if zero is not None else \
+    w = dequant_int4(weight, scale, zero, group, x.dtype, g_idx) if zero is not None else \
         dequant_fp8(weight, scale, group, x.dtype)
     y = x.float() @ w.float().t()
     if bias is not None:

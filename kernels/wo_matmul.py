@@ -9,9 +9,11 @@ Contract (semantics = ``kernels.quant_reference.wo_matmul_ref`` up to the order 
           k // 8, unsigned 0..15); fp8: [N, K] float8_e4m3fn. Contiguous.
   scale   [N, ceil(K / group)] fp32 contiguous; group >= K means one scale per output channel
   zero    int4: [N, ceil(K / group)] uint8 contiguous (0..15); fp8: None
+  g_idx   optional [K] int32: the group of each input column (GPTQ's desc_act: the groups are not in
+          column order); None: column k is in group k // group
   bias    [N] x's dtype, or None
   returns out [M, N] x's dtype: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias), where
-          w = round_to_x_dtype((q - zero) * scale) (int4) or round_to_x_dtype(weight * scale) (fp8)
+          w = round_to_x_dtype((q - zero) * scale) (int4, scale and zero of column k's group) or round_to_x_dtype(weight * scale) (fp8)
           is the weight the CPU path dequantizes at load, summed in fp32 on 16-bit tensor cores.
 
 fp8 is decoded from its bits with integer arithmetic (exact, and no fp8 instruction: the point of
@@ -67,8 +69,8 @@ def _fp8_bits_to_f32(b):
 
 
 @triton.jit
-def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, group, groups, stride_xm, stride_cm,
-                      INT4: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, N, K, group, groups, stride_xm,
+                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     dt = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -92,7 +94,11 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, grou
         k_ok = kk < K
         wmask = n_ok[:, None] & k_ok[None, :]
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        g = n64 * groups + (kk // group)[None, :]
+        if HAS_GIDX:
+            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        else:
+            col_group = kk // group
+        g = n64 * groups + col_group[None, :]
         s = tl.load(s_ptr + g, mask=wmask, other=0.0)
         if INT4:
             words = tl.load(w_ptr + n64 * (K // 8) + (kk // 8)[None, :], mask=wmask, other=0)
@@ -114,7 +120,8 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, grou
 
 
 def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
-              bias: torch.Tensor | None = None, cfg: WoConfig | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+              cfg: WoConfig | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(weight)[N, K].T -> [M, N] in x's dtype. See the module docstring."""
     m, k = x.shape
     n = weight.shape[0]
@@ -129,12 +136,14 @@ def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     groups = -(-k // group) if group < k else 1
     assert scale.shape == (n, groups) and scale.dtype == torch.float32 and scale.is_contiguous()
     assert bias is None or (bias.shape == (n,) and bias.dtype == x.dtype)
+    assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         cfg = cfg or config(m, n, k)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _wo_matmul_kernel[grid](x, weight, scale, zero if int4 else scale, bias if bias is not None else out, out, m, n,
-                                k, min(group, max(k, 1)), groups, x.stride(0), out.stride(0), INT4=int4,
+        _wo_matmul_kernel[grid](x, weight, scale, zero if int4 else scale, g_idx if g_idx is not None else scale,
+                                bias if bias is not None else out, out, m, n, k, min(group, max(k, 1)), groups,
+                                x.stride(0), out.stride(0), INT4=int4, HAS_GIDX=g_idx is not None,
                                 HAS_BIAS=bias is not None, UPCAST_DOT=_INTERPRET, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages)

@@ -55,6 +55,19 @@ def test_int4_group_boundary_inside_a_k_step():
     torch.testing.assert_close(out.cpu(), wo_matmul_ref(x, qweight, scale, zero, 32), atol=0.5, rtol=1e-2)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 24, 384), (18, 40, 264)])
+def test_int4_with_g_idx_matches_reference(m, n, k):
+    # GPTQ's desc_act: the columns' groups in the order they were quantized, not in column order
+    g = torch.Generator().manual_seed(k)
+    qweight, scale, zero = _int4(n, k, 128, g)
+    g_idx = (torch.randperm(k, generator=g) // 128).to(torch.int32)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    out = wo_matmul(x.to(DEVICE), qweight.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 128, g_idx=g_idx.to(DEVICE))
+    ref = wo_matmul_ref(x, qweight, scale, zero, 128, g_idx=g_idx)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-2, rtol=1e-2)
+    assert not torch.allclose(ref, wo_matmul_ref(x, qweight, scale, zero, 128), atol=0.1)  # g_idx matters
+
+
 @pytest.mark.parametrize("group", [128, 1 << 30])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 256), (21, 40, 136)])
 def test_fp8_weight_only_matches_reference(group, m, n, k):
