@@ -37,8 +37,8 @@ class Fp8MatmulConfig(NamedTuple):
 
 def config(m: int, n: int) -> Fp8MatmulConfig:
     """Tiles by row count: decode rows stream b (small tiles, many programs), prefill is compute bound."""
-    if _INTERPRET:
-        return Fp8MatmulConfig(16, 32, 1, 1)
+    if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
+        return Fp8MatmulConfig(16, 64, 1, 1)
     if m <= 16:
         return Fp8MatmulConfig(16, 64, 4, 4)
     if m <= 64:

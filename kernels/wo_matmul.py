@@ -47,8 +47,8 @@ class WoConfig(NamedTuple):
 def config(m: int, n: int, k: int) -> WoConfig:
     """Decode rows: narrow N tiles (enough programs to fill the SMs) and long K steps (enough bytes
     in flight per program); prefill rows: 16-bit GEMM tiles."""
-    if _INTERPRET:
-        return WoConfig(16, 16, 64, 1, 1)
+    if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
+        return WoConfig(16, 64, 128, 1, 1)
     if m <= 16:
         return WoConfig(16, 32 if n <= 8192 else 64, 256, 4, 4)
     if m <= 64:

@@ -20,8 +20,11 @@ from models.quant.scheme import PER_CHANNEL, QuantScheme, check_ignored, refuse
 def scheme(qcfg: dict) -> QuantScheme:
     from compressed_tensors.quantization import QuantizationConfig
 
-    cfg = QuantizationConfig.model_validate(qcfg)
     what = "compressed-tensors"
+    try:
+        cfg = QuantizationConfig.model_validate(qcfg)
+    except ValueError as e:  # pydantic's ValidationError: a config this compressed-tensors does not read
+        raise refuse(f"{what} quantization_config that compressed-tensors cannot read is not supported ({e})") from e
     if cfg.kv_cache_scheme is not None:
         raise refuse(f"{what} with a kv_cache_scheme (quantized KV cache) is not supported")
     if getattr(cfg, "sparsity_config", None) or qcfg.get("sparsity_config"):

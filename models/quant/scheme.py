@@ -60,7 +60,7 @@ def check_ignored(names: list[str] | None, method: str) -> None:
     quantized); a checkpoint that leaves other linears in 16 bits is refused by name."""
     for name in names or []:
         if "lm_head" not in name:
-            raise refuse(f"{method} checkpoint leaves {name!r} unquantized (only the LM head may be)")
+            raise refuse(f"{method} checkpoint leaving {name!r} unquantized is not supported (only the LM head may be)")
 
 
 def compute_mode(device_type: str, capability: tuple[int, int] | None, deterministic: bool, weights: str) -> str:
