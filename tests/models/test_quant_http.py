@@ -39,10 +39,12 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(checkpoints):
-    started = {name: ServerProcess.python_server(["--model", str(spec[0]), "--device", "cpu", "--no-engine-process",
-                                                  "--num-blocks", "32", *spec[1]])
-               for name, spec in checkpoints.items() if name != "params"}
+    started = {}
     try:
+        for name, spec in checkpoints.items():
+            if name != "params":
+                started[name] = ServerProcess.python_server(["--model", str(spec[0]), "--device", "cpu",
+                                                             "--no-engine-process", "--num-blocks", "32", *spec[1]])
         yield {name: srv.wait_healthy(240).url for name, srv in started.items()}
     finally:
         for srv in started.values():
