@@ -96,14 +96,17 @@ def _scaled_mm_with_quant(x, w8, scale):
 
 
 def sweep_rows(shape: str) -> list[dict]:
-    """The weight-only GEMM's decode tiles (M = 1 and 16) over the shape's linears, int4 and fp8."""
+    """Decode tiles (M = 1 and 16) over the shape's linears: the int4 weight-only GEMM's, the Triton FP8 GEMM's."""
     from triton.testing import do_bench
 
+    from kernels.fp8_matmul import Fp8MatmulConfig, fp8_matmul
+    from kernels.fp8_quant import quant_fp8
     from kernels.quant_reference import pack_int4
     from kernels.wo_matmul import WoConfig, wo_matmul
 
     rows = []
     configs = [WoConfig(16, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+    fp8_configs = [Fp8MatmulConfig(16, bn, 4, st, bk) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
     for name, (n, k) in linear_shapes(shape).items():
         q4 = pack_int4(torch.randint(0, 16, (n, k), device="cuda"))
         s4 = torch.rand(n, k // 128, device="cuda") * 0.01
@@ -117,6 +120,18 @@ def sweep_rows(shape: str) -> list[dict]:
                 rows.append(dict(step="sweep", linear=name, n=n, k=k, m=m, config=list(cfg), us=round(us, 2)))
                 best = min(best or (us, cfg), (us, cfg))
             print(f"sweep int4 {name:>12} m={m}: best {best[1]} {best[0]:.1f} us", flush=True)
+        # the Triton FP8 GEMM per channel at decode, against which torch._scaled_mm is measured above
+        w8 = (torch.randn(n, k, device="cuda") * 10).to(torch.float8_e4m3fn)
+        ws = torch.rand(n, 1, device="cuda") * 0.01
+        for m in (1, 16):
+            xq, xs = quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            best = None
+            for cfg in fp8_configs:
+                us = do_bench(lambda: fp8_matmul(xq, xs, w8, ws, 1 << 30, torch.bfloat16, cfg=cfg), warmup=5, rep=20,
+                              return_mode="median") * 1e3
+                rows.append(dict(step="sweep_fp8", linear=name, n=n, k=k, m=m, config=list(cfg), us=round(us, 2)))
+                best = min(best or (us, cfg), (us, cfg))
+            print(f"sweep fp8 {name:>12} m={m}: best {best[1]} {best[0]:.1f} us", flush=True)
     return rows
 
 
@@ -142,7 +157,8 @@ def engine_rows(path: Path, fmt: str, throughput: bool, args) -> list[dict]:
     gen(8)
     diffs = sorted((gen(257) - gen(1)) / 256 * 1e3 for _ in range(3))
     graphs = engine.runner.graphs
-    replay_ms = do_bench(graphs.graphs[1][0].replay, return_mode="median") if graphs is not None else None
+    size = min(graphs.sizes) if graphs is not None else None  # the smallest decode graph holds batch 1
+    replay_ms = do_bench(graphs.graphs[size][0].replay, return_mode="median") if graphs is not None else None
     rows.append(dict(step="tpot", format=fmt, quantization=engine.quantization, weight_bytes=engine.weight_bytes,
                      kv_blocks=engine.block_manager.num_blocks,
                      tpot_ms=round(diffs[1], 3), tpot_ms_runs=[round(d, 3) for d in diffs],
@@ -207,7 +223,7 @@ def main(argv=None) -> dict:
                 if fmt != "bf16":
                     path = Path(tmp) / fmt
                     t0 = time.perf_counter()
-                    quantize_checkpoint(bf16, path, fmt, device="cuda")
+                    quantize_checkpoint(bf16, path, fmt, device="cuda", dequantized=False)
                     torch.cuda.empty_cache()
                     print(f"{fmt} checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
                 result["rows"] += engine_rows(path, fmt, "throughput" in args.steps, args)

@@ -161,8 +161,8 @@ def _config(fmt: str) -> dict:
             "checkpoint_format": "gptq"}
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, conv1d: bool = False):
-    """(the quantized checkpoint's tensors, the dequantized weights by source name)."""
+def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, conv1d: bool = False, keep: bool = True):
+    """(the quantized checkpoint's tensors, the dequantized weights by source name, if `keep`)."""
     quantize = {"fp8-dynamic": _fp8_dynamic, "fp8-static": _fp8_static, "fp8-block": _fp8_block,
                 "w4a16": lambda w: _w4a16(w, True), "w4a16-asym": lambda w: _w4a16(w, False), "awq": _awq,
                 "gptq": lambda w: _gptq(w, False), "gptq-desc-act": lambda w: _gptq(w, True)}[fmt]
@@ -176,14 +176,16 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, conv1d: bool = 
         parts, d = quantize(w)
         prefix = name.removesuffix(".weight")
         out.update({f"{prefix}.{leaf}": v.contiguous() for leaf, v in parts.items()})
-        deq[name] = (d.t() if transposed else d).contiguous()
+        if keep:
+            deq[name] = (d.t() if transposed else d).contiguous()
     return out, deq
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, device: str = "cpu",
+                        dequantized: bool = True) -> dict[str, torch.Tensor]:
     """Write `fmt`'s quantized copy of the 16-bit checkpoint at `src` to `dst` (config with its
     quantization_config, one safetensors file, the tokenizer and generation config copied); returns
-    the dequantized weights (fp32, on the CPU) under the source's names."""
+    the dequantized weights (fp32, on the CPU) under the source's names, unless not `dequantized`."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     files = sorted(src.glob("*.safetensors"))
@@ -191,7 +193,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, device: str 
     for f in files:
         tensors.update(load_file(f, device=device))
     config = json.loads((src / "config.json").read_text())
-    out, deq = quantize_tensors(tensors, fmt, conv1d=config.get("model_type") == "gpt2")
+    out, deq = quantize_tensors(tensors, fmt, conv1d=config.get("model_type") == "gpt2", keep=dequantized)
     save_file({k: v.contiguous().cpu() for k, v in out.items()}, dst / "model.safetensors", metadata={"format": "pt"})
     config["quantization_config"] = _config(fmt)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
@@ -208,7 +210,7 @@ def main(argv=None) -> None:
     ap.add_argument("--format", required=True, choices=FORMATS)
     ap.add_argument("--device", default="cpu", help="where to quantize (cuda: seconds for an 8B model)")
     args = ap.parse_args(argv)
-    quantize_checkpoint(args.src, args.dst, args.format, args.device)
+    quantize_checkpoint(args.src, args.dst, args.format, args.device, dequantized=False)
     print(f"{args.format} checkpoint written to {args.dst}")
 
 

@@ -6,14 +6,15 @@ Contract (semantics = ``kernels.quant_reference.fp8_matmul_ref`` up to the order
   a_scale   [M, ceil(K / group)] fp32, last dim contiguous: a's scale per row and group of columns
   b         [N, K] float8_e4m3fn contiguous (nn.Linear's layout)
   b_scale   [N, ceil(K / group)] fp32 contiguous (a 128x128 block's scale repeated over its rows)
-  group     a power of two >= BLOCK_K (128), or >= K for one scale per row
+  group     a multiple of the config's BLOCK_K (128: the 128x128-block checkpoints), or >= K for one
+            scale per row
   bias      [N] out_dtype, or None
   returns   out [M, N] out_dtype (float16 / bfloat16 / float32):
             out[m, n] = sum_g a_scale[m, g] * b_scale[n, g] * sum_{k in g} a[m, k] * b[n, k] (+ bias),
             the dot of each group on fp8 tensor cores into fp32, scaled and summed in fp32.
 
 Grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs, grouped along M so that consecutive programs
-share b's tiles in L2. BLOCK_K is 128, one group step per iteration for block scales.
+share b's tiles in L2. With block scales each K step is one group (BLOCK_K = 128).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Fp8MatmulConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    block_k: int = 128  # with block scales, at most the group (one group per step)
 
 
 def config(m: int, n: int) -> Fp8MatmulConfig:
@@ -88,11 +90,9 @@ def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, g
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-BLOCK_K = 128
-
-
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group: int,
-               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+               cfg: Fp8MatmulConfig | None = None) -> torch.Tensor:
     """a [M, K] fp8 @ b[N, K].T with per-row/per-group scales -> [M, N] out_dtype. See the module docstring."""
     m, k = a.shape
     n = b.shape[0]
@@ -101,15 +101,17 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     assert a_scale.shape == (m, groups) and b_scale.shape == (n, groups), "scales: [rows, ceil(K / group)]"
     assert a_scale.dtype == b_scale.dtype == torch.float32 and a_scale.stride(1) == 1 and b_scale.is_contiguous()
     per_group = groups > 1
-    assert not per_group or group % BLOCK_K == 0, "group: a multiple of 128, or >= K"
+    cfg = cfg or config(m, n)
+    if per_group:
+        cfg = cfg._replace(block_k=min(cfg.block_k, 128))
+    assert not per_group or group % cfg.block_k == 0, "group: a multiple of BLOCK_K, or >= K"
     assert bias is None or (bias.shape == (n,) and bias.dtype == out_dtype)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m and n:
-        cfg = config(m, n)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _fp8_matmul_kernel[grid](a, a_scale, b, b_scale, bias if bias is not None else out, out, m, n, k, group,
                                  a.stride(0), a_scale.stride(0), b_scale.stride(0), out.stride(0),
                                  HAS_BIAS=bias is not None, PER_GROUP=per_group, BLOCK_M=cfg.block_m,
-                                 BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=cfg.num_warps,
+                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages)
     return out

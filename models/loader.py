@@ -106,7 +106,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     tensors = _read_tensors(path)
     if scheme is not None:
         quant.attach(model, scheme, device, dtype, deterministic)
-        tensors = quant.convert(tensors, scheme)
+        tensors = quant.convert(tensors, scheme, device)
     model.load_weights(tensors)
     if scheme is not None:
         quant.finish(model)

@@ -67,9 +67,11 @@ def attach(model: nn.Module, scheme: QuantScheme, device: torch.device, dtype: t
     model.quant_scheme = scheme
 
 
-def convert(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors in the canonical layout (scheme.py), under the same linear names."""
-    return tensors if scheme.online else FORMATS[scheme.method].canonical(tensors, scheme)
+def convert(tensors: dict[str, torch.Tensor], scheme: QuantScheme,
+            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in the canonical layout (scheme.py), under the same linear names;
+    repacking runs on `device`."""
+    return tensors if scheme.online else FORMATS[scheme.method].canonical(tensors, scheme, torch.device(device))
 
 
 def finish(model: nn.Module) -> None:

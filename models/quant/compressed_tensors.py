@@ -63,7 +63,7 @@ def scheme(qcfg: dict) -> QuantScheme:
     raise refuse(f"{what} format {fmt!r} with {w.type}{w.num_bits} weights ({w.strategy}) is not supported")
 
 
-def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme) -> dict[str, torch.Tensor]:
+def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme, device: torch.device) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     out = {}

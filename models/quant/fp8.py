@@ -31,7 +31,7 @@ def scheme(qcfg: dict) -> QuantScheme:
     return QuantScheme("fp8", "fp8 (128x128 blocks)", "fp8", BLOCK, "group")
 
 
-def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme) -> dict[str, torch.Tensor]:
+def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme, device: torch.device) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")

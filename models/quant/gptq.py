@@ -37,15 +37,16 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return (packed[:, :, None] >> (4 * torch.arange(8, dtype=torch.int32, device=packed.device))) & 0xF
 
 
-def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme) -> dict[str, torch.Tensor]:
+def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme, device: torch.device) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "qweight":
+        if leaf == "qweight":  # repacked on the device: seconds of CPU per billion weights otherwise
+            t = t.to(device)
             k8, n = t.shape
             q = _unpack(t).permute(0, 2, 1).reshape(k8 * 8, n)  # [K, N]
             out[name] = pack_int4(q.t().contiguous())
-            zeros = _unpack(tensors[f"{prefix}.qzeros"]).reshape(-1, n)  # [groups, N]
+            zeros = _unpack(tensors[f"{prefix}.qzeros"].to(device)).reshape(-1, n)  # [groups, N]
             if s.gptq_v1_zeros:
                 zeros = (zeros + 1) & 0xF  # 0xF stored for a zero of 0 wraps, as GPTQ's own kernels read it
             out[f"{prefix}.zeros"] = zeros.t().to(torch.uint8).contiguous()
@@ -53,7 +54,7 @@ def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme) -> dict[str, tor
             g_idx = tensors.get(f"{prefix}.g_idx")
             if s.g_idx:
                 out[f"{prefix}.g_idx"] = g_idx.to(torch.int32).contiguous()
-            elif g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k8 * 8) // s.group):
+            elif g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k8 * 8, device=g_idx.device) // s.group):
                 raise ValueError(f"{prefix}: g_idx out of order in a GPTQ checkpoint without desc_act")
         elif leaf not in ("qzeros", "scales", "g_idx"):
             out[name] = t
