@@ -17,9 +17,11 @@ Contract (semantics = ``kernels.quant_reference.wo_matmul_ref`` up to the order 
           is the weight the CPU path dequantizes at load, summed in fp32 on 16-bit tensor cores.
 
 fp8 is decoded from its bits with integer arithmetic (exact, and no fp8 instruction: the point of
-this path is GPUs that have none). Grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), grouped along M; the
-group of each column is computed per element, so BLOCK_K need not divide the group size and a K
-past the last full group is masked.
+this path is GPUs that have none); each int4 word is loaded once and its eight values spread along
+K in registers. Grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), grouped along M. Where a K step lies in
+one group (BLOCK_K divides the group, no g_idx) each row's scale and zero are loaded once a step;
+otherwise the group of each column is computed (or read from g_idx) per element, so BLOCK_K need
+not divide the group size and a K past the last full group is masked.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def config(m: int, n: int, k: int) -> WoConfig:
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return WoConfig(16, 64, 128, 1, 1)
     if m <= 16:
-        return WoConfig(16, 32 if n <= 8192 else 64, 256, 4, 4)
+        return WoConfig(16, 32 if n <= 8192 else 64, 128, 4, 4)
     if m <= 64:
-        return WoConfig(64, 64, 128, 4, 4)
+        return WoConfig(64, 64, 128, 4, 3)
     return WoConfig(128, 128, 64, 8, 3)
 
 
@@ -70,7 +72,7 @@ def _fp8_bits_to_f32(b):
 
 @triton.jit
 def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, N, K, group, groups, stride_xm,
-                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     dt = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -94,16 +96,26 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, 
         k_ok = kk < K
         wmask = n_ok[:, None] & k_ok[None, :]
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if HAS_GIDX:
-            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        if STEP_GROUP:  # the whole step inside one group: one scale (and zero) per row
+            g = offs_n.to(tl.int64) * groups + k0 // group
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
         else:
-            col_group = kk // group
-        g = n64 * groups + col_group[None, :]
-        s = tl.load(s_ptr + g, mask=wmask, other=0.0)
+            if HAS_GIDX:
+                col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+            else:
+                col_group = kk // group
+            g = n64 * groups + col_group[None, :]
+            s = tl.load(s_ptr + g, mask=wmask, other=0.0)
         if INT4:
-            words = tl.load(w_ptr + n64 * (K // 8) + (kk // 8)[None, :], mask=wmask, other=0)
+            # each packed word loaded once, then its eight values spread along K in registers
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
+            words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
             q = (words >> ((kk % 8) * 4)[None, :]) & 0xF
-            z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.float32)
+            if STEP_GROUP:
+                z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.float32)[:, None]
+            else:
+                z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.float32)
             w = (q.to(tl.float32) - z) * s
         else:
             bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=wmask, other=0).to(tl.int32) & 0xFF
@@ -144,6 +156,7 @@ def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
         _wo_matmul_kernel[grid](x, weight, scale, zero if int4 else scale, g_idx if g_idx is not None else scale,
                                 bias if bias is not None else out, out, m, n, k, min(group, max(k, 1)), groups,
                                 x.stride(0), out.stride(0), INT4=int4, HAS_GIDX=g_idx is not None,
+                                STEP_GROUP=g_idx is None and (group >= k or group % cfg.block_k == 0),
                                 HAS_BIAS=bias is not None, UPCAST_DOT=_INTERPRET, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages)

@@ -29,6 +29,12 @@ from models.quant.fp8 import quantize_per_channel
 from models.quant.scheme import PER_CHANNEL, QuantScheme
 
 
+# Rows up to which a w8a8 linear uses the Triton FP8 GEMM even where torch._scaled_mm fits (decode
+# batches, where the weight's bytes are the cost and the Triton GEMM's narrow tiles spread them over
+# more SMs); 0: torch._scaled_mm at every size. Set from benchmarks/bench_quant.py's GEMM figures.
+TRITON_DECODE_ROWS = 0
+
+
 class QuantizedInput(NamedTuple):
     """A linear's input already quantized to FP8 (by the norm before it): q [M, K], scale [M, groups]."""
     q: torch.Tensor
@@ -99,7 +105,7 @@ class Fp8Method:
             q, scale = x
         else:
             q, scale = quant_fp8(x, self.scheme.activation_group, getattr(linear, "input_scale", None))
-        if linear.scaled_mm:
+        if linear.scaled_mm and q.shape[0] > TRITON_DECODE_ROWS:
             out = torch._scaled_mm(q, linear.weight.t(), scale_a=scale, scale_b=linear.weight_scale.view(1, -1),
                                    out_dtype=self.dtype)
             return out if linear.bias is None else out.add_(linear.bias)
