@@ -116,7 +116,8 @@ def sweep_rows(shape: str) -> list[dict]:
             best = None
             for cfg in configs:
                 us = _bench_or_none(lambda: wo_matmul(x, q4, s4, z4, 128, cfg=cfg))
-                rows.append(dict(step="sweep", linear=name, n=n, k=k, m=m, config=list(cfg), us=us))
+                rows.append(dict(step="sweep", impl="int4_weight_only", linear=name, n=n, k=k, m=m, config=list(cfg),
+                                 us=us))
                 if us is not None:
                     best = min(best or (us, cfg), (us, cfg))
             print(f"sweep int4 {name:>12} m={m}: best {best[1]} {best[0]:.1f} us", flush=True)
@@ -128,13 +129,15 @@ def sweep_rows(shape: str) -> list[dict]:
             best = None
             for cfg in fp8_configs:
                 us = _bench_or_none(lambda: fp8_matmul(xq, xs, w8, ws, 1 << 30, torch.bfloat16, cfg=cfg))
-                rows.append(dict(step="sweep_fp8", linear=name, n=n, k=k, m=m, config=list(cfg), us=us))
+                rows.append(dict(step="sweep_fp8", impl="fp8_triton_channel", linear=name, n=n, k=k, m=m,
+                                 config=list(cfg), us=us))
                 if us is not None:
                     best = min(best or (us, cfg), (us, cfg))
             scaled = do_bench(lambda: torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws.view(1, -1),
                                                        out_dtype=torch.bfloat16), warmup=5, rep=20,
                               return_mode="median") * 1e3
-            rows.append(dict(step="sweep_fp8", linear=name, n=n, k=k, m=m, config="scaled_mm", us=round(scaled, 2)))
+            rows.append(dict(step="sweep_fp8", impl="fp8_scaled_mm", linear=name, n=n, k=k, m=m, config="scaled_mm",
+                             us=round(scaled, 2)))
             print(f"sweep fp8 {name:>12} m={m}: best {best[1]} {best[0]:.1f} us, torch._scaled_mm {scaled:.1f} us",
                   flush=True)
     return rows
@@ -170,7 +173,8 @@ def install_tuned(rows: list[dict]) -> dict:
         return found
 
     wo_best, f8_best = best("sweep"), best("sweep_fp8")
-    scaled = {(r["n"], r["k"], r["m"]): r["us"] for r in rows if r["step"] == "sweep_fp8" and r["config"] == "scaled_mm"}
+    scaled = {(r["n"], r["k"], r["m"]): r["us"] for r in rows
+              if r["step"] == "sweep_fp8" and r["config"] == "scaled_mm"}
     wo_default, f8_default = wo.config, f8.config
 
     def wo_config(m, n, k):
@@ -214,7 +218,7 @@ def engine_rows(path: Path, fmt: str, throughput: bool, args) -> list[dict]:
     graphs = engine.runner.graphs
     size = min(graphs.sizes) if graphs is not None else None  # the smallest decode graph holds batch 1
     replay_ms = do_bench(graphs.graphs[size][0].replay, return_mode="median") if graphs is not None else None
-    rows.append(dict(step="tpot", format=fmt, quantization=engine.quantization, weight_bytes=engine.weight_bytes,
+    rows.append(dict(step="tpot", impl=fmt, format=fmt, quantization=engine.quantization, weight_bytes=engine.weight_bytes,
                      kv_blocks=engine.block_manager.num_blocks,
                      tpot_ms=round(diffs[1], 3), tpot_ms_runs=[round(d, 3) for d in diffs],
                      graph_replay_ms=round(replay_ms, 3) if replay_ms else None, load_s=round(load_s, 1)))
@@ -224,7 +228,7 @@ def engine_rows(path: Path, fmt: str, throughput: bool, args) -> list[dict]:
         vocab = engine.spec.vocab_size
         prompts, outs = workload(args.num_requests, (128, 512), (128, 512), vocab, seed=0)
         dt, tokens, split = run_engine(engine, prompts, outs)
-        rows.append(dict(step="throughput", format=fmt, requests=len(prompts), output_tokens=tokens,
+        rows.append(dict(step="throughput", impl=fmt, format=fmt, requests=len(prompts), output_tokens=tokens,
                          seconds=round(dt, 2), tok_per_s=round(tokens / dt, 1), split=split))
         print(f"throughput {fmt}: {tokens / dt:.0f} tok/s ({tokens} tokens in {dt:.1f} s)", flush=True)
     del engine

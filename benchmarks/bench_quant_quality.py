@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import gpu_slug  # noqa: E402
 from benchmarks.quant_checkpoint import FORMATS, quantize_checkpoint  # noqa: E402
 
 GOALS = {"fp8": 1.01, "int4": 1.05}  # perplexity ratio to 16-bit
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     tok = load_tokenizer(EMBEDDED_MODEL)
     docs = held_out_documents(args.max_docs)
     prompts = [ids[:1024] for ids in (tok(d)["input_ids"] for d in docs) if len(ids) >= 2]
-    rows = [dict(format="16-bit", **perplexity(EMBEDDED_MODEL, args.device, prompts, None))]
+    rows = [dict(impl="16-bit", format="16-bit", **perplexity(EMBEDDED_MODEL, args.device, prompts, None))]
     base = rows[0]["ppl"]
     print(f"16-bit: perplexity {base:.4f} over {rows[0]['tokens']} tokens of {len(prompts)} documents", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,18 +93,19 @@ def main(argv=None) -> dict:
                 row = perplexity(Path(tmp) / fmt, args.device, prompts, None)
             ratio = row["ppl"] / base
             goal = GOALS[WEIGHTS.get(fmt, "int4")]
-            rows.append(dict(format=fmt, **row, ratio=round(ratio, 5), goal=goal, meets_goal=ratio <= goal))
+            rows.append(dict(impl=fmt, format=fmt, **row, ratio=round(ratio, 5), goal=goal, meets_goal=ratio <= goal))
             print(f"{fmt:>14}: perplexity {row['ppl']:.4f} = {ratio:.4f}x 16-bit (goal <= {goal})", flush=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = dict(benchmark="quant_quality", device=device_name, torch=torch.__version__.split("+")[0],
                   triton=triton.__version__, transformers=transformers.__version__,
                   date=datetime.date.today().isoformat(),
-                  command="python benchmarks/bench_quant_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  command="python benchmarks/bench_quant_quality.py "
+                          + " ".join(argv if argv is not None else sys.argv[1:]),
                   model="embedded (GPT-2, 7.1M parameters)", documents=len(prompts),
                   split="tools/embedded: 5% of documents held out, seed 1234", rows=rows)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    slug = "cpu" if device_name == "cpu" else __import__("benchmarks.common", fromlist=["gpu_slug"]).gpu_slug(device_name)
+    slug = "cpu" if device_name == "cpu" else gpu_slug(device_name)
     (out / f"quant_quality_{slug}.json").write_text(json.dumps(result, indent=1))
     return result
 

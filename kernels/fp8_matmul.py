@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.tiles import grouped_tile
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -38,11 +39,13 @@ class Fp8MatmulConfig(NamedTuple):
 
 
 def config(m: int, n: int) -> Fp8MatmulConfig:
-    """Tiles by row count: decode rows stream b (small tiles, many programs), prefill is compute bound."""
+    """Tiles by row count: decode rows stream b (small tiles, many programs, 256-column K steps: the
+    best of benchmarks/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
+    for the 28672-row gate/up projection), prefill is compute bound."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return Fp8MatmulConfig(16, 64, 1, 1)
     if m <= 16:
-        return Fp8MatmulConfig(16, 64, 4, 4)
+        return Fp8MatmulConfig(16, 128 if n > 8192 else 64, 4, 4, 256)
     if m <= 64:
         return Fp8MatmulConfig(64, 64, 4, 4)
     return Fp8MatmulConfig(128, 128, 8, 3)
@@ -52,14 +55,7 @@ def config(m: int, n: int) -> Fp8MatmulConfig:
 def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, group, stride_am, stride_as, stride_bs,
                        stride_cm, HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

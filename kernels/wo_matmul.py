@@ -13,7 +13,8 @@ Contract (semantics = ``kernels.quant_reference.wo_matmul_ref`` up to the order 
           column order); None: column k is in group k // group
   bias    [N] x's dtype, or None
   returns out [M, N] x's dtype: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias), where
-          w = round_to_x_dtype((q - zero) * scale) (int4, scale and zero of column k's group) or round_to_x_dtype(weight * scale) (fp8)
+          w = round_to_x_dtype((q - zero) * scale) (int4, scale and zero of column k's group) or
+          round_to_x_dtype(weight * scale) (fp8)
           is the weight the CPU path dequantizes at load, summed in fp32 on 16-bit tensor cores.
 
 fp8 is decoded from its bits with integer arithmetic (exact, and no fp8 instruction: the point of
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
+from kernels.tiles import grouped_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -72,17 +74,11 @@ def _fp8_bits_to_f32(b):
 
 @triton.jit
 def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, N, K, group, groups, stride_xm,
-                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     dt = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -48,7 +48,8 @@ def detect(path: Path, quantization: str | None = None) -> QuantScheme | None:
     if method not in FORMATS:
         raise refuse(f"quant_method {method!r} is not supported")
     if quantization is not None and quantization != method:
-        raise ValueError(f"the checkpoint is quantized with {method}, which does not match --quantization {quantization}")
+        raise ValueError(f"the checkpoint is quantized with {method}, which does not match "
+                         f"--quantization {quantization}")
     return FORMATS[method].scheme(qcfg)
 
 

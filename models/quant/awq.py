@@ -40,7 +40,8 @@ def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme, device: torch.de
         prefix, _, leaf = name.rpartition(".")
         if leaf == "qweight":  # repacked on the device: seconds of CPU per billion weights otherwise
             out[name] = pack_int4(unpack_columns(t.to(device)).t().contiguous())
-            out[f"{prefix}.zeros"] = unpack_columns(tensors[f"{prefix}.qzeros"].to(device)).t().to(torch.uint8).contiguous()
+            zeros = unpack_columns(tensors[f"{prefix}.qzeros"].to(device))
+            out[f"{prefix}.zeros"] = zeros.t().to(torch.uint8).contiguous()
             out[f"{prefix}.scales"] = tensors[f"{prefix}.scales"].float().t().contiguous()
         elif leaf not in ("qzeros", "scales"):
             out[name] = t

@@ -54,7 +54,7 @@ def canonical(tensors: dict[str, torch.Tensor], s: QuantScheme, device: torch.de
             g_idx = tensors.get(f"{prefix}.g_idx")
             if s.g_idx:
                 out[f"{prefix}.g_idx"] = g_idx.to(torch.int32).contiguous()
-            elif g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k8 * 8, device=g_idx.device) // s.group):
+            elif g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k8 * 8) // s.group):
                 raise ValueError(f"{prefix}: g_idx out of order in a GPTQ checkpoint without desc_act")
         elif leaf not in ("qzeros", "scales", "g_idx"):
             out[name] = t

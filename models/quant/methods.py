@@ -29,10 +29,12 @@ from models.quant.fp8 import quantize_per_channel
 from models.quant.scheme import PER_CHANNEL, QuantScheme
 
 
-# Rows up to which a w8a8 linear uses the Triton FP8 GEMM even where torch._scaled_mm fits (decode
-# batches, where the weight's bytes are the cost and the Triton GEMM's narrow tiles spread them over
-# more SMs); 0: torch._scaled_mm at every size. Set from benchmarks/bench_quant.py's GEMM figures.
-TRITON_DECODE_ROWS = 0
+# Rows up to which a w8a8 linear uses the Triton FP8 GEMM even where torch._scaled_mm fits: decode
+# batches, where the weight's bytes are the cost. On an H100 (torch 2.11) at the Llama-3.1-8B
+# shape's four linears the Triton GEMM took 18.8/17.2/56.1/43.8 us at one row against
+# torch._scaled_mm's 23.4/19.2/61.4/53.3 (benchmarks/results/quant_h100.json, sweep_fp8); from
+# 2048 rows torch._scaled_mm is 1.5-2x faster.
+TRITON_DECODE_ROWS = 16
 
 
 class QuantizedInput(NamedTuple):
