@@ -6,10 +6,13 @@ from models.attention import BACKENDS, AttentionBackend, AttentionMetadata, Step
 from models.base import CausalLM, KVCaches, placeholder_id, resolve_placeholders
 from models.loader import (DTYPES, EMBEDDED_MODEL, checkpoint_dtype, eos_token_ids, load_config, load_model,
                            load_tokenizer, resolve_model_path)
+from models.quant import METHODS as QUANTIZATION_METHODS
+from models.quant import WeightsInfo, weights_info
 from models.registry import MODEL_FAMILIES, check_served, model_class
 from models.spec import ModelSpec
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
            "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "checkpoint_dtype", "eos_token_ids",
            "load_config", "load_model",
-           "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec"]
+           "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec",
+           "QUANTIZATION_METHODS", "WeightsInfo", "weights_info"]

@@ -13,7 +13,8 @@ from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS,
+                           EngineConfig)
 
 
 def device(text: str) -> str:
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
                    help="auto = on CUDA the checkpoint's float16/bfloat16 (else float16), on CPU float32")
     p.add_argument("--device", type=device, default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATION_METHODS,
+                   help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per channel; "
+                        "activations per token); a quantized checkpoint's format is read from its config.json")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
     p.add_argument("--block-size", type=Bound(int, 1, 256, power_of_two=True), default=d.block_size,

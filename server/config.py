@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+# --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 # The server's step token budget (the CLI's default), smaller than an offline engine's: every prefill
 # step then fits the largest captured prefill graph (server/worker/cuda_graphs.py), so a step that
@@ -51,3 +53,6 @@ class EngineConfig:
     # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
+    # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its
+    # quantization_config); "fp8" also quantizes a 16-bit checkpoint at load (--quantization)
+    quantization: str | None = None

@@ -53,6 +53,8 @@ class LLMEngine:
         worker = start_worker(config, path)
         self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
         self.runner = worker.runner
+        # what /v1/models reports of the weights: their format (None: 16-bit) and bytes on the device
+        self.quantization, self.weight_bytes = worker.weights.quantization, worker.weights.bytes
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config)
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec
-from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
+from models import DTYPES, ModelSpec, WeightsInfo, checkpoint_dtype, load_model, weights_info
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
 from server.worker.warmup import profile_peak_memory, warmup
@@ -31,6 +31,7 @@ class Worker:
     num_blocks: int
     max_model_len: int
     device: torch.device
+    weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -47,7 +48,13 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
                          "or use --attention sdpa for float32")
     log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
              ", deterministic" if config.deterministic else "")
-    model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
+    model = load_model(path, dtype, device, attention, deterministic=config.deterministic,
+                       quantization=config.quantization)
+    weights = weights_info(model)
+    # The bytes the weights take on the device, which the KV budget below is measured after: a
+    # quantized checkpoint's real size (its 16-bit size on the CPU and with --deterministic, where
+    # the weights are dequantized at load).
+    log.info("weights: %.2f GiB (%s)", weights.bytes / 2**30, weights.quantization or f"{dtype}, not quantized")
     if config.deterministic and on_cuda:
         from kernels.invariant_matmul import check_configs
 
@@ -82,7 +89,7 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights)
 
 
 def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:
@@ -98,6 +105,8 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
     """KV blocks to allocate: --num-blocks, else --kv-cache-memory, else (CUDA) what is left under
     --gpu-memory-utilization after the weights and the largest step's activations, else (CPU)
     --cpu-kv-cache-memory."""
+    # What the budget is left after is measured, not computed: torch's allocator holds the weights in
+    # their real (quantized) bytes when the largest step is profiled.
     if config.num_blocks is not None:
         return _at_least_one(config.num_blocks, cache_spec, "--num-blocks")
     if config.kv_cache_memory is not None:
