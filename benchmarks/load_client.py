@@ -1,6 +1,8 @@
 """One client process of the load test (benchmarks/load_test.py): request shapes and prompts, one
-streaming `POST /generate` timed per token, and the closed-loop / Poisson driver that issues requests
-until a bound is hit, filling a `RequestRecord` (benchmarks/load_metrics.py) per request."""
+streaming `POST /generate` timed per token (or, with api="completions", one streamed OpenAI
+`POST /v1/completions`, which any OpenAI-compatible server answers: vLLM's too), and the
+closed-loop / Poisson driver that issues requests until a bound is hit, filling a `RequestRecord`
+(benchmarks/load_metrics.py) per request."""
 
 from __future__ import annotations
 
@@ -136,6 +138,69 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
     return rec
 
 
+async def send_completion(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
+                          body_extra: dict) -> RequestRecord:
+    """`send_request` for OpenAI's streamed /v1/completions (body_extra carries "model"). Its chunks
+    carry text, not token ids, so each chunk with a choice counts as one token's arrival (the ITL
+    values are the gaps between chunks, as `vllm bench serve` takes them) and `n_out` is the final
+    chunk's usage.completion_tokens (stream_options.include_usage), the chunk count without it."""
+    body = {"max_tokens": spec.max_tokens, "stream": True, "stream_options": {"include_usage": True}, **body_extra,
+            "prompt": spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt}
+    rec.start = start = time.perf_counter()
+    last, chunks = None, 0
+    try:
+        async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as resp:
+            rec.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                rec.error, rec.error_detail = f"http_{resp.status_code}", resp.text[:300]
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                now = time.perf_counter()
+                if data == "[DONE]":
+                    rec.done = True
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    rec.error, rec.error_detail = "BadEvent", data[:300]
+                    return rec
+                if "error" in event:
+                    rec.error, rec.error_detail = "StreamError", json.dumps(event["error"])[:300]
+                    return rec
+                if event.get("choices"):
+                    chunks += 1
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    rec.finish_reason = event["choices"][0].get("finish_reason") or rec.finish_reason
+                if event.get("usage"):
+                    rec.usage_completion_tokens = event["usage"].get("completion_tokens")
+                    rec.prompt_tokens = event["usage"].get("prompt_tokens")
+            rec.n_out = rec.usage_completion_tokens if rec.usage_completion_tokens is not None else chunks
+            rec.e2e = time.perf_counter() - start
+            if not rec.done:
+                rec.error = "IncompleteStream"
+    except asyncio.CancelledError:
+        rec.cancelled = True
+        rec.e2e = time.perf_counter() - start
+        raise
+    except Exception as e:  # as send_request: count, never crash
+        rec.error, rec.error_detail = type(e).__name__, str(e)[:300]
+    finally:
+        if rec.e2e is None:
+            rec.e2e = time.perf_counter() - start
+    return rec
+
+
+SENDERS = {"generate": send_request, "completions": send_completion}
+
+
 # ------------------------------------------------------------------------------- progress
 class Progress:
     """tqdm when installed, else a plain stderr line redrawn at most twice a second."""
@@ -178,8 +243,9 @@ class Progress:
 
 # ------------------------------------------------------------------------------- the run
 async def _drive(client, url, source, body_extra, *, concurrency, request_rate, max_concurrency, num_requests,
-                 duration, grace, rate_seed, progress) -> tuple[list[RequestRecord], float, float]:
+                 duration, grace, rate_seed, progress, api="generate") -> tuple[list[RequestRecord], float, float]:
     """Issue requests until a bound is hit; return (records, t0, t_end) in perf_counter seconds."""
+    send = SENDERS[api]
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     stop_at = t0 + duration if duration is not None else math.inf
@@ -196,7 +262,7 @@ async def _drive(client, url, source, body_extra, *, concurrency, request_rate, 
 
     async def one(spec, rec):
         try:
-            await send_request(client, url, spec, rec, body_extra)
+            await send(client, url, spec, rec, body_extra)
         finally:
             progress.update()
 
@@ -289,7 +355,8 @@ def raise_fd_limit(need: int, warn: bool = True) -> int:
 
 
 async def measure(url: str, *, concurrency, request_rate, max_concurrency, num_requests, duration, grace, shape,
-                  body_extra, seed, timeout, progress, transport=None) -> tuple[list[RequestRecord], float, float, float]:
+                  body_extra, seed, timeout, progress, transport=None,
+                  api="generate") -> tuple[list[RequestRecord], float, float, float]:
     """One process's share of a level: (records, t0, t_end, client CPU seconds)."""
     pool = (concurrency or max_concurrency or 0) + 16
     if transport is None:
@@ -302,12 +369,13 @@ async def measure(url: str, *, concurrency, request_rate, max_concurrency, num_r
         records, t0, t_end = await _drive(client, url, PromptSource(**shape, seed=seed), body_extra,
                                           concurrency=concurrency, request_rate=request_rate,
                                           max_concurrency=max_concurrency, num_requests=num_requests,
-                                          duration=duration, grace=grace, rate_seed=seed + 1, progress=progress)
+                                          duration=duration, grace=grace, rate_seed=seed + 1, progress=progress,
+                                          api=api)
         return records, t0, t_end, time.process_time() - cpu
 
 
 async def prepare(url: str, *, vocab_size, prompts, warmup, warmup_concurrency, shape, body_extra, seed, timeout,
-                  progress, label, transport=None) -> tuple[int | None, int]:
+                  progress, label, transport=None, api="generate") -> tuple[int | None, int]:
     """Resolve the vocab size (asking the server if needed) and send the warm-up; (vocab, warm-up errors)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                  limits=httpx.Limits(max_connections=None), transport=transport) as client:
@@ -321,7 +389,7 @@ async def prepare(url: str, *, vocab_size, prompts, warmup, warmup_concurrency, 
         recs, _, _ = await _drive(client, url, PromptSource(**{**shape, "vocab_size": vocab_size}, seed=seed + 7919),
                                   body_extra, concurrency=max(1, min(warmup, warmup_concurrency)), request_rate=None,
                                   max_concurrency=None, num_requests=warmup, duration=None, grace=0.0, rate_seed=0,
-                                  progress=bar)
+                                  progress=bar, api=api)
         bar.close()
         return vocab_size, sum(not r.ok for r in recs)
 
