@@ -30,6 +30,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+# not this file's folder first (its modules are named run, report, engines...): the repository root
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import gpu_slug, write_result  # noqa: E402
