@@ -73,18 +73,13 @@ class PromptSource:
         return RequestSpec(i, max_tokens, prompt_token_ids=ids)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
-                       body_extra: dict) -> RequestRecord:
-    """POST one streaming request and fill `rec` in place (so a cancelled request keeps what it got)."""
-    body = {"max_tokens": spec.max_tokens, "stream": True, **body_extra}
-    if spec.prompt_token_ids is not None:
-        body["prompt_token_ids"] = spec.prompt_token_ids
-    else:
-        body["prompt"] = spec.prompt
+async def _stream_events(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, on_event) -> RequestRecord:
+    """POST `body` to `url` with streaming and call `on_event(event, t)` for each SSE JSON event until
+    `data: [DONE]` (t: seconds since the request was sent), filling `rec`'s status, errors, end to
+    end time and cancellation in place (so a cancelled request keeps what it got)."""
     rec.start = start = time.perf_counter()
-    last = None
     try:
-        async with client.stream("POST", url.rstrip("/") + "/generate", json=body) as resp:
+        async with client.stream("POST", url, json=body) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
@@ -107,20 +102,7 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
                 if "error" in event:
                     rec.error, rec.error_detail = "StreamError", json.dumps(event["error"])[:300]
                     return rec
-                tokens = event.get("token_ids") or []
-                if tokens:
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    rec.itl.extend([0.0] * (len(tokens) - 1))
-                    last = now
-                    rec.n_out += len(tokens)
-                if event.get("finished"):
-                    rec.finish_reason = event.get("finish_reason")
-                    usage = event.get("usage") or {}
-                    rec.usage_completion_tokens = usage.get("completion_tokens")
-                    rec.prompt_tokens = usage.get("prompt_tokens")
+                on_event(event, now - start)
             rec.e2e = time.perf_counter() - start
             if not rec.done:
                 rec.error = "IncompleteStream"
@@ -138,6 +120,35 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
     return rec
 
 
+async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
+                       body_extra: dict) -> RequestRecord:
+    """POST one streaming request to /generate and fill `rec` in place."""
+    body = {"max_tokens": spec.max_tokens, "stream": True, **body_extra}
+    if spec.prompt_token_ids is not None:
+        body["prompt_token_ids"] = spec.prompt_token_ids
+    else:
+        body["prompt"] = spec.prompt
+    last = [0.0]  # the time of the last event that carried tokens
+
+    def on_event(event: dict, t: float) -> None:
+        tokens = event.get("token_ids") or []
+        if tokens:
+            if rec.ttft is None:
+                rec.ttft = t
+            else:
+                rec.itl.append(t - last[0])
+            rec.itl.extend([0.0] * (len(tokens) - 1))
+            last[0] = t
+            rec.n_out += len(tokens)
+        if event.get("finished"):
+            rec.finish_reason = event.get("finish_reason")
+            usage = event.get("usage") or {}
+            rec.usage_completion_tokens = usage.get("completion_tokens")
+            rec.prompt_tokens = usage.get("prompt_tokens")
+
+    return await _stream_events(client, url.rstrip("/") + "/generate", body, rec, on_event)
+
+
 async def send_completion(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
                           body_extra: dict) -> RequestRecord:
     """`send_request` for OpenAI's streamed /v1/completions (body_extra carries "model"). Its chunks
@@ -146,56 +157,23 @@ async def send_completion(client: httpx.AsyncClient, url: str, spec: RequestSpec
     chunk's usage.completion_tokens (stream_options.include_usage), the chunk count without it."""
     body = {"max_tokens": spec.max_tokens, "stream": True, "stream_options": {"include_usage": True}, **body_extra,
             "prompt": spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt}
-    rec.start = start = time.perf_counter()
-    last, chunks = None, 0
-    try:
-        async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as resp:
-            rec.status = resp.status_code
-            if resp.status_code != 200:
-                await resp.aread()
-                rec.error, rec.error_detail = f"http_{resp.status_code}", resp.text[:300]
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                now = time.perf_counter()
-                if data == "[DONE]":
-                    rec.done = True
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    rec.error, rec.error_detail = "BadEvent", data[:300]
-                    return rec
-                if "error" in event:
-                    rec.error, rec.error_detail = "StreamError", json.dumps(event["error"])[:300]
-                    return rec
-                if event.get("choices"):
-                    chunks += 1
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.finish_reason = event["choices"][0].get("finish_reason") or rec.finish_reason
-                if event.get("usage"):
-                    rec.usage_completion_tokens = event["usage"].get("completion_tokens")
-                    rec.prompt_tokens = event["usage"].get("prompt_tokens")
-            rec.n_out = rec.usage_completion_tokens if rec.usage_completion_tokens is not None else chunks
-            rec.e2e = time.perf_counter() - start
-            if not rec.done:
-                rec.error = "IncompleteStream"
-    except asyncio.CancelledError:
-        rec.cancelled = True
-        rec.e2e = time.perf_counter() - start
-        raise
-    except Exception as e:  # as send_request: count, never crash
-        rec.error, rec.error_detail = type(e).__name__, str(e)[:300]
-    finally:
-        if rec.e2e is None:
-            rec.e2e = time.perf_counter() - start
-    return rec
+    last = [0.0]
+
+    def on_event(event: dict, t: float) -> None:
+        if event.get("choices"):
+            if rec.ttft is None:
+                rec.ttft = t
+            else:
+                rec.itl.append(t - last[0])
+            last[0] = t
+            rec.n_out += 1
+            rec.finish_reason = event["choices"][0].get("finish_reason") or rec.finish_reason
+        if event.get("usage"):  # the last chunk: the server's count replaces the chunks'
+            rec.usage_completion_tokens = event["usage"].get("completion_tokens")
+            rec.prompt_tokens = event["usage"].get("prompt_tokens")
+            rec.n_out = rec.usage_completion_tokens if rec.usage_completion_tokens is not None else rec.n_out
+
+    return await _stream_events(client, url.rstrip("/") + "/v1/completions", body, rec, on_event)
 
 
 SENDERS = {"generate": send_request, "completions": send_completion}
