@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--clients", type=int, nargs="+", default=list(HTTP_CLIENTS), help="http: the client counts")
     ap.add_argument("--api-server-count", type=int, default=None,
-                    help="http, prefix: API processes of both servers (default: each engine's own)")
+                    help="http, prefix: API processes of both servers (default: flashpage's default for this "
+                         "host, 4 on 16 cores, for both: vLLM's own is 1)")
     ap.add_argument("--vllm-args", default="", help="http, prefix: more `vllm serve` flags (one string)")
     ap.add_argument("--flashpage-args", default="", help="http, prefix: more `python -m server` flags (one string)")
     ap.add_argument("--ckpt-root", default="/tmp/peers-ckpt", help="random checkpoints, made once, kept here")
@@ -219,7 +220,9 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # the prompts' ids are below it
         for job in merge_jobs([j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]):
             if job.kind == "serve":
-                job.flags = replace(job.flags, api_server_count=args.api_server_count,
+                from server.api.servers import default_api_server_count
+
+                job.flags = replace(job.flags, api_server_count=args.api_server_count or default_api_server_count(),
                                     vllm_args=tuple(shlex.split(args.vllm_args)),
                                     flashpage_args=tuple(shlex.split(args.flashpage_args)))
             got = run_job(job, args.engines, model, logs, args.timeout)

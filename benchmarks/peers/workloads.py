@@ -6,7 +6,7 @@
 | batch1 | the same engines | one request at a time: TTFT (512-token prompt, 1 output) and TPOT (256 outputs) |
 | structured | the same engines | 64 prompts under a JSON schema (XGrammar in both) against the same lengths unconstrained |
 | long | the same engines, max_model_len 33,024 | batch-1 TTFT and TPOT at 8k and 32k-token prompts (Llama-3.1-8B shape) |
-| http | `vllm serve` / `python -m server` | streamed /v1/completions, 512 in / 256 out, 1, 32, 256 and 1024 clients, driven by `vllm bench serve` and by our load client |
+| http | `vllm serve` / `python -m server` | streamed /v1/completions, 512 in / 256 out, 1, 32, 256 and 1024 clients, driven by `vllm bench serve` and by our load client; both servers with the same API process count (run.py --api-server-count) |
 | prefix | the same servers | shared prefixes (`vllm bench serve --dataset-name prefix_repetition`: 8 prefixes of 1,024 tokens, 128-token suffixes, 128 outputs, 64 clients), prefix caching on in both |
 
 Each workload is a list of `Job`s: an offline job (one `benchmarks.peers.offline` process per
