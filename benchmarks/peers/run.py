@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -92,6 +93,22 @@ def wait_gpu_free(limit_mib: int = 2048, timeout: float = 60.0) -> None:
         time.sleep(1)
 
 
+def kill_tree(p: subprocess.Popen) -> None:
+    """End `p` and every process under it, if any are left."""
+    import psutil
+
+    try:
+        children = psutil.Process(p.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for proc in [*children, p]:
+        try:
+            proc.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    p.wait()
+
+
 def log_tail(path: Path, n: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -107,14 +124,22 @@ def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: floa
     spec.write_text(json.dumps(dict(engine=engine, model=str(model), flags=job.flags.record(), tasks=job.tasks)))
     log = out_dir / f"offline_{tag}.log"
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, "-m", "benchmarks.peers.offline", str(spec), str(out)], cwd=REPO_ROOT,
-                           env=engine_env(engine), stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        # in this process's group (a device call that is cut short ends it too), ended with its children
+        # (vLLM's engine core) on a timeout or a SIGTERM of this process
+        p = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.offline", str(spec), str(out)], cwd=REPO_ROOT,
+                             env=engine_env(engine), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout:.0f} s"
+        finally:
+            kill_tree(p)
     spec.unlink()  # the prompts: large, and drawn again from their seeds
     got = json.loads(out.read_text()) if out.exists() else {"rows": []}
     done = {r["task"] for r in got["rows"]}
-    if p.returncode != 0:  # the tasks it did not finish get an error row each
+    if code != 0:  # the tasks it did not finish get an error row each
         got["rows"] += [dict(engine=engine, task=t["name"], workload=t["workload"],
-                             error=f"exit {p.returncode}:\n{log_tail(log)}") for t in job.tasks if t["name"] not in done]
+                             error=f"exit {code}:\n{log_tail(log)}") for t in job.tasks if t["name"] not in done]
     return got
 
 
@@ -190,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"estimated {estimate_minutes(selection)} min on an H100 for {len(selection)} workload-shapes", flush=True)
     if args.estimate:
         return 0
+    # `timeout -s TERM` around a device call: stop the servers and engines, keep what was written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir, root, logs = Path(args.out_dir), Path(args.ckpt_root), Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     if args.checkpoints_only:
