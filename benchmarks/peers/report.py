@@ -106,7 +106,7 @@ CLIENT_TITLES = {"vllm-bench": "driven by `vllm bench serve` (vLLM's client)",
 def report(result: dict) -> str:
     kind = result["workload"]
     out = [flags_line(result), ""]
-    if kind == "offline":
+    if kind in ("offline", "nanovllm"):
         out += offline_table(result)
     elif kind in ("batch1", "long"):
         out += ["Batch 1, one request at a time (TTFT: a 1-token request; TPOT: (end to end − TTFT) / (outputs − 1)):",

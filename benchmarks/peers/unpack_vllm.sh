@@ -2,17 +2,21 @@
 # On the GPU machine, from the repo root, once every part that benchmarks/peers/fetch_vllm.sh wrote
 # has been carried (they stay there between calls to a warm machine):
 #
-#   bash benchmarks/peers/unpack_vllm.sh [PARTS_DIR] [--probe]     # PARTS_DIR: .vllm
+#   bash benchmarks/peers/unpack_vllm.sh [PARTS_DIR] [--probe [PROBE ARGS]]     # PARTS_DIR: .vllm
 #
 # checks the parts against SHA256SUMS, unpacks /tmp/vllm-site (vLLM 0.26.0 and its dependencies) and
 # /tmp/site (the flashpage server's wheels), prints vLLM's version as its own Python reports it and,
-# with --probe, runs benchmarks/peers/vllm_probe.py (every import the harness needs, both CLIs).
+# with --probe, runs benchmarks/peers/vllm_probe.py (every import the harness needs, both CLIs) with
+# the arguments after it (`--probe --checkpoint /tmp/peers-ckpt/qwen2.5-0.5b`: also what vLLM makes of it).
 # If .vllm/fallback holds the unstripped _C (fetch_vllm.sh writes it; carry it only if the stripped one
 # fails with "no kernel image is available"), it replaces the stripped one.
 # Then: export VLLM_SITE=/tmp/vllm-site PYTHONPATH=/tmp/site:$PWD and run benchmarks/peers/run.py.
 set -euo pipefail
 D=.vllm PROBE=0 ROOT=${UNPACK_ROOT:-/tmp}  # UNPACK_ROOT: elsewhere than /tmp (a trial unpack here)
-for a in "$@"; do case $a in --probe) PROBE=1 ;; *) D=$a ;; esac; done
+PROBE_ARGS=()
+for a in "$@"; do
+  if [ "$PROBE" = 1 ]; then PROBE_ARGS+=("$a"); elif [ "$a" = --probe ]; then PROBE=1; else D=$a; fi
+done
 # every part listed must be there and whole; the zstandard wheel only if it was carried
 (cd "$D" && grep 'tar\.zst\.' SHA256SUMS | sha256sum -c --quiet && sha256sum -c --quiet --ignore-missing SHA256SUMS) \
   || { echo "unpack_vllm: parts missing or damaged in $D" >&2; exit 1; }
@@ -29,5 +33,5 @@ fi
 echo "unpacked: $(du -sh "$ROOT/vllm-site" | cut -f1) $ROOT/vllm-site, $(du -sh "$ROOT/site" 2>/dev/null | cut -f1) $ROOT/site"
 PYTHONPATH=$ROOT/vllm-site python3 -c "import vllm; print('vllm', vllm.__version__)"
 if [ "$PROBE" = 1 ]; then
-  PYTHONPATH=$ROOT/vllm-site python3 "$(dirname "$0")/vllm_probe.py"
+  PYTHONPATH=$ROOT/vllm-site python3 "$(dirname "$0")/vllm_probe.py" "${PROBE_ARGS[@]}"
 fi

@@ -2,7 +2,8 @@
 
 | workload | where | what |
 |---|---|---|
-| offline | `LLM.generate` / `LLMEngine.generate` | 256 requests, inputs and outputs uniform in 128–512 tokens, greedy, ignore_eos; and nano-vllm's bench.py protocol (256 requests, `random.seed(0)`, prompts of 100–1024 ids in [0, 10000], outputs 100–1024, temperature 0.6, ignore_eos, max_model_len 4096) |
+| offline | `LLM.generate` / `LLMEngine.generate` | 256 requests, inputs and outputs uniform in 128–512 tokens, greedy, ignore_eos |
+| nanovllm | the same engines | nano-vllm's bench.py protocol (256 requests, `random.seed(0)`, prompts of 100–1024 ids in [0, 10000], outputs 100–1024, temperature 0.6, ignore_eos, max_model_len 4096) |
 | batch1 | the same engines | one request at a time: TTFT (512-token prompt, 1 output) and TPOT (256 outputs) |
 | structured | the same engines | 64 prompts under a JSON schema (XGrammar in both) against the same lengths unconstrained |
 | long | the same engines, max_model_len 33,024 | batch-1 TTFT and TPOT at 8k and 32k-token prompts (Llama-3.1-8B shape) |
@@ -24,9 +25,9 @@ from benchmarks.peers.engines import Flags
 from benchmarks.peers.serving import Level
 from server.config import SERVE_MAX_NUM_BATCHED_TOKENS
 
-WORKLOADS = ("offline", "batch1", "structured", "long", "http", "prefix")
+WORKLOADS = ("offline", "nanovllm", "batch1", "structured", "long", "http", "prefix")
 SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
-DEFAULT_SHAPES = {"offline": SHAPES, "batch1": SHAPES, "structured": ("qwen2.5-0.5b",), "long": ("llama-3.1-8b",),
+DEFAULT_SHAPES = {"offline": SHAPES, "nanovllm": SHAPES, "batch1": SHAPES, "structured": ("qwen2.5-0.5b",), "long": ("llama-3.1-8b",),
                   "http": ("qwen2.5-0.5b",), "prefix": ("qwen2.5-0.5b",)}
 HTTP_CLIENTS = (1, 32, 256, 1024)
 OFFLINE_FLAGS = Flags(max_model_len=4096, enable_prefix_caching=False)  # repeated runs must not hit the cache
@@ -60,15 +61,18 @@ def nano_vllm_workload() -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def offline_tasks(vocab: int, repeats: int = 3) -> list[dict]:
+def offline_task(vocab: int, repeats: int = 3) -> dict:
     rng = random.Random(0)
     prompts = [random_ids(rng, rng.randint(128, 512), vocab) for _ in range(256)]
     outs = [rng.randint(128, 512) for _ in range(256)]
-    nano_prompts, nano_outs = nano_vllm_workload()
-    return [dict(workload="offline", name="random", kind="throughput", prompts=prompts, max_tokens=outs,
-                 temperature=0.0, repeats=repeats),
-            dict(workload="offline", name="nano-vllm", kind="throughput", prompts=nano_prompts, max_tokens=nano_outs,
-                 temperature=0.6, repeats=repeats)]
+    return dict(workload="offline", name="random", kind="throughput", prompts=prompts, max_tokens=outs,
+                temperature=0.0, repeats=repeats)
+
+
+def nano_vllm_task(repeats: int = 3) -> dict:
+    prompts, max_tokens = nano_vllm_workload()
+    return dict(workload="nanovllm", name="nano-vllm", kind="throughput", prompts=prompts, max_tokens=max_tokens,
+                temperature=0.6, repeats=repeats)
 
 
 def latency_task(workload: str, name: str, vocab: int, prompt_len: int, max_tokens: int, ttft_runs: int,
@@ -103,7 +107,9 @@ def prefix_levels() -> list[Level]:
 def jobs_for(workload: str, shape: str, vocab: int, clients=HTTP_CLIENTS) -> list[Job]:
     """The jobs of one workload on one shape (`vocab`: the checkpoint's vocabulary size)."""
     if workload == "offline":
-        return [Job("offline", shape, OFFLINE_FLAGS, tasks=offline_tasks(vocab))]
+        return [Job("offline", shape, OFFLINE_FLAGS, tasks=[offline_task(vocab)])]
+    if workload == "nanovllm":
+        return [Job("offline", shape, OFFLINE_FLAGS, tasks=[nano_vllm_task()])]
     if workload == "batch1":
         return [Job("offline", shape, OFFLINE_FLAGS,
                     tasks=[latency_task("batch1", "batch1-512", vocab, 512, 256, ttft_runs=5, e2e_runs=3, seed=1)])]
@@ -142,7 +148,7 @@ CKPT_MIN = {"llama-3.1-8b": 1.0}
 # The measured parts, from flashpage's own H100 figures (benchmarks/results/throughput_*, nanovllm_*:
 # 1-3 s a run of the 128-512 workload, 6-11 s of nano-vllm's on the small shapes) times three runs
 # and both engines, and the HTTP levels' requests at the clients' rates.
-WORK_MIN = {("offline", False): 1.3, ("offline", True): 3.0, ("batch1", False): 0.15, ("batch1", True): 0.4,
+WORK_MIN = {("offline", False): 0.5, ("offline", True): 1.0, ("nanovllm", False): 0.8, ("nanovllm", True): 2.0, ("batch1", False): 0.15, ("batch1", True): 0.4,
             ("structured", False): 0.4, ("structured", True): 1.0, ("long", True): 1.2, ("long", False): 0.6,
             ("http", False): 3.0, ("http", True): 4.5, ("prefix", False): 0.4, ("prefix", True): 0.8}
 

@@ -77,12 +77,13 @@ def test_nano_vllm_protocol_is_its_bench_py_draw_for_draw():
 
 
 def test_workloads_selected_together_share_an_engine_start():
-    sel = run.parse_selection(["offline:qwen3-0.6b,llama-3.1-8b", "batch1:llama-3.1-8b", "long", "http", "prefix"])
+    sel = run.parse_selection(["offline:qwen3-0.6b,llama-3.1-8b", "nanovllm:llama-3.1-8b", "batch1:llama-3.1-8b",
+                               "long", "http", "prefix"])
     assert ("long", "llama-3.1-8b") in sel and ("http", "qwen2.5-0.5b") in sel and ("prefix", "qwen2.5-0.5b") in sel
     jobs = workloads.merge_jobs([j for w, s in sel for j in workloads.jobs_for(w, s, vocab=1000)])
     kinds = [(j.kind, j.shape, j.flags.max_model_len, sorted(run.job_workloads(j))) for j in jobs]
     assert kinds == [("offline", "qwen3-0.6b", 4096, ["offline"]),
-                     ("offline", "llama-3.1-8b", 4096, ["batch1", "offline"]),
+                     ("offline", "llama-3.1-8b", 4096, ["batch1", "nanovllm", "offline"]),
                      ("offline", "llama-3.1-8b", 33024, ["long"]),
                      ("serve", "qwen2.5-0.5b", 4096, ["http", "prefix"])]
     serve = jobs[-1]
