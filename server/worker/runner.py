@@ -131,7 +131,9 @@ class ModelRunner:
             choice = plan.choice if plan is not None and not plan.structured else None
             chosen = 0  # rows whose choice the decode graph made
             graph_size = 0
-            if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
+            if verifies:
+                parts = verify_parts(self, decodes, verifies, prefills)
+            elif self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
@@ -139,16 +141,14 @@ class ModelRunner:
                 deferred = plan.choice if plan is not None and plan.structured else None
                 parts = [self.graphs.run(decodes, self.block_size, choice, deferred)]
                 chosen = n_dec
-                if verifies:
-                    parts += verify_parts(self, verifies, prefills, n_dec)
-                elif prefills:
+                if prefills:
                     parts.append(self._prefill(prefills, n_dec))
                 elif deferred is not None:  # the choice after the fill can replay a graph (ChoiceGraphs)
                     graph_size = self.graphs.size_for(n_dec)
             elif not decodes:
-                parts = verify_parts(self, verifies, prefills, 0) if verifies else [self._prefill(prefills, 0)]
+                parts = [self._prefill(prefills, 0)]
             else:
-                parts = [self._eager([*(verifies or ()), *prefills], decodes, 0)]
+                parts = [self._eager(prefills, decodes, 0)]
             handle = StepHandle(rows, scores=self.scores)
             self.scores = []
             if not rows:

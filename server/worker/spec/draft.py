@@ -23,6 +23,7 @@ costs acceptance, never correctness).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,17 @@ class DraftRunner:
         self.ids = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)  # each row's last choice
         self.proposals = torch.zeros(max_num_seqs, k, dtype=torch.int32, device=device)
         self.graphs = self.prefill_graphs = None
+        # A round's forwards follow each other with no wait for the device, and each input staging
+        # (server/worker/inputs.py) has two pinned mirrors used in turn: before a forward packs into
+        # the mirror the one two before it used, that one's upload must be done (its event).
+        self._events: deque = deque(maxlen=2)
+
+    def _turn(self) -> None:
+        """Call before each forward of a round: wait for the forward two before it, if any."""
+        if self.on_cuda:
+            if len(self._events) == 2:
+                self._events[0].synchronize()
+            self._events.append(torch.cuda.Event())
 
     def forward(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
         meta = self.model.attention.metadata(rows)
@@ -125,25 +137,34 @@ class DraftRunner:
 
     def _catch_up(self, chunks: list[ScheduledChunk], n: int) -> None:
         """The chunks' forward; the greedy choice of each that samples into ids[:n]."""
+        self._events.clear()  # the last round ended with its proposals on the host: nothing pending
+        self._turn()
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(chunks, n):
             logits = graphs.run(chunks, self.block_size)
             if logits is not None:
                 self.ids[:n].copy_(graphs.ids[:n])
-            return
-        step = prepare_step(self.packer, chunks, [], self.block_size, self.model.attention)
-        hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows)
-        if n:
-            self._greedy(self.model.lm_head(hidden[step.ends]), n)
+        else:
+            step = prepare_step(self.packer, chunks, [], self.block_size, self.model.attention)
+            hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows)
+            if n:
+                self._greedy(self.model.lm_head(hidden[step.ends]), n)
+        self._record()
+
+    def _record(self) -> None:
+        if self.on_cuda:
+            self._events[-1].record()
 
     def _decode(self, steps: list[_Step]) -> None:
         n = len(steps)
+        self._turn()
         if self.graphs is not None and n <= self.graphs.max_batch:
             self.graphs.run(steps, self.block_size)  # its choice lands in ids[:n] (the graphs' last_ids)
-            return
-        step = prepare_step(self.packer, [], steps, self.block_size, self.model.attention)
-        hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.ids)
-        self._greedy(self.model.lm_head(hidden[step.ends]), n)
+        else:
+            step = prepare_step(self.packer, [], steps, self.block_size, self.model.attention)
+            hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.ids)
+            self._greedy(self.model.lm_head(hidden[step.ends]), n)
+        self._record()
 
     def _greedy(self, logits: torch.Tensor, n: int) -> None:
         out = self.ids[:n]

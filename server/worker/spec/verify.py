@@ -40,15 +40,19 @@ def verify_rows(decodes: list[ScheduledChunk], verifies: list[ScheduledChunk], p
     return rows, positions, offsets
 
 
-def verify_parts(runner, verifies: list[ScheduledChunk], prefills: list[ScheduledChunk], row0: int
-                 ) -> list[torch.Tensor | None]:
-    """Logits of the verifications' rows (from row `row0` of the step), then of the prompt chunks
-    beside them: the verification graph for the first where one fits, the prefill graph (or an
-    eager step) for the second."""
-    rows = sum(item.num_tokens for item in verifies)
-    parts = [runner._prefill(verifies, row0, runner.verify_graphs, rows)]
+def verify_parts(runner, decodes: list[ScheduledChunk], verifies: list[ScheduledChunk],
+                 prefills: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+    """The step's logits, in row order. With graphs: the decodes (as one-token chunks: none holds a
+    placeholder in a speculative step) and the verifications in one forward, the verification graph
+    where it fits, so that a step where some sequences verify and others decode reads the weights once
+    (beside the decode graph it read them twice: a mixed step cost ~2x a decode step on the H100);
+    then the prompt chunks, in the prefill graph or eagerly. Without: one eager forward of it all."""
+    if runner.graphs is None:
+        return [runner._eager([*verifies, *prefills], decodes, 0)]
+    rows = len(decodes) + sum(item.num_tokens for item in verifies)
+    parts = [runner._prefill([*decodes, *verifies], 0, runner.verify_graphs, rows)]
     if prefills:
-        parts.append(runner._prefill(prefills, row0 + rows))
+        parts.append(runner._prefill(prefills, rows))
     return parts
 
 
