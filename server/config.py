@@ -55,14 +55,20 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
 
-# Speculative decoding's back-off (server/engine/spec/policy.py), when the JSON does not set them.
+# Speculative decoding's back-off (server/engine/spec/policy.py), when the JSON does not set them;
+# measured on an H100 at the Llama-3.1-8B shape, k = 4 (benchmarks/results/spec_h100.json).
 # No sequence speculates while more than SPEC_DISABLE_BY_BATCH_SIZE run (vLLM's `disable_by_batch_size`):
-# a verify step of k+1 tokens a row costs more than a decode step once the step is compute bound,
-# and the step that follows a speculating one waits for its ids (benchmarks/bench_spec.py measures
-# both). A sequence whose acceptance rate (a moving average over its verify steps) falls below
-# SPEC_MIN_ACCEPTANCE stops proposing for 1, 2, 4, ... up to SPEC_MAX_BACKOFF steps, then tries again.
+# at 64 clients and a mean accepted length of 3.3, speculating anyway gave 1.15x (n-gram) but 0.79x
+# (a 1B draft), and a verify step of k+1 tokens a row costs ever more once the step is compute
+# bound; at 8 clients both gain from 2.7 on (n-gram 1.58x, the draft 0.97x at 2.7, 1.31x at 3.3).
+# A sequence whose acceptance rate (a moving average over its verifications) falls below the
+# method's floor stops proposing for 1, 2, 4, ... up to SPEC_MAX_BACKOFF steps, then tries again:
+# n-gram proposals cost a lookup, and verifying them broke even near a quarter accepted (8 clients:
+# 1.00x at p = 0.5, where 23% of proposals stood); a draft model's round costs k of its forwards, and
+# broke even only near 45% at 8 clients (0.97x at 2.7 tokens a verification), 30% at 1 client.
 SPEC_DISABLE_BY_BATCH_SIZE = 32
-SPEC_MIN_ACCEPTANCE = 0.25
+SPEC_MIN_ACCEPTANCE = 0.25  # ngram
+SPEC_MIN_ACCEPTANCE_DRAFT = 0.4  # draft_model
 SPEC_MAX_BACKOFF = 64
 SPEC_METHODS = ("ngram", "draft_model")
 
@@ -77,7 +83,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix looked up
     prompt_lookup_max: int | None = None  # ngram: longest
     disable_by_batch_size: int = SPEC_DISABLE_BY_BATCH_SIZE
-    min_acceptance: float = SPEC_MIN_ACCEPTANCE  # flashpage's: the per-sequence back-off's threshold
+    min_acceptance: float = SPEC_MIN_ACCEPTANCE  # flashpage's: the per-sequence back-off's floor (by method)
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -123,7 +129,7 @@ class SpeculativeConfig:
         batch = d.get("disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE)
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {batch!r}")
-        floor = d.get("min_acceptance", SPEC_MIN_ACCEPTANCE)
+        floor = d.get("min_acceptance", SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
         if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not 0 <= floor <= 1:
             raise ValueError(f"min_acceptance must be a number from 0 to 1, got {floor!r}")
         return cls(method, k, model, lo, hi, batch, float(floor))

@@ -8,7 +8,8 @@ Two rules (their defaults are server/config.py's SPEC_* values, with the measure
   scheduled once its ids are on the host (the placeholders of asynchronous scheduling cannot stand
   for a run of unknown length), which a large batch's host work feels most.
 - **Acceptance, per sequence.** Each sequence keeps a moving average of the share of its proposals
-  accepted (halved toward each verification's). Below `min_acceptance` it stops proposing for 1
+  accepted (a quarter of the way toward each verification's: slow enough that the misses of a
+  well-accepted sequence do not stop it; with every proposal missing, five verifications). Below `min_acceptance` it stops proposing for 1
   step, then 2, 4, ... up to SPEC_MAX_BACKOFF (doubling each time it fails again), then tries once
   more; a verification at or above it resets the back-off. A step in which no sequence proposes
   is scheduled as any other (asynchronously), so text that offers no n-gram, or a draft that keeps
@@ -43,7 +44,7 @@ def can_speculate(p: SamplingParams) -> bool:
 
 def record(st: SpecState, proposed: int, accepted: int, floor: float) -> None:
     """One verification's outcome (a lookup that found nothing counts as none accepted)."""
-    st.acceptance = 0.5 * st.acceptance + 0.5 * (accepted / proposed if proposed else 0.0)
+    st.acceptance = 0.75 * st.acceptance + 0.25 * (accepted / proposed if proposed else 0.0)
     if st.acceptance < floor:
         st.backoff = min(max(1, 2 * st.backoff), SPEC_MAX_BACKOFF)
         st.skip = st.backoff

@@ -58,6 +58,7 @@ def other_gpt2(tmp_path_factory):
 
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+_REFS = {}  # family -> (prompts, outputs without speculation): one reference run per family
 
 
 @pytest.mark.parametrize("family,method", [("gpt2", "self"), ("gpt2", "other"), ("gpt2", "ngram"),
@@ -71,7 +72,9 @@ def test_greedy_tokens_unchanged_with_preemption_prefix_hits_and_chunks(tiny_ckp
     shared = _prompts(400, 1, seed=9, repeat=False)[0] * 2
     prompts = [shared + p for p in _prompts(400, 6, seed=1)] + _prompts(400, 6, seed=2)
     kw = dict(num_blocks=20, max_num_batched_tokens=40, max_num_seqs=64)
-    ref, _ = _run(path, prompts, GREEDY, **kw)
+    if family not in _REFS:
+        _REFS[family] = _run(path, prompts, GREEDY, **kw)[0]
+    ref = _REFS[family]
     draft = {"self": path, "other": other_gpt2}.get(method)
     spec = _draft(draft, disable_by_batch_size=16) if draft else _spec("ngram", disable_by_batch_size=16, **NGRAM)
     got, eng = _run(path, prompts, GREEDY, spec, **kw)
@@ -158,9 +161,9 @@ def test_sampled_token_frequencies_match_plain_sampling(tmp_path_factory):
     # room for their verifications
     kw = dict(num_blocks=64, max_num_seqs=256)
 
-    def sample(seed0, s):
-        params = [SamplingParams(max_tokens=4, temperature=1.0, seed=seed0 + i, ignore_eos=True) for i in range(n)]
-        outs, eng = _run(path, [prompt] * n, params, s, **kw)
+    def sample(seed0, s, count=n):
+        params = [SamplingParams(max_tokens=4, temperature=1.0, seed=seed0 + i, ignore_eos=True) for i in range(count)]
+        outs, eng = _run(path, [prompt] * count, params, s, **kw)
         return torch.tensor([o.token_ids for o in outs]), eng
 
     with_spec, eng = sample(0, spec)
@@ -179,8 +182,8 @@ def test_sampled_token_frequencies_match_plain_sampling(tmp_path_factory):
         p = torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.double), stat / 2).item()
         assert p > 1e-3, f"position {pos}: chi2 {stat:.1f} on {df} df, p = {p:.2g}"
     # and a seeded request samples what it samples without speculation
-    again, _ = sample(0, None)
-    assert torch.equal(again, with_spec)
+    again, _ = sample(0, None, 200)
+    assert torch.equal(again, with_spec[:200])
 
 
 def test_back_off_and_batch_size_limit(tiny_ckpt, other_gpt2):
@@ -203,9 +206,9 @@ def test_back_off_rule():
     record(st, 3, 3, 0.25)
     assert (st.skip, st.backoff) == (0, 0)
     lengths = []
-    for _ in range(9):
+    for _ in range(12):
         record(st, 3, 0, 0.25)
         lengths.append(st.skip)
-    assert lengths == [0, 0, 1, 2, 4, 8, 16, 32, 64]  # (the first misses only lower the average)
+    assert lengths == [0, 0, 0, 0, 1, 2, 4, 8, 16, 32, 64, 64]  # (the first misses only lower the average)
     record(st, 3, 2, 0.25)
     assert st.backoff == 0
