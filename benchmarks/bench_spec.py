@@ -39,7 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import gpu_run_info, write_result  # noqa: E402
-from server.config import SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig, SpeculativeConfig  # noqa: E402
+from server.config import (SPEC_DISABLE_BY_BATCH_SIZE, SPEC_MIN_ACCEPTANCE, SPEC_MIN_ACCEPTANCE_DRAFT,  # noqa: E402
+                           EngineConfig, SpeculativeConfig)
 from server.engine import LLMEngine  # noqa: E402
 from server.engine.spec.ngram import NgramProposer  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
@@ -75,16 +76,18 @@ def expected_length(p: float, k: int) -> float:
     return float(k + 1) if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
 
 
-def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int) -> None:
+def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int, seed: int = 0) -> None:
     """Point the engine at one configuration: None = no speculation; else `method`'s proposer under an
-    oracle of probability p, speculating up to `max_batch` running sequences."""
+    oracle of probability p (its draws seeded by `seed`), speculating up to `max_batch` running
+    sequences; the speculator's counters from zero."""
     if method is None:
         engine.speculator = None
         return
     engine.speculator = spec
-    spec.proposer = Oracle(spec.draft_proposer if method == "draft_model" else spec.ngram_proposer, p)
+    spec.proposer = Oracle(spec.draft_proposer if method == "draft_model" else spec.ngram_proposer, p, seed)
     spec.acceptance = spec.proposer.judge
     spec.max_batch = max_batch
+    spec.floor = SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT  # each method's default
     c = spec.counters
     c.drafts = c.draft_tokens = c.accepted_tokens = 0
     c.accepted_per_pos[:] = [0] * len(c.accepted_per_pos)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-shape", default="llama-3.1-8b")
     ap.add_argument("--draft-shape", default="llama-3.2-1b")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--probabilities", type=float, nargs="+", default=[0.0, 0.5, 0.77, 0.9])
+    ap.add_argument("--probabilities", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9])
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats-256", type=int, default=2, help="repeats at 256 clients (seconds a run)")
     ap.add_argument("--sweep-clients", type=int, nargs="*", default=[1, 8],
                     help="client counts run at every probability (the others at --probability only)")
-    ap.add_argument("--probability", type=float, default=0.77, help="(k = 4: mean accepted length 3)")
+    ap.add_argument("--probability", type=float, default=0.8, help="(k = 4: mean accepted length 3.4)")
     ap.add_argument("--forced-clients", type=int, nargs="*", default=[64],
                     help="client counts also run with the batch-size back-off lifted")
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -177,15 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         todo = configs(clients)
         runs = {name: [] for name, *_ in todo}
         counters = {}
-        for _ in range(args.repeats if clients < 256 else args.repeats_256):
+        for rep in range(args.repeats if clients < 256 else args.repeats_256):
             for name, method, p, max_batch in todo:
                 if args.deadline and time.monotonic() - t_start > args.deadline:
                     break
-                configure(engine, spec, method, p, max_batch)
+                configure(engine, spec, method, p, max_batch, seed=rep)
                 runs[name].append(run_clients(engine, prompts[clients], args.max_tokens))
-                if method is not None:
-                    c = spec.counters
-                    counters[name] = (c.drafts, c.draft_tokens, c.accepted_tokens)
+                if method is not None:  # summed over the repeats (each draws its own acceptances)
+                    c, (d, t, a) = spec.counters, counters.get(name, (0, 0, 0))
+                    counters[name] = (d + c.drafts, t + c.draft_tokens, a + c.accepted_tokens)
         base = statistics.median(r["output_tok_s"] for r in runs["off"]) if runs["off"] else None
         base_tpot = statistics.median(r["tpot_ms"] for r in runs["off"]) if runs["off"] else None
         for name, method, p, max_batch in todo:
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             tpot = statistics.median(r["tpot_ms"] for r in runs[name])
             drafts, proposed, accepted = counters.get(name, (0, 0, 0))
             row = dict(clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
+                       min_acceptance=(SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
+                       if method is not None else None,
                        output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
                        speedup=round(tok_s / base, 3) if base else None,
                        tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,
@@ -208,6 +213,22 @@ def main(argv: list[str] | None = None) -> None:
     for r in result["rows"]:
         print(f"{r['clients']:>7} {r['config']:<26} {r['output_tok_s']:>9.0f} {r['speedup'] or 0:>6.2f} "
               f"{r['tpot_ms']:>8.2f} {r['tpot_speedup'] or 0:>6.2f} {r['mean_accepted_length'] or 0:>7.2f}")
+
+
+def report(result: dict) -> str:
+    """The README's table of a result file (benchmarks/make_report.py)."""
+    lines = [f"{result['target']} target, {result['draft']}-shaped draft, k = {result['k']}, prompts of "
+             f"{result['prompt_len']} random tokens, {result['max_tokens']} greedy tokens each; the oracle sets "
+             f"the acceptance (p: each proposal the target's own token with that probability); speedups against "
+             f"no speculation in the same process; 'forced' lifts the batch-size back-off "
+             f"(disable_by_batch_size {result['disable_by_batch_size']}).", "",
+             "| clients | configuration | mean accepted length | output tok/s | speedup | TPOT ms | TPOT speedup |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "-"
+        lines.append(f"| {r['clients']} | {r['config']} | {length} | {r['output_tok_s']:,.0f} | {r['speedup']:.2f}x | "
+                     f"{r['tpot_ms']:.2f} | {r['tpot_speedup']:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
