@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             tok_s = statistics.median(r["output_tok_s"] for r in runs[name])
             tpot = statistics.median(r["tpot_ms"] for r in runs[name])
             drafts, proposed, accepted = counters.get(name, (0, 0, 0))
-            row = dict(clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
+            row = dict(impl="flashpage", clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
                        min_acceptance=(SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
                        if method is not None else None,
                        output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),

@@ -48,9 +48,7 @@ class LLMEngine:
     MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.speculative_config is not None and config.deterministic:
-            # (the verification's rows are chunks, whose batch-invariant bits are not yet shown to be
-            # a decode row's: off rather than unchecked)
+        if config.speculative_config is not None and config.deterministic:  # (its bits not yet checked there)
             log.warning("--deterministic turns speculative decoding off")
             config = dataclasses.replace(config, speculative_config=None)
         self.config = config
@@ -64,7 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config)
         # speculative decoding (server/engine/spec/): None when off
         self.speculator = (Speculator(config, self.block_manager, self.max_model_len, worker.draft)
-                     if config.speculative_config is not None else None)
+                           if config.speculative_config is not None else None)
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
         eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
@@ -122,14 +120,8 @@ class LLMEngine:
                               preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
                               prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
-                              generation_tokens=self.num_generated_tokens, **self._spec_counts())
-
-    def _spec_counts(self) -> dict:
-        if self.speculator is None:
-            return {}
-        c = self.speculator.counters
-        return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens, spec_accepted_tokens=c.accepted_tokens,
-                    spec_accepted_per_pos=list(c.accepted_per_pos))
+                              generation_tokens=self.num_generated_tokens,
+                              **(self.speculator.snapshot() if self.speculator is not None else {}))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     validated: bool = False, deadline: float | None = None) -> None:
@@ -359,7 +351,8 @@ class LLMEngine:
         self.num_generated_tokens += len(outputs)
         if self.stats is not None:  # decodes are one token each; only the (few) prefill chunks are summed
             self.stats.step(len(batch.decodes) + len(batch.prefills) + len(batch.verifies),
-                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills + batch.verifies), now)
+                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills)
+                            + sum(v.num_tokens for v in batch.verifies), now)
         return outputs
 
     def _fail_step(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -370,7 +363,8 @@ class LLMEngine:
         log.error("engine step failed (%d in a row): %r; failing %d request(s)", n, exc, len(batch.scheduled),
                   exc_info=exc)
         message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
-        outputs = [self._fail(item.seq, message) for item in batch.scheduled + batch.verifies if not item.seq.is_finished]
+        outputs = [self._fail(item.seq, message) for item in batch.scheduled + batch.verifies
+                   if not item.seq.is_finished]
         if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
         return outputs

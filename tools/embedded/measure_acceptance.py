@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=".corpus")
     ap.add_argument("--draft", default=str(ROOT / "models" / "embedded-draft"))
-    ap.add_argument("--documents", type=int, default=48)
+    ap.add_argument("--documents", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -62,9 +62,12 @@ def main(argv=None) -> None:
     }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = None
+    import triton
+
     result = {"date": datetime.date.today().isoformat(), "device": "cpu", "torch": torch.__version__.split("+")[0],
+              "triton": triton.__version__,
               "command": "python tools/embedded/measure_acceptance.py " + " ".join(argv or sys.argv[1:]),
-              "k": k, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "methods": []}
+              "k": k, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": []}
     ref = None
     for name, spec in methods.items():
         cfg = None
@@ -79,7 +82,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         outs = [o.token_ids for o in engine.generate(prompts, params)]
         wall = time.perf_counter() - t0
-        row = {"method": name, "wall_s": round(wall, 2)}
+        row = {"impl": "flashpage", "method": name, "wall_s": round(wall, 2)}
         if ref is None:
             ref = outs
         else:
@@ -88,7 +91,7 @@ def main(argv=None) -> None:
                        accepted=c.accepted_tokens, acceptance_rate=round(c.accepted_tokens / max(c.draft_tokens, 1), 4),
                        mean_accepted_length=round(1 + c.accepted_tokens / max(c.drafts, 1), 3),
                        accepted_by_position=[round(n / max(c.drafts, 1), 4) for n in c.accepted_per_pos])
-        result["methods"].append(row)
+        result["rows"].append(row)
         print(json.dumps(row), flush=True)
         engine.close()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

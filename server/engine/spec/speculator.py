@@ -80,6 +80,12 @@ class Speculator:
         self.acceptance = accepted_prefix  # which proposals stand (benchmarks swap in an oracle's)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
 
+    def snapshot(self) -> dict:
+        """The counters as EngineSnapshot's spec_* fields."""
+        c = self.counters
+        return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens, spec_accepted_tokens=c.accepted_tokens,
+                    spec_accepted_per_pos=list(c.accepted_per_pos))
+
     def state(self, params) -> SpecState | None:
         """A new request's state (None: its parameters never speculate)."""
         return SpecState() if can_speculate(params) else None

@@ -191,7 +191,7 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
                max_model_len: int, block_size: int, max_tokens: int) -> DraftRunner | None:
     """The draft of a draft_model speculative config (None for any other method), loaded as the
     target is (its dtype, attention backend and device)."""
-    from models import load_model, resolve_model_path
+    from models import load_model, load_tokenizer, resolve_model_path
 
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
@@ -199,6 +199,11 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
     path = resolve_model_path(spec.model)
     draft = load_model(path, dtype, device, attention)
     check_draft(draft, target, max_model_len)
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        # a draft that ships a tokenizer must ship the target's: the same ids for the same text
+        if load_tokenizer(path).get_vocab() != load_tokenizer(resolve_model_path(config.model)).get_vocab():
+            raise ValueError(f"the draft model {path} has another tokenizer than the target: a draft must share "
+                             "the target's vocabulary")
     s = draft.spec
     log.info("draft model %s: %d layers, %d proposals a step", path, s.num_layers, spec.num_speculative_tokens)
     cache = CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, block_size, dtype)

@@ -148,13 +148,24 @@ def test_sampled_controls_and_constrained_rows_beside_speculating_ones(tiny_ckpt
     eng.close()
 
 
-def test_sampled_token_frequencies_match_plain_sampling(tmp_path_factory):
+@pytest.fixture(scope="module")
+def v16_ckpt(tmp_path_factory):
+    """A 16-token vocabulary, its logits spread enough that sampling draws many tokens."""
+    return make_checkpoint(tmp_path_factory.mktemp("spec-v16"), n_layer=1, n_head=2, n_embd=32, vocab_size=16,
+                           initializer_range=0.5, seed=3)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_ckpt, v16_ckpt):
+    with pytest.raises(ValueError, match="another tokenizer"):
+        LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", num_blocks=8, speculative_config=_draft(v16_ckpt)))
+
+
+def test_sampled_token_frequencies_match_plain_sampling(v16_ckpt):
     """A 16-token vocabulary, temperature 1: the tokens at output positions 1-3 (verified rows: the
     first comes from the prompt's prefill) of 1200 requests sampled with speculation (the target
     as its own draft, so most tokens come from accepted runs) against 1200 without, other seeds: a
     two-sample chi-squared test per position. Seeded, so the verdict is fixed for the code."""
-    path = make_checkpoint(tmp_path_factory.mktemp("spec-v16"), n_layer=1, n_head=2, n_embd=32, vocab_size=16,
-                           initializer_range=0.5, seed=3)
+    path = v16_ckpt
     n, prompt = 1200, [3, 1, 4, 1, 5]
     spec = _draft(path, k=3, disable_by_batch_size=256)
     # 64 blocks of 16 tokens hold 64 requests at once: the step's rows (at most max_num_seqs) leave
