@@ -18,6 +18,7 @@ from kvcache import CacheSpec
 from models import DTYPES, ModelSpec, WeightsInfo, checkpoint_dtype, load_model, weights_info
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -32,6 +33,7 @@ class Worker:
     max_model_len: int
     device: torch.device
     weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
+    draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -77,19 +79,27 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
                          f"(the context would be {max_model_len})")
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
     num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+    if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
+        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
              num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
              num_blocks * cache_spec.block_size // max_model_len, max_model_len)
     runner.allocate_cache(num_blocks)
+    if draft is not None:
+        draft.allocate_cache(num_blocks)
     if on_cuda:
         t0 = time.monotonic()
         warmup(runner)
+        if draft is not None:
+            warmup(draft)
         log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights)
+            capture_spec_graphs(config.speculative_config, runner, draft)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights, draft)
 
 
 def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:
