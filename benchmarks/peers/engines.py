@@ -115,6 +115,11 @@ def engine_env(engine: str, base: dict | None = None) -> dict:
         paths = [vllm_site(env), str(REPO_ROOT)]
         env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no network there; no thread trying it
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")  # the carried site has no DeepGEMM (fetch_vllm.sh says why)
+        # nor FlashInfer: vLLM 0.26.0's GPU model runner builds its Sampler with
+        # flashinfer_sampler_supported(), which imports vllm.v1.attention.backends.flashinfer (and so
+        # flashinfer) unless this is 0; every engine start failed on that import in the first H100 run
+        # (2026-11-27). With 0 it samples top-k/top-p with its own PyTorch/Triton ops.
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     else:
         paths = [str(REPO_ROOT), *[p for p in paths if p != str(REPO_ROOT)]]
     env["PYTHONPATH"] = os.pathsep.join(paths)

@@ -62,6 +62,9 @@ def test_each_engine_gets_its_own_site():
     f = engines.engine_env("flashpage", base)["PYTHONPATH"].split(":")
     assert v == ["/opt/vs", str(engines.REPO_ROOT)]  # not the flashpage server's fastapi/pydantic
     assert f == [str(engines.REPO_ROOT), "/tmp/site"]
+    # the carried site has neither DeepGEMM nor FlashInfer: vLLM must not reach for them
+    env = engines.engine_env("vllm", base)
+    assert env["VLLM_USE_DEEP_GEMM"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
 def test_nano_vllm_protocol_is_its_bench_py_draw_for_draw():
