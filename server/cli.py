@@ -99,14 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who encodes prompts: 'auto' uses fastokens (~20x faster) where it encodes a probe set "
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+    tools = ServerLimits().tools
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=tools.parser,
                    help="the format the model writes tool calls in (vLLM's names: hermes for Qwen2.5 and Qwen3, "
                         "llama3_json or pythonic for Llama 3.x, and Mistral's); required and named tool choices "
                         "are written in it (without it: plain JSON)")
-    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=tools.auto,
                    help="let the model decide whether to call tools (tool_choice 'auto', the default with tools); "
                         "needs --tool-call-parser")
-    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=tools.reasoning,
                    help="split the model's <think>...</think> reasoning into reasoning_content (chat) and "
                         "reasoning items (Responses)")
     add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)

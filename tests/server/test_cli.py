@@ -13,6 +13,7 @@ import time
 import pytest
 
 from server.api.connections import FD_RESERVE, raise_fd_limit
+from server.api.guards import ServerLimits
 from server.cli import build_parser
 
 
@@ -109,3 +110,17 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
     assert limits["now"] == (2048 + FD_RESERVE, 65536)
     raise_fd_limit(100)  # fits already: unchanged
     assert limits["now"] == (2048 + FD_RESERVE, 65536)
+
+
+def test_auto_tool_choice_needs_a_parser(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                      "--reasoning-parser", "qwen3"])
+    tools = ServerLimits.from_args(args).tools
+    assert (tools.parser, tools.auto, tools.reasoning) == ("hermes", True, "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "nope"])

@@ -12,18 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.guards import MAX_TOKENS_BOUND
 from server.api.openai_protocol import BODY, STRICT, OpenAIError
-from server.api.tools.request import MAX_TOOLS, FunctionName
+from server.api.tools.request import MAX_TOOLS, FunctionDefinition
 
 MAX_ITEMS = 4096
 
 
-class FunctionTool(BaseModel):
-    model_config = STRICT
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: the chat's function definition, flat, beside its type."""
+
     type: Literal["function"]
-    name: FunctionName
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(BaseModel):

@@ -236,7 +236,7 @@ def test_return_token_ids_round_trip(tool_servers, tool_ckpts):
 def test_get_load_counts_what_runs(tool_servers):
     url = tool_servers["llama3.2"]
     assert httpx.get(url + "/get_load").json() == {"load": 0}
-    body = {"model": "llama3.2", "prompt": "The", "max_tokens": 600, "ignore_eos": True}
+    body = {"model": "llama3.2", "prompt": "The", "max_tokens": 100, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=600)
         loads = []
@@ -245,3 +245,12 @@ def test_get_load_counts_what_runs(tool_servers):
             time.sleep(0.05)
         assert running.result().status_code == 200
     assert max(loads) == 1 and httpx.get(url + "/get_load").json() == {"load": 0}
+
+
+def test_tokenize_counts_the_prompt_the_tools_make(tool_servers):
+    url = tool_servers["qwen2.5"]
+    counted = httpx.post(url + "/tokenize", json={"messages": MSGS, "tools": TOOLS}).json()
+    run = openai_client(url, timeout=600).chat.completions.create(
+        model="qwen2.5", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=1, temperature=0)
+    assert counted["count"] == run.usage.prompt_tokens > httpx.post(url + "/tokenize", json={"messages": MSGS}).json()[
+        "count"]

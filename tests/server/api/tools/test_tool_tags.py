@@ -8,6 +8,7 @@ import json
 import random
 
 import jsonschema
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -52,13 +53,18 @@ def walk(grammars, spec: StructuredOutput, seed: int, limit: int = 400) -> str |
     rnd, ids = random.Random(seed), []
     for _ in range(limit):
         matcher.fill_next_token_bitmask(bits, 0)
-        allowed = [i for i in range(g.vocab_size) if (bits[0, i // 32] >> (i % 32)) & 1]
+        allowed = _allowed(bits, g.vocab_size)
         tid = rnd.choice(allowed)
         if tid == tok.eos_token_id and matcher.accept_token(tid) and matcher.is_terminated():
             return tok.decode(ids)
         assert matcher.accept_token(tid)
         ids.append(tid)
     return None
+
+
+def _allowed(bits, vocab_size: int) -> list[int]:
+    """The token ids a filled mask row allows."""
+    return np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[:vocab_size]).tolist()
 
 
 def check(fmt, text: str, at_least: int, at_most: int | None) -> list:
@@ -117,7 +123,7 @@ def _continue(matcher, grammars, seed, limit=400):
     rnd, ids = random.Random(seed), []
     for _ in range(limit):
         matcher.fill_next_token_bitmask(bits, 0)
-        allowed = [i for i in range(g.vocab_size) if (bits[0, i // 32] >> (i % 32)) & 1]
+        allowed = _allowed(bits, g.vocab_size)
         eos = tok.eos_token_id in allowed
         tid = tok.eos_token_id if eos and rnd.random() < 0.5 else rnd.choice(allowed)
         assert matcher.accept_token(tid)
