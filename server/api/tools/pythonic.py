@@ -7,7 +7,8 @@ The arguments are Python literals (read with `ast.literal_eval`) and come out as
 started when `name(` is read and its arguments follow, whole, when its parenthesis closes. The
 grammar writes each argument's value as JSON with Python's True, False and None, so that every
 call it allows is Python; required arguments first, then any of the optional ones, in the
-schema's order."""
+schema's order (a tool of more than MAX_FIRSTS arguments, none required, writes each with a
+trailing comma, which Python allows: its grammar then grows linearly)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from server.api.tools.base import CallArgs, CallStart, Piece, Text
 from server.api.tools.tags import call_tag, const, listed
 
 name = "pythonic"
+MAX_FIRSTS = 16  # optional arguments beyond which (and none required) each is written with a trailing comma
 
 
 def start_tags(names: list[str]) -> list[str]:
@@ -67,6 +69,9 @@ def _kwargs(schema: dict | None) -> dict:
     if required:
         head = [kw(required[0])] + [x for p in required[1:] for x in (const(", "), kw(p))]
         return {"type": "sequence", "elements": head + tail(optional)}
+    if len(optional) > MAX_FIRSTS:  # the choice of a first argument grows as n^2: a trailing comma instead
+        return {"type": "sequence", "elements": [{"type": "optional", "content": {
+            "type": "sequence", "elements": [kw(p), const(", ")]}} for p in optional]}
     firsts = [{"type": "sequence", "elements": [kw(p), *tail(optional[i + 1:])]} for i, p in enumerate(optional)]
     return {"type": "or", "elements": [*firsts, const("")]}
 

@@ -27,11 +27,9 @@ def const(text: str) -> dict:
     return {"type": "const_string", "value": text}
 
 
-def json_args(tool: dict, style: str = "json") -> dict:
+def json_args(tool: dict) -> dict:
     """A function's arguments: JSON matching its parameters (any JSON object without them)."""
-    schema = tool.get("parameters") or {"type": "object"}
-    node = {"type": "json_schema", "json_schema": schema}
-    return {**node, "style": style} if style != "json" else node
+    return {"type": "json_schema", "json_schema": tool.get("parameters") or {"type": "object"}}
 
 
 def listed(tags: list[dict], separator: str, parallel: bool) -> dict:

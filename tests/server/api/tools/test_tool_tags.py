@@ -67,8 +67,8 @@ def _allowed(bits, vocab_size: int) -> list[int]:
     return np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[:vocab_size]).tolist()
 
 
-def check(fmt, text: str, at_least: int, at_most: int | None) -> list:
-    parser = ToolParser(fmt, [t["name"] for t in TOOLS])
+def check(fmt, text: str, at_least: int, at_most: int | None, tools: list[dict] = TOOLS) -> list:
+    parser = ToolParser(fmt, [t["name"] for t in tools])
     pieces = parser.feed(text) + parser.end()
     calls = []
     for p in pieces:
@@ -78,7 +78,7 @@ def check(fmt, text: str, at_least: int, at_most: int | None) -> list:
             calls[-1][1] += p.text
     assert at_least <= len(calls) <= (at_most or len(calls)), text
     for name, args in calls:
-        jsonschema.validate(json.loads(args), SCHEMAS[name])
+        jsonschema.validate(json.loads(args), {t["name"]: t["parameters"] or {} for t in tools}[name])
     return calls
 
 
@@ -189,3 +189,21 @@ def test_plain_calls_without_a_parser(grammars):
         if text is not None:
             for call in json.loads(text):
                 jsonschema.validate(call["parameters"], SCHEMAS[call["name"]])
+
+
+def test_pythonic_with_many_optional_arguments_stays_small(grammars):
+    """No argument required and more than MAX_FIRSTS optional: a trailing comma after each, a
+    grammar linear in their number (the choice of a first argument would grow as n^2)."""
+    import xgrammar as xgr
+
+    from server.api.tools import pythonic
+
+    g, _ = grammars
+    many = [{"name": "f", "parameters": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                          for i in range(40)}}}]
+    spec = tool_grammar(pythonic, many, "required", False)
+    assert len(spec.spec) < 40 * 400
+    for text, ok in [("[f(p1=3, p7=2, )]", True), ("[f()]", True), ("[f(p7=2, p1=3, )]", False)]:
+        m = xgr.GrammarMatcher(g.compile(spec))
+        assert (m.accept_string(text) and m.is_completed()) == ok, text
+    assert check(pythonic, "[f(p1=3, p7=2, )]", 1, 1, many) == [["f", '{"p1": 3, "p7": 2}']]
