@@ -12,6 +12,8 @@ import time
 from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
+from server.api.reasoning import REASONING_PARSERS
+from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
 from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS,
                            EngineConfig, SpeculativeConfig)
@@ -114,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who encodes prompts: 'auto' uses fastokens (~20x faster) where it encodes a probe set "
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
+    tools = ServerLimits().tools
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=tools.parser,
+                   help="the format the model writes tool calls in (vLLM's names: hermes for Qwen2.5 and Qwen3, "
+                        "llama3_json or pythonic for Llama 3.x, and Mistral's); required and named tool choices "
+                        "are written in it (without it: plain JSON)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=tools.auto,
+                   help="let the model decide whether to call tools (tool_choice 'auto', the default with tools); "
+                        "needs --tool-call-parser")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=tools.reasoning,
+                   help="split the model's <think>...</think> reasoning into reasoning_content (chat) and "
+                        "reasoning items (Responses)")
     add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)
     return p
 
@@ -132,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
             api_key(env_key)
         except argparse.ArgumentTypeError as e:
             parser.error(f"FLASHPAGE_API_KEY {e}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format to read the calls in)")
     limits = ServerLimits.from_args(args)
     if args.api_server_count > 1 and not args.engine_process:
         parser.error("--api-server-count above 1 needs the engine in its own process: drop --no-engine-process")

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from server.api.connections import FD_RESERVE, raise_fd_limit
+from server.api.guards import ServerLimits
 from server.cli import build_parser
 
 
@@ -141,3 +142,17 @@ def test_speculative_config_reads_vllm_keys():
     assert (s.method, s.model, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", None, 5, 5)
     s = parse('{"model": "/models/draft", "num_speculative_tokens": 5, "disable_by_batch_size": 8}')
     assert (s.method, s.model, s.disable_by_batch_size) == ("draft_model", "/models/draft", 8)
+
+
+def test_auto_tool_choice_needs_a_parser(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                      "--reasoning-parser", "qwen3"])
+    tools = ServerLimits.from_args(args).tools
+    assert (tools.parser, tools.auto, tools.reasoning) == ("hermes", True, "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "nope"])
