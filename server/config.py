@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
+MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
 
 # The server's step token budget (the CLI's default), smaller than an offline engine's: every prefill
 # step then fits the largest captured prefill graph (server/worker/cuda_graphs.py), so a step that
@@ -51,3 +53,7 @@ class EngineConfig:
     # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
+    # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
+    # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)

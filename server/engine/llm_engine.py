@@ -246,6 +246,8 @@ class LLMEngine:
                 self.faults.before_step(batch)
             launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
         except Exception as e:
+            if self.config.tensor_parallel_size > 1:  # the other ranks may wait in the step's collectives for good
+                raise EngineFatalError(f"a step failed under tensor parallelism, which cannot go on: {e!r}") from e
             return LaunchFailure(batch, e)
         self.scheduler.after_step(batch)
         max_len = self.max_model_len

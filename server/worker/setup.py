@@ -3,6 +3,11 @@
 `start_worker(config)` returns a `Worker`: the runner the engine steps, and the numbers the engine
 and request validation need (the model's spec, the context limit, the cache's block count), read
 only from the model contract.
+
+With --tensor-parallel-size N it first starts ranks 1..N-1 (server/worker/parallel/), then brings
+this process up as rank 0; every rank runs `bring_up`, whose forwards (the profile run, warm-up,
+graph captures) meet in the same collectives, and the KV cache's block count is the smallest any
+rank's memory allows.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec
-from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
+from models import DTYPES, ModelSpec, TensorParallel, checkpoint_dtype, load_config, load_model, shard_spec, tensor_parallel
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
 from server.worker.warmup import profile_peak_memory, warmup
@@ -38,16 +43,34 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def start_worker(config: EngineConfig, path: Path) -> Worker:
-    device = resolve_device(config)
+    if config.tensor_parallel_size == 1:
+        return bring_up(config, path, resolve_device(config))
+    from server.worker.parallel.peers import rank_device, start_peers
+
+    # what does not divide stops the start here, before any process starts
+    shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
+    peers = start_peers(config, path)
+    try:
+        return bring_up(config, path, rank_device(config, 0), peers)
+    except BaseException:
+        peers.close(graceful=False)
+        raise
+
+
+def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None) -> Worker:
+    """This process's worker (under tensor parallelism, its rank's; `peers`: rank 0's other ranks)."""
     on_cuda = device.type == "cuda"
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
     attention = config.attention or ("triton" if on_cuda else "sdpa")
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
-    log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
-             ", deterministic" if config.deterministic else "")
-    model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
+    tp = tensor_parallel()
+    log.info("loading weights from %s (%s, attention=%s, device=%s%s%s%s)", path, dtype, attention, device,
+             ", deterministic" if config.deterministic else "", f", tensor-parallel rank {tp.rank} of {tp.size}"
+             if tp.size > 1 else "", ", random weights (--load-format dummy)" if config.load_format == "dummy" else "")
+    model = load_model(path, dtype, device, attention, deterministic=config.deterministic,
+                       load_format=config.load_format)
     if config.deterministic and on_cuda:
         from kernels.invariant_matmul import check_configs
 
@@ -70,7 +93,8 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
                          f"(the context would be {max_model_len})")
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+    runner.peers = peers
+    num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
              num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
              num_blocks * cache_spec.block_size // max_model_len, max_model_len)
