@@ -68,6 +68,13 @@ LLAMA_SHAPES = {
                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 8192}),
+    # larger than one GPU: tensor parallelism over four (--load-format dummy: no 140 GB of files)
+    "llama-3.1-70b": dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+                          tie_word_embeddings=False, max_position_embeddings=131072,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192}),
 }
 
 
@@ -91,6 +98,23 @@ def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str =
     del model  # its memory back before a server loads the checkpoint on the same device
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+    for name in _TOKENIZER_FILES:
+        if (EMBEDDED_MODEL / name).exists():
+            shutil.copy(EMBEDDED_MODEL / name, path / name)
+    return path
+
+
+def make_config_only_llama(path: str | Path, shape: str) -> Path:
+    """A checkpoint directory of one of LLAMA_SHAPES with config.json (bf16) and the tokenizer but no
+    weight files: what `--load-format dummy` serves (random weights made on the device)."""
+    import transformers
+
+    from models import EMBEDDED_MODEL
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fields = dict(LLAMA_SHAPES[shape])
+    transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16").save_pretrained(path)
     for name in _TOKENIZER_FILES:
         if (EMBEDDED_MODEL / name).exists():
             shutil.copy(EMBEDDED_MODEL / name, path / name)
