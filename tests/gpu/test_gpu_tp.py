@@ -18,7 +18,7 @@ import torch
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams, StructuredOutput
-from tests.gpu.test_gpu_parity import _assert_same_greedy, _assert_same_logprobs, _prompts
+from tests.gpu.test_gpu_parity import _assert_same_greedy, _assert_same_logprobs, _logprob_run, _prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs two CUDA GPUs")
@@ -44,20 +44,13 @@ def _engine(path, tp: int, **kw) -> LLMEngine:
 
 
 def _greedy_and_logprobs(path, tp: int, prompts, **kw):
-    eng = _engine(path, tp, **kw)
+    """test_gpu_parity's run at `tp` ranks; the engine closed after (one group at a time per process)."""
+    engines = []
     try:
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-        for i, p in enumerate(prompts):
-            eng.add_request(str(i), p, params)
-        toks, lps = {}, {}
-        while eng.has_unfinished():
-            for out in eng.step():
-                toks.setdefault(out.request_id, []).extend(out.new_token_ids)
-                lps.setdefault(out.request_id, []).extend(lp[0][1] for lp in out.new_logprobs)
-        assert eng.block_manager.check_all_free()
+        return _logprob_run(path, prompts, on_engine=engines.append, tensor_parallel_size=tp, max_model_len=2048, **kw)
     finally:
-        eng.close()
-    return toks, lps
+        for eng in engines:
+            eng.close()
 
 
 def _workload():

@@ -110,17 +110,28 @@ def _decode_graphs() -> DecodeGraphs:
     return dg
 
 
-def test_decode_graph_inputs_reach_another_rank_through_the_message():
-    bs = 4
-    rank0, rank1 = _decode_graphs(), _decode_graphs()
+def _record(rank0, prefill: bool) -> list:
+    """rank0's on_replay as Peers.replayer sets it, into a list of encoded messages."""
     sent = []
-    rank0.on_replay = lambda size, rows, width: sent.append(encode(GraphStep(False, size, rows, width,
+    rank0.on_replay = lambda size, rows, width: sent.append(encode(GraphStep(prefill, size, rows, width,
                                                                            memoryview(rank0.exported(rows, width)))))
-    bm = BlockManager(60, bs, enable_prefix_caching=True)
-    sched = Scheduler(bm, EngineConfig(block_size=bs, max_num_seqs=16, max_num_batched_tokens=64, max_admit_delay=0))
-    rng = random.Random(1)
-    for i in range(7):
-        sched.add(Sequence(f"r{i}", [rng.randrange(9) for _ in range(rng.randint(1, 30))], SamplingParams(max_tokens=30)))
+    return sent
+
+
+def _scheduler(bs: int, rng: random.Random, n: int, longest: int, max_tokens: int) -> Scheduler:
+    sched = Scheduler(BlockManager(60, bs, enable_prefix_caching=True),
+                      EngineConfig(block_size=bs, max_num_seqs=16, max_num_batched_tokens=64, max_admit_delay=0))
+    for i in range(n):
+        sched.add(Sequence(f"r{i}", [rng.randrange(9) for _ in range(rng.randint(1, longest))],
+                           SamplingParams(max_tokens=max_tokens)))
+    return sched
+
+
+def test_decode_graph_inputs_reach_another_rank_through_the_message():
+    bs, rng = 4, random.Random(1)
+    rank0, rank1 = _decode_graphs(), _decode_graphs()
+    sent = _record(rank0, prefill=False)
+    sched = _scheduler(bs, rng, 7, 30, 30)
     checked = 0
     for _ in range(40):
         out = sched.schedule()
@@ -158,15 +169,8 @@ def test_prefill_graph_inputs_reach_another_rank_through_the_message(small_ckpt)
         pg.graphs = {t: (_Replayed(), torch.zeros(t, 10)) for t in pg.sizes}
         graphs.append(pg)
     rank0, rank1 = graphs
-    sent = []
-    rank0.on_replay = lambda size, rows, width: sent.append(encode(GraphStep(True, size, rows, width,
-                                                                           memoryview(rank0.exported(rows, width)))))
-    bm = BlockManager(60, bs, enable_prefix_caching=True)
-    sched = Scheduler(bm, EngineConfig(block_size=bs, max_num_seqs=16, max_num_batched_tokens=64, max_admit_delay=0))
-    rng = random.Random(2)
-    for i in range(9):
-        sched.add(Sequence(f"r{i}", [rng.randrange(9) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=2)))
-    out = sched.schedule()
+    sent = _record(rank0, prefill=True)
+    out = _scheduler(bs, random.Random(2), 9, 40, 2).schedule()
     assert len(out.prefills) > 1
     rank0.run(out.prefills, bs)
     op = decode(sent[-1])
