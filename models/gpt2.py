@@ -151,7 +151,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in the model dtype, [n, padded vocab]: columns past vocab_size are padding."""
-        return parallel_logits(hidden, self.wte.weight, self.deterministic)
+        return parallel_logits(hidden, self.wte.weight, self.deterministic, self.wte.tp)
 
     # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

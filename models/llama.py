@@ -199,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, padded vocab] in the model dtype: columns past vocab_size are padding."""
-        return parallel_logits(hidden, self.embed_tokens.weight if self.tied else self.lm_head_weight, self.deterministic)
+        weight = self.embed_tokens.weight if self.tied else self.lm_head_weight
+        return parallel_logits(hidden, weight, self.deterministic, self.embed_tokens.tp)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hugging Face names in; q/k/v and gate/up concatenated into the merged projections (each

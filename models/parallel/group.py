@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from models.spec import ModelSpec
 
-TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this for a rank fails
+TIMEOUT = timedelta(minutes=30)  # a collective that waits longer for a rank fails (a slow rank's load included)
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)  # one non-zero row per token: exact in any order
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool, tp: TensorParallel) -> torch.Tensor:
     """The LM head over this rank's vocabulary rows `weight`, every rank's columns gathered:
-    [n, padded vocabulary] on every rank."""
-    return tensor_parallel().gather_columns(head_matmul(hidden, weight, invariant))
+    [n, padded vocabulary] on every rank. `tp`: the group the model was built for (its embedding's:
+    a process may hold a whole model beside a group's shard)."""
+    return tp.gather_columns(head_matmul(hidden, weight, invariant))
 
 
 def load_shard(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,9 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None)
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
     tp = tensor_parallel()
+    if tp.size != config.tensor_parallel_size:  # models are built for the process's group
+        raise RuntimeError(f"this process runs a tensor-parallel group of {tp.size}: an engine of "
+                           f"--tensor-parallel-size {config.tensor_parallel_size} cannot start beside it (close that one first)")
     log.info("loading weights from %s (%s, attention=%s, device=%s%s%s%s)", path, dtype, attention, device,
              ", deterministic" if config.deterministic else "", f", tensor-parallel rank {tp.rank} of {tp.size}"
              if tp.size > 1 else "", ", random weights (--load-format dummy)" if config.load_format == "dummy" else "")

@@ -57,6 +57,7 @@ def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
 
     from models import close_tensor_parallel, init_tensor_parallel, load_model
 
+    whole = load_model(cases[0][1], torch.float32, "cpu", "sdpa")  # built before the group: stays whole
     store = TCPStore("127.0.0.1", port, size, is_master=rank == 0)
     tp = init_tensor_parallel(rank, size, store, torch.device("cpu"))
     try:
@@ -71,7 +72,8 @@ def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
         ids = torch.full((4,), rank, dtype=torch.int32)
         tp.broadcast(ids)
         if rank == 1:
-            out.put(("collectives", summed, gathered, ids))
+            head = whole.lm_head(torch.zeros(2, whole.spec.hidden_size))  # its own head: no gather
+            out.put(("collectives", summed, gathered, ids, head.shape[1]))
     finally:
         close_tensor_parallel()
 
@@ -116,7 +118,8 @@ def test_two_ranks_give_the_whole_models_logits(cases):
         assert heads == (whole.spec.num_heads // 2, max(1, whole.spec.num_kv_heads // 2)), name
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4, msg=name)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1)), name
-    (plain_sum, ordered_sum), gathered, ids = got["collectives"]
+    (plain_sum, ordered_sum), gathered, ids, whole_columns = got["collectives"]
+    assert whole_columns == vocab_rows(load_model(cases[0][1], torch.float32, "cpu", "sdpa").vocab_size, 1)
     assert torch.equal(plain_sum, ordered_sum) and torch.equal(plain_sum, torch.tensor([[3.0, 1e-8]]))
     assert gathered.tolist() == [[0, 0, 0, 1, 1, 1]] * 2  # rank r's columns at r * cols
     assert ids.tolist() == [0] * 4  # rank 0's

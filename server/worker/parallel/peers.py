@@ -18,10 +18,13 @@ collective for good: a thread here waits on every socket, and when one speaks (a
 or EOF when its process is gone) it logs that and ends this process with exit code 1, which the API
 side sees as the engine's death. The other ranks exit when their socket closes, whatever ended this
 process; they ignore SIGINT and SIGTERM, as the engine process does (shutdown is the API side's).
+When this process exits normally it stops them first and waits for them (`close`), so that a server
+that has exited holds no GPU memory any more.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -160,6 +163,7 @@ def start_peers(config: EngineConfig, path: Path) -> Peers:
         raise
     peers = Peers(procs, conns, store)
     peers.watch()
+    atexit.register(peers.close)  # this process's exit waits for theirs: their GPU memory is free once it is gone
     log.info("started %d more tensor-parallel ranks (%s)", size - 1, "NCCL" if device.type == "cuda" else "gloo")
     try:
         init_tensor_parallel(0, size, store, device)
