@@ -130,6 +130,21 @@ def goals(shape: str, rows: list[dict]) -> list[dict]:
     return []
 
 
+def report(result: dict) -> str:
+    """The README's section of one tp_*.json (benchmarks/make_report.py)."""
+    levels = [row["concurrency"] for row in result["rows"][0].get("load", [])] if result["rows"] else []
+    head = ["TP", "batch-1 TPOT ms", "floor ms", "x floor", "offline tok/s"] + [f"tok/s @{c}" for c in levels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        cells = [row["tp"], f"{row['tpot_ms']:.2f}", f"{row['floor_ms']:.2f}", f"{row['tpot_over_floor']:.2f}",
+                 f"{row['offline']['tokens_per_s']:,.0f}" if "offline" in row else "-"]
+        cells += [f"{level['output_tokens_per_s']:,.0f}" for level in row.get("load", [])]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    for g in result.get("goals", []):
+        lines.append(f"\nGoal: {g['goal']}: {g['ratio']} ({'met' if g['met'] else 'not met'}).")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(LLAMA_SHAPES))

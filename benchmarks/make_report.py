@@ -31,6 +31,7 @@ SECTIONS = [
     ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
     ("determinism_", "benchmarks.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
     ("invariant_kernels_", "benchmarks.bench_invariant_kernels", "Batch-invariant kernels"),
+    ("tp_", "benchmarks.bench_tp", "Tensor parallelism"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 
