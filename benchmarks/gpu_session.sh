@@ -63,12 +63,12 @@ for step in "${@:-tests throughput prefix}"; do
       # batch-1 TPOT at TP=1 and TP=2; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
       # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
       tp2)
-        timeout 330 python3 benchmarks/bench_tp.py --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
+        timeout 280 python3 benchmarks/bench_tp.py --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
           | tee "$OUT/tp2.log" || status=1
-        timeout 240 python3 -m pytest -q tests/gpu/test_gpu_tp.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
+        timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
           | tail -8 || status=1 ;;
       tp4)
-        timeout 560 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
+        timeout 540 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
       profile)
         for n in 1 4; do
