@@ -29,6 +29,7 @@ offline: {requests, tokens, seconds, tokens_per_s}}], goals: [...]}, rewritten a
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `python -m server` flags (last)")
     p.add_argument("--out-dir", default="benchmarks/results")
     args = p.parse_args(argv)
+    # `timeout` sends SIGTERM: exit through the finally blocks, which stop the server (its own
+    # session) and with it the ranks that hold the GPUs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     path = make_config_only_llama(Path(tempfile.mkdtemp(prefix="bench-tp-")) / args.shape, args.shape)
     vocab = LLAMA_SHAPES[args.shape]["vocab_size"]

@@ -59,8 +59,8 @@ for step in "${@:-tests throughput prefix}"; do
           done
         fi
         tail -n 12 "$OUT"/det_*.log ;;
-      # Issue 50: tensor parallelism. tp2 (two GPUs): the TP GPU tests, then the Llama-3.1-8B shape's
-      # batch-1 TPOT at TP=1 and TP=2; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
+      # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
+      # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
       # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
       tp2)
         timeout 280 python3 benchmarks/bench_tp.py --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
