@@ -74,7 +74,7 @@ class GPT2MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gelu_tanh and self.c_fc.invariant:  # the GEMM's own GELU epilogue
             return self.c_proj(self.c_fc(x, gelu=True))
-        if self.gelu_tanh and x.is_cuda and x.dim() == 2:
+        if self.gelu_tanh and x.is_cuda and x.dim() == 2 and self.c_fc.quant is None:
             # One kernel instead of two: cuBLASLt's GELU epilogue is the same tanh approximation
             # (computed in fp32 before rounding); a decode step at small batch is launch-bound.
             h = torch._addmm_activation(self.c_fc.bias, x, self.c_fc.weight.t(), use_gelu=True)
@@ -165,7 +165,7 @@ class GPT2LMHeadModel(nn.Module):
                 continue  # causal-mask buffers of old checkpoints; the head is tied to wte
             if name not in own:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if name.endswith(self._CONV1D):
+            if name.endswith(self._CONV1D) and t.element_size() > 1:  # quantized formats store [out, in]
                 t = t.t()
             t = load_shard(self, name, t)  # this rank's part (the token table's rows padded with zeros)
             if own[name].shape != t.shape:

@@ -30,12 +30,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.rms_norm import add_rmsnorm, rmsnorm
+from kernels.rms_norm import rmsnorm
 from kernels.silu_mul import silu_mul
 from models.attention import AttentionBackend, AttentionMetadata, Rope, make_backend
+from models.linear import Linear
 from models.parallel.group import shard_spec
 from models.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, load_shard,
                                     parallel_logits, qkv_parts, split_parts)
+from models.quant import add_rmsnorm_for, merge_parts
 from models.spec import ModelSpec
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
@@ -105,11 +107,12 @@ class LlamaAttention(nn.Module):
         self.attn = backend
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        n, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        qkv = self.qkv_proj(x)  # x may be the FP8 form of the input a quantized qkv_proj asked for
+        n, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
         if self.qk_norm:
-            if x.is_cuda:  # in place, on views of the QKV output
+            if qkv.is_cuda:  # in place, on views of the QKV output
                 rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
                 rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
             else:
@@ -132,7 +135,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if x.is_cuda:
+        if gate_up.is_cuda:
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -147,16 +150,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, invariant)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, next_linear: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; h = input_layernorm(x). Returns the new residual stream and
-        next_norm of it (the next layer's input norm, or the final norm)."""
-        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm)
-        return _add_norm(x, self.mlp(h), next_norm)
+        next_norm of it (the next layer's input norm, or the final norm), in the form next_linear
+        (the next layer's qkv_proj, or None before the LM head) reads."""
+        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm,
+                         self.mlp.gate_up_proj)
+        return _add_norm(x, self.mlp(h), next_norm, next_linear)
 
 
-def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda:
-        return add_rmsnorm(x, y, norm.weight, norm.eps)  # x + y written into x
+def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm, consumer: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:  # x + y written into x; the norm quantized to FP8 there if the consumer's weights are
+        return add_rmsnorm_for(consumer, x, y, norm.weight, norm.eps)
     x = x + y
     return x, norm(x)
 
@@ -193,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids, sampled_ids)
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, norm in zip(self.layers, kv_caches, norms):
-            x, h = layer(x, h, rope, kv_cache, meta, norm)
+        consumers = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
+        for layer, kv_cache, norm, consumer in zip(self.layers, kv_caches, norms, consumers):
+            x, h = layer(x, h, rope, kv_cache, meta, norm, consumer)
         return h
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -229,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                 pieces[index] = t
                 if len(pieces) < count[target]:
                     continue
-                t = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+                t = merge_parts(leaf, [pieces[i] for i in sorted(pieces)])
                 del parts[name]
             self._copy(own, name, t)
             seen.add(name)

@@ -16,14 +16,16 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from models import quant
 from models.base import CausalLM
+from models.linear import storage_later
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
@@ -118,25 +120,34 @@ def _no_init() -> Iterator[None]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str,
-               deterministic: bool = False, load_format: str = "auto") -> CausalLM:
-    """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag);
-    `load_format`: one of LOAD_FORMATS. Under tensor parallelism (models/parallel) the model is
-    this rank's shard."""
+               deterministic: bool = False, quantization: str | None = None, load_format: str = "auto") -> CausalLM:
+    """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag).
+    `quantization`: --quantization (models/quant: a quantized checkpoint's format is read from its
+    config.json; "fp8" also quantizes a 16-bit checkpoint at load). `load_format`: one of
+    LOAD_FORMATS. Under tensor parallelism (models/parallel) the model is this rank's shard."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     config = load_config(path)
+    scheme = quant.detect(path, quantization)
     # Built on the device with its parameters left uninitialised, as on the meta device followed by
     # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
     # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
-    # load_weights overwrites.
-    with torch.device(device), _no_init():
+    # load_weights overwrites. Quantized linears get their storage from their method instead.
+    later = storage_later() if scheme is not None and not scheme.online else nullcontext()
+    with torch.device(device), _no_init(), later:
         model = model_class(config.model_type)(config, attention, deterministic=deterministic)
     model = model.to(dtype)
-    if load_format == "dummy":
-        model.load_weights(dummy_tensors(config, dtype, device))
-    else:
-        with _read_tensors(path) as tensors:
-            model.load_weights(tensors)
+    if load_format == "dummy" and scheme is not None and not scheme.online:
+        raise ValueError("--load-format dummy makes a 16-bit checkpoint's tensors, not a quantized one's "
+                         f"({scheme.name}): leave quantization_config out of config.json")
+    source = nullcontext(dummy_tensors(config, dtype, device)) if load_format == "dummy" else _read_tensors(path)
+    with source as tensors:
+        if scheme is not None:
+            quant.attach(model, scheme, device, dtype, deterministic)
+            tensors = quant.convert(tensors, scheme, device)
+        model.load_weights(tensors)
+    if scheme is not None:
+        quant.finish(model)
     return model.eval().requires_grad_(False)
 
 
@@ -164,7 +175,8 @@ def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype | None:
-    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), if it is one we serve."""
+    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), if it is one we serve
+    (a quantized checkpoint's: that of its activations and unquantized tensors)."""
     config = json.loads((path / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
     return DTYPES.get(name) if isinstance(name, str) else None

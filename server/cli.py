@@ -13,8 +13,8 @@ from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE,
-                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig)
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE, QUANTIZATION_METHODS,
+                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
 
 
 def device(text: str) -> str:
@@ -29,6 +29,14 @@ def name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (leave the flag out for the default)")
     return text
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config: vLLM's JSON object (server/config.py SpeculativeConfig.parse)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
                    help="auto = on CUDA the checkpoint's float16/bfloat16 (else float16), on CPU float32")
     p.add_argument("--device", type=device, default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATION_METHODS,
+                   help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per channel; "
+                        "activations per token); a quantized checkpoint's format is read from its config.json")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=Bound(int, 1, MAX_TENSOR_PARALLEL_SIZE),
@@ -93,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant kernels: each request's tokens and logprobs are bitwise the same whatever "
                         "else is in the batch (sampled ones for the same seed); costs speed, see the README "
                         "(also FLASHPAGE_DETERMINISTIC=1; needs --attention triton)")
+    p.add_argument("--speculative-config", type=speculative_config, default=d.speculative_config, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}; '
+                        'optional "disable_by_batch_size" (no speculation above that many running sequences) and '
+                        '"min_acceptance" (a sequence backs off below it)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object per line (with request_id where known)")

@@ -225,38 +225,49 @@ def prefill_ladder(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_tokens: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_chunks: int = PREFILL_GRAPH_SEQS, max_rows: int | None = None,
+                 sampled_ids: torch.Tensor | None = None) -> None:
+        """`max_chunks` chunks a step, and logits for `max_rows` of its tokens (default one a
+        chunk; a speculative step's verification samples every token: server/worker/spec/), its
+        input ids' placeholders resolved from `sampled_ids` (models/base.py)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.attention = model.attention
         self.sizes = prefill_ladder(max_tokens)
+        self.max_chunks, self.max_rows = max_chunks, max_rows or max_chunks
+        self.sampled_ids = sampled_ids
         # The backend's per-step work map (tile_seq | tile_start sections), if it keeps one.
-        self.num_tiles = {t: self.attention.graph_tiles(t, PREFILL_GRAPH_SEQS, device) for t in self.sizes}
-        t_max, n_max, s = self.sizes[-1], max(self.num_tiles.values()), PREFILL_GRAPH_SEQS
-        # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens | ends (s each) |
+        self.num_tiles = {t: self.attention.graph_tiles(t, max_chunks, device) for t in self.sizes}
+        t_max, n_max, s, r = self.sizes[-1], max(self.num_tiles.values()), max_chunks, self.max_rows
+        # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens (s) | ends (r) |
         # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.
-        lens = [align16(t_max)] * 3 + [align16(s + 1), align16(s), align16(s), align16(n_max), align16(n_max)]
+        lens = [align16(t_max)] * 3 + [align16(s + 1), align16(s), align16(r), align16(n_max), align16(n_max)]
         self.offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
         self.max_blocks = max_blocks
         size = self.offsets[-1] + s * max_blocks
         self.staging = Staging(size, device)
-        self.ids = torch.zeros(s, dtype=torch.int32, device=device)  # greedy id of each sampling chunk
+        self.ids = torch.zeros(r, dtype=torch.int32, device=device)  # greedy id of each sampled row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.on_replay = None  # as DecodeGraphs
 
     def _views(self, buf):
         o = self.offsets
         sec = [buf[o[i] : o[i + 1]] for i in range(8)]
-        s = PREFILL_GRAPH_SEQS
-        return (sec[0], sec[1], sec[2], sec[3][: s + 1], sec[4][:s], sec[5][:s], sec[6], sec[7],
+        s = self.max_chunks
+        return (sec[0], sec[1], sec[2], sec[3][: s + 1], sec[4][:s], sec[5][: self.max_rows], sec[6], sec[7],
                 buf[o[8] :].reshape(s, self.max_blocks))
+
+    def rows_for(self, t: int) -> int:
+        """Logit rows the graph of t tokens computes (never more rows than tokens)."""
+        return min(t, self.max_rows) if self.max_rows > self.max_chunks else self.max_rows
 
     def _forward(self, t: int) -> torch.Tensor:
         ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.staging.dev)
-        n = self.num_tiles[t]
+        n, r = self.num_tiles[t], self.rows_for(t)
         rows = StepRows(slots[:t], t, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=bt)
         meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None)
-        logits = self.model.lm_head(self.model.forward(ids[:t], pos[:t], self.kv_caches, meta)[ends])
-        argmax_rows(logits, self.model.vocab_size, out=self.ids)
+        hidden = self.model.forward(ids[:t], pos[:t], self.kv_caches, meta, sampled_ids=self.sampled_ids)
+        logits = self.model.lm_head(hidden[ends[:r]])
+        argmax_rows(logits, self.model.vocab_size, out=self.ids[:r])
         return logits
 
     def _fill(self, buf, t: int, ids, pos, slots, lens, prefix, tables, ends) -> None:
@@ -287,8 +298,11 @@ class PrefillGraphs:
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def fits(self, prefills: list[ScheduledChunk]) -> bool:
-        return len(prefills) <= PREFILL_GRAPH_SEQS and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
+    def fits(self, prefills: list[ScheduledChunk], rows: int = 0) -> bool:
+        """Do these chunks (sampling `rows` rows, where more than one a chunk) fit a graph?"""
+        # (rows <= tokens <= the graph's size: within its rows_for whenever within max_rows)
+        return (len(prefills) <= self.max_chunks and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
+                and rows <= self.max_rows)
 
     def run(self, prefills: list[ScheduledChunk], block_size: int) -> torch.Tensor | None:
         """Fill the static inputs for these chunks, replay; raw logits of the chunks that sample

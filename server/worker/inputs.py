@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +47,10 @@ class ScheduledChunk(Protocol):
     start: int
     num_tokens: int
     samples: bool  # reaches the end of the sequence's tokens: its last logits are sampled
+    # A speculative step's proposals (server/engine/spec/): the chunk is the sequence's last token
+    # then these, and every one of its positions samples (verification). Empty (or absent) for any
+    # other chunk.
+    draft: Sequence[int]
 
 
 def align16(n: int) -> int:
@@ -147,26 +152,29 @@ class PrefillArrays:
     lens: list[int]  # new tokens per chunk
     prefix: list[int]  # tokens of each sequence already in the cache (the chunk's start)
     tables: list[list[int]]  # page tables
-    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end)
+    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end);
+    # every row of a chunk with proposals (a speculative step's verification)
 
 
 def pack_prefills(prefills: list[ScheduledChunk], block_size: int) -> PrefillArrays:
     ids, pos, slots, lens, prefix, tables, ends = [], [], [], [], [], [], []
     offset = 0
     for item in prefills:
-        seq, lo, n = item.seq, item.start, item.num_tokens
-        if lo + n > len(seq.token_ids) - seq.num_pending:  # the scheduler never does this
+        seq, lo, n, draft = item.seq, item.start, item.num_tokens, getattr(item, "draft", ())
+        if lo + n - len(draft) > len(seq.token_ids) - seq.num_pending:  # the scheduler never does this
             raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
         table = seq.blocks.block_table
         p = np.arange(lo, lo + n)
-        ids.append(seq.token_ids[lo : lo + n])
+        ids.append(seq.token_ids[lo : lo + n] if not draft else [seq.token_ids[lo], *draft])
         pos.append(p)
         slots.append(slots_of(table, p, block_size))
         lens.append(n)
         prefix.append(lo)
         tables.append(table)
         offset += n
-        if item.samples:
+        if draft:
+            ends.extend(range(offset - n, offset))
+        elif item.samples:
             ends.append(offset - 1)
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
     return PrefillArrays(cat(ids), cat(pos), cat(slots), lens, prefix, tables, ends)

@@ -31,6 +31,7 @@ from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
 from server.worker.scoring import PromptScores, head_slices, score_chunks, unpack, wants_scores
+from server.worker.spec.verify import verify_parts, verify_rows
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None
+        self.verify_graphs = None  # a speculative step's (server/worker/spec/verify.py), where speculation is on
         self.rng = random.Random()  # the noise keys of unseeded sampled rows (kernels/sampling_noise.py)
         self.on_cuda = device.type == "cuda"
         # The last step's sampled ids stay here, on the device, for the next step's placeholders.
@@ -80,7 +82,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
-        self.graphs = self.prefill_graphs = self.choice_graphs = None
+        self.graphs = self.prefill_graphs = self.choice_graphs = self.verify_graphs = None
         self.kv_caches = []
         if self.peers is not None:
             self.peers.close()
@@ -108,7 +110,8 @@ class ModelRunner:
                 self.prefill_graphs.on_replay = self.peers.replayer(self.prefill_graphs, prefill=True)
 
     # -- one step -----------------------------------------------------------------------------
-    def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepHandle:
+    def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
+               verifies: list[ScheduledChunk] | None = None) -> StepHandle:
         """Enqueue one step on the device and return without waiting for it: the sampled ids (and
         logprobs) are on their way to pinned host memory; `collect()` waits for them. Sampled ids
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens.
@@ -120,20 +123,29 @@ class ModelRunner:
         logprobs, or whose logits are edited otherwise (logit_bias, min_tokens: server/worker/logits.py),
         runs the general sampler. A step with a grammar-constrained row carries a `GrammarFill` and
         returns after the forward: the engine hands the fill to its grammar job, then calls
-        `complete` (server/worker/grammar_rows.py, server/worker/choice.py)."""
+        `complete` (server/worker/grammar_rows.py, server/worker/choice.py).
+
+        `verifies`: a speculative step's proposals, chunks whose every position samples; their rows
+        come after the decodes' (server/worker/spec/verify.py)."""
         self._resolve()  # on the CPU, the last step's constrained choice: this forward reads its ids
         with torch.inference_mode():
-            rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
+            positions = offsets = None
+            if verifies:
+                rows, positions, offsets = verify_rows(decodes, verifies, prefills)
+            else:
+                rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
             # Planned before the forward: a new penalized row's count slot is set up first, and
             # the decode graph makes the plan's choice itself where it can (plan.choice).
-            plan = None if all(s.plain for s in rows) else self._plan(rows)
+            plan = None if all(s.plain for s in rows) else self._plan(rows, offsets)
             # (not a constrained step's: its masks come after the forward, and a penalized row's
             # choice must not be counted before the grammar has had its say)
             choice = plan.choice if plan is not None and not plan.structured else None
             chosen = 0  # rows whose choice the decode graph made
             graph_size = 0
-            if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
+            if verifies:
+                parts = verify_parts(self, decodes, verifies, prefills)
+            elif self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
@@ -157,8 +169,8 @@ class ModelRunner:
             if plan is not None:
                 handle.controls = plan.controls
                 # each row's position: its last input token's (the sampler's noise counter)
-                handle.positions = ([it.start + it.num_tokens - 1 for it in decodes]
-                                    + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
+                handle.positions = positions or ([it.start + it.num_tokens - 1 for it in decodes]
+                                                 + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
                 if plan.structured:
                     if self.grammar is None:
                         self.grammar = GrammarBuffers(self.grammar_memory, self.device)
@@ -176,7 +188,7 @@ class ModelRunner:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
 
-    def _plan(self, rows: list[SeqState]) -> RowsPlan:
+    def _plan(self, rows: list[SeqState], offsets: list[int] | None = None) -> RowsPlan:
         """How the step's rows choose their tokens, and their logits controls (server/worker/logits.py).
         Decoding steps keep the same rows step after step, and a row's parameters, bias and penalty
         slot do not change while its sequence runs: the previous step's plan serves again when the
@@ -189,6 +201,8 @@ class ModelRunner:
         params = [s.params for s in rows]
         # Sampled so far, in-flight placeholders included (this step's is added after launch).
         sampled = [len(s.token_ids) - len(s.prompt_token_ids) for s in rows]
+        if offsets is not None:  # a verification's row i samples its sequence's i-th token from here
+            sampled = [n + i for n, i in zip(sampled, offsets)]
         pending = any(n < p.min_tokens for n, p in zip(sampled, params))
         controls = None
         if any(p.processes_logits for p in params):
@@ -303,14 +317,15 @@ class ModelRunner:
         else:
             out.copy_(raw[:, : self.model.vocab_size].argmax(dim=-1))
 
-    def _prefill(self, prefills: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
+    def _prefill(self, prefills: list[ScheduledChunk], row0: int, graphs=None, rows: int = 0) -> torch.Tensor | None:
         """Raw logits of the prefill chunks that sample (greedy ids into last_ids from row row0):
-        from a captured graph where one fits (and no chunk scores its prompt)."""
-        if (self.prefill_graphs is not None and self.prefill_graphs.fits(prefills)
-                and not any(map(wants_scores, prefills))):
-            logits = self.prefill_graphs.run(prefills, self.block_size)
+        from a captured graph where one fits (and no chunk scores its prompt). `graphs`, `rows`: a
+        speculative step's verification graphs and its rows (server/worker/spec/verify.py)."""
+        graphs = graphs or self.prefill_graphs
+        if graphs is not None and graphs.fits(prefills, rows) and not any(map(wants_scores, prefills)):
+            logits = graphs.run(prefills, self.block_size)
             if logits is not None:
-                self.last_ids[row0 : row0 + logits.shape[0]].copy_(self.prefill_graphs.ids[: logits.shape[0]])
+                self.last_ids[row0 : row0 + logits.shape[0]].copy_(graphs.ids[: logits.shape[0]])
             return logits
         return self._eager(prefills, [], row0)
 
