@@ -15,8 +15,8 @@ from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key,
 from server.api.reasoning import REASONING_PARSERS
 from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS,
-                           EngineConfig, SpeculativeConfig)
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE, QUANTIZATION_METHODS,
+                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
 
 
 def device(text: str) -> str:
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "activations per token); a quantized checkpoint's format is read from its config.json")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=Bound(int, 1, MAX_TENSOR_PARALLEL_SIZE),
+                   default=d.tensor_parallel_size,
+                   help="GPUs (cuda:0..N-1, or from --device's index) that split the model, each holding 1/N of "
+                        "its attention heads and MLP, one process each (on the CPU: N processes over gloo)")
+    p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                   help="auto: the checkpoint's weight files; dummy: random weights at the checkpoint's shape, "
+                        "from its config.json alone (benchmarks without the weight files)")
     p.add_argument("--block-size", type=Bound(int, 1, 256, power_of_two=True), default=d.block_size,
                    help="tokens per KV block")
     p.add_argument("--num-blocks", type=Bound(int, 1), default=d.num_blocks,

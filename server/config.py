@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
+MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
 # --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
@@ -53,6 +55,10 @@ class EngineConfig:
     # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
+    # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
+    # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)
     # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its
     # quantization_config); "fp8" also quantizes a 16-bit checkpoint at load (--quantization)
     quantization: str | None = None

@@ -266,6 +266,8 @@ class LLMEngine:
                 self.speculator.extend(batch, len(self.scheduler.running))
             launched = (batch, self.runner.launch(batch.prefills, batch.decodes, batch.verifies))
         except Exception as e:
+            if self.config.tensor_parallel_size > 1:  # the other ranks may wait in the step's collectives for good
+                raise EngineFatalError(f"a step failed under tensor parallelism, which cannot go on: {e!r}") from e
             return LaunchFailure(batch, e)
         self.scheduler.after_step(batch)
         max_len = self.max_model_len

@@ -25,6 +25,11 @@ large share of the engine's time. Padding tokens write no K/V and belong to no s
 attention backend may keep a per-step work map in the graph's inputs (the Triton backend's tile
 map, with idle tiles: models/attention/triton_backend.py); backends whose prefill reads host values
 (eager, sdpa) are not captured. Larger steps run eagerly: their GPU time dwarfs the launches.
+
+Under tensor parallelism every rank captures the same graphs (their all-reduces and gathers
+included), and before rank 0 replays one, `on_replay` sends the other ranks the inputs it filled
+(`exported`: the sections before the page tables, and the page tables' rows and columns in use),
+which each loads into its own buffers and replays (`replay_exported`; server/worker/parallel/).
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ def batch_ladder(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def export_rows(host: np.ndarray, head: int, tables: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """A graph's filled inputs: host[:head] (every section before the page tables), then the first
+    `width` entries of the first `rows` page-table rows."""
+    return np.concatenate([host[:head], tables[:rows, :width].reshape(-1)])
+
+
+def load_rows(host: np.ndarray, head: int, tables: np.ndarray, rows: int, width: int, words: np.ndarray) -> None:
+    """export_rows' words into another rank's host buffer of the same layout."""
+    host[:head] = words[:head]
+    tables[:rows, :width] = words[head:].reshape(rows, width)
 
 
 def capture_ladder(sizes: list[int], forward, device: torch.device, inputs=None) -> dict:
@@ -89,6 +106,9 @@ class DecodeGraphs:
         # Per host buffer: the version of the page table each row holds a copy of (kvcache.SeqBlocks:
         # a version names one page table's contents, whichever sequence it belongs to).
         self._copied = [[0] * b for _ in self.staging.hosts]
+        # Tensor parallelism, rank 0: called with (size, page-table rows, their width) before each
+        # replay, to send the other ranks the inputs (exported) (server/worker/parallel/)
+        self.on_replay = None
 
     def _views(self, buf):
         """(ids, positions, slots, context_lens, penalty slots, 1/temperature, noise keys, block
@@ -169,9 +189,27 @@ class DecodeGraphs:
         bt[n:size, 0] = 0
         copied[n:size] = [0] * (size - n)
         self.staging.upload()
+        if self.on_replay is not None:
+            self.on_replay(size, size, int(p.max()) // block_size + 1 if n else 1)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
+
+    def exported(self, rows: int, width: int) -> np.ndarray:
+        """The inputs run() filled last (host words), for replay_exported on another rank."""
+        host = self.staging.host_nps[self.staging.turn]
+        return export_rows(host, 10 * self._b, self._views(host)[7], rows, width)
+
+    def replay_exported(self, size: int, rows: int, width: int, words: np.ndarray) -> None:
+        """Another rank's run() (its exported inputs) here: fill, upload, replay the graph of `size`.
+        The choice in this rank's graph is greedy whatever rank 0's was: only rank 0 has the token
+        counts a penalized row reads (this rank's tables are empty), and only its choice is used."""
+        host = self.staging.next_host()
+        load_rows(host, 10 * self._b, self._views(host)[7], rows, width, words)
+        _, _, _, _, pslots, inv_t, _, _, _, _ = self._views(host)
+        pslots[:], inv_t[:] = -1, 0.0
+        self.staging.upload()
+        self.graphs[size][0].replay()
 
 
 PREFILL_GRAPH_SEQS = 16  # chunks one captured prefill step holds; a step with more runs eagerly
@@ -209,6 +247,7 @@ class PrefillGraphs:
         self.staging = Staging(size, device)
         self.ids = torch.zeros(r, dtype=torch.int32, device=device)  # greedy id of each sampled row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.on_replay = None  # as DecodeGraphs
 
     def _views(self, buf):
         o = self.offsets
@@ -273,6 +312,20 @@ class PrefillGraphs:
         self._fill(self.staging.next_host(), t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,
                    pf.ends)
         self.staging.upload()
+        if self.on_replay is not None:
+            self.on_replay(t, len(pf.tables), max(map(len, pf.tables)))
         graph, logits = self.graphs[t]
         graph.replay()
         return logits[: len(pf.ends)] if pf.ends else None
+
+    def exported(self, rows: int, width: int) -> np.ndarray:
+        """As DecodeGraphs.exported."""
+        host = self.staging.host_nps[self.staging.turn]
+        return export_rows(host, self.offsets[8], self._views(host)[8], rows, width)
+
+    def replay_exported(self, size: int, rows: int, width: int, words: np.ndarray) -> None:
+        """As DecodeGraphs.replay_exported (the prefill graph's choice is greedy on every rank)."""
+        host = self.staging.next_host()
+        load_rows(host, self.offsets[8], self._views(host)[8], rows, width, words)
+        self.staging.upload()
+        self.graphs[size][0].replay()

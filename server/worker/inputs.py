@@ -82,9 +82,13 @@ class Staging:
             self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
 
 
+Spans = dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape) of each array a pack laid out
+
+
 class Packer:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.staging = Staging(capacity, device)
+        self.used, self.spans = 0, {}  # the last pack's words and where its arrays lie in them
 
     def pack(self, **arrays) -> dict[str, torch.Tensor]:
         """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; a
@@ -100,8 +104,23 @@ class Packer:
             spans[name] = (off, a.shape)
             off += align16(n)  # every array starts on a 16-byte boundary
         self.staging.upload(off)
+        self.used, self.spans = off, spans
+        return self._views(spans)
+
+    def _views(self, spans: Spans) -> dict[str, torch.Tensor]:
         dev = self.staging.dev
-        return {name: dev[o : o + int(np.prod(shape))].view(shape) for name, (o, shape) in spans.items()}
+        return {name: dev[o : o + int(np.prod(shape))].view(tuple(shape)) for name, (o, shape) in spans.items()}
+
+    def packed(self) -> tuple[np.ndarray, Spans]:
+        """The last pack's words (host) and spans: what the other ranks of a tensor-parallel group
+        load into their own packers (server/worker/parallel/)."""
+        return self.staging.host_nps[self.staging.turn][: self.used], self.spans
+
+    def load(self, words: np.ndarray, spans: Spans) -> dict[str, torch.Tensor]:
+        """Another packer's pack (`packed`) into this one: the same views, over this device's copy."""
+        self.staging.next_host()[: len(words)] = words
+        self.staging.upload(len(words))
+        return self._views(spans)
 
 
 def pad_rows(rows: list[list[int]], width: int) -> np.ndarray:
@@ -200,9 +219,14 @@ def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[S
     if extra.keys() & arrays.keys():
         raise ValueError(f"backend arrays {sorted(extra.keys() & arrays.keys())} clash with the step's own")
     arrays.update(extra)
-    v = packer.pack(**arrays)
-    rows = StepRows(v["slot_mapping"], offset, cu_seqlens=v.get("cu_seqlens"), prefix_lens=v.get("prefix_lens"),
-                    prefill_block_tables=v.get("prefill_block_tables"), chunk_lens=pf.lens, chunk_prefix=pf.prefix,
-                    context_lens=v.get("context_lens"), decode_block_tables=v.get("decode_block_tables"),
-                    extra={name: v[name] for name in extra})
+    return step_inputs(packer.pack(**arrays), offset, pf.lens, pf.prefix, list(extra))
+
+
+def step_inputs(v: dict[str, torch.Tensor], num_prefill_tokens: int, chunk_lens: list[int], chunk_prefix: list[int],
+                extra: list[str]) -> StepInputs:
+    """A packed step's views (by name) as the model reads them; `extra`: the backend's own arrays."""
+    rows = StepRows(v["slot_mapping"], num_prefill_tokens, cu_seqlens=v.get("cu_seqlens"),
+                    prefix_lens=v.get("prefix_lens"), prefill_block_tables=v.get("prefill_block_tables"),
+                    chunk_lens=chunk_lens, chunk_prefix=chunk_prefix, context_lens=v.get("context_lens"),
+                    decode_block_tables=v.get("decode_block_tables"), extra={name: v[name] for name in extra})
     return StepInputs(v["input_ids"], v["positions"], rows, v["ends"])

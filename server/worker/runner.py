@@ -8,6 +8,10 @@ replays both. Anything else runs eagerly.
 
 The runner speaks only the model contract (models/base.py): `forward`, `lm_head`, `spec`, and the
 model's attention backend for metadata and warm-up.
+
+Under tensor parallelism this is rank 0's runner: `peers` (server/worker/parallel/) sends each
+forward's packed inputs to the other ranks, whose runners run the same forward on their shards
+(graph replays through the graphs' `on_replay`, eager steps here); this rank alone chooses tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from server.worker.grammar_rows import GrammarBuffers, GrammarFill, MaskMemory
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
-from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
+from server.worker.scoring import PromptScores, head_slices, score_chunks, unpack, wants_scores
 from server.worker.spec.verify import verify_parts, verify_rows
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
@@ -65,6 +69,7 @@ class ModelRunner:
         self.grammar: GrammarBuffers | None = None  # made by the first constrained step
         self.choice_graphs: ChoiceGraphs | None = None  # likewise, where decode graphs run
         self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
+        self.peers = None  # tensor parallelism, rank 0: the other ranks (server/worker/parallel/peers.py)
 
     # -- start-up (the runs before serving: server/worker/warmup.py) ---------------------------
     def forward(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
@@ -79,6 +84,9 @@ class ModelRunner:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
         self.graphs = self.prefill_graphs = self.choice_graphs = self.verify_graphs = None
         self.kv_caches = []
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         if self.grammar is not None:
             self.grammar.close()
             self.grammar = None
@@ -96,6 +104,10 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.max_tokens, self.max_blocks,
                                                 self.device)
             self.prefill_graphs.capture()
+        if self.peers is not None:  # the other ranks replay what this one does
+            self.graphs.on_replay = self.peers.replayer(self.graphs, prefill=False)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.on_replay = self.peers.replayer(self.prefill_graphs, prefill=True)
 
     # -- one step -----------------------------------------------------------------------------
     def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
@@ -321,8 +333,11 @@ class ModelRunner:
         """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
         step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
+        scored = any(map(wants_scores, prefills))
+        if self.peers is not None:  # the other ranks' same forward and LM-head calls
+            self.peers.eager(self.packer, step.rows, head_slices(prefills) if scored else [])
         hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
-        if any(map(wants_scores, prefills)):
+        if scored:
             self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda,
                                         self.model.deterministic)
         if not len(step.ends):
