@@ -63,14 +63,20 @@ LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weight files; dummy: 
 
 
 class LazyTensors(Mapping):
-    """A checkpoint's tensors by name, each read when it is asked for (`get(name)` reads tensor
-    `name`); iterating yields the names in `names`' order."""
+    """A checkpoint's tensors by name, each read when it is asked for (`read(name)` reads tensor
+    `name`); iterating yields the names in `names`' order. Mapping's own `get` (None for a missing
+    name) stays: the quantization formats probe optional tensors with it."""
 
-    def __init__(self, names: list[str], get) -> None:
-        self.names, self.get = names, get
+    def __init__(self, names: list[str], read) -> None:
+        self.names, self._read, self._known = names, read, set(names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.get(name)
+        if name not in self._known:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

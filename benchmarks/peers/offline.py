@@ -98,7 +98,7 @@ def run_throughput(engine, task: dict) -> dict:
         runs.append((dt, tokens))
     dt, tokens = sorted(runs)[len(runs) // 2]
     return dict(task=task["name"], kind="throughput", requests=len(prompts), output_tokens=tokens,
-                input_tokens=sum(map(len, prompts)), temperature=temp, seconds=round(dt, 3),
+                input_tokens=sum(map(len, prompts)), temperature=temp, seconds=round(dt, 6),
                 output_tokens_per_s=round(tokens / dt, 1), runs_tokens_per_s=[round(t / d, 1) for d, t in runs])
 
 

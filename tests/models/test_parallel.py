@@ -65,7 +65,9 @@ def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
             model = load_model(path, torch.float32, "cpu", "sdpa", load_format=load_format)
             logits = prefill_logits(model, IDS)
             if rank == 0:
-                out.put((name, logits, (model.spec.num_heads, model.spec.num_kv_heads)))
+                # numpy, not tensors: a torch queue shares a tensor's storage through a descriptor
+                # the rank must outlive, and the ranks exit before the test reads everything
+                out.put((name, logits.numpy(), (model.spec.num_heads, model.spec.num_kv_heads)))
         x = torch.tensor([[1.0 + rank, 1e-8 * rank]])
         summed = tp.all_reduce(x.clone(), invariant=True), tp.all_reduce(x.clone())
         gathered = tp.gather_columns(torch.full((2, 3), float(rank)))
@@ -73,7 +75,7 @@ def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
         tp.broadcast(ids)
         if rank == 1:
             head = whole.lm_head(torch.zeros(2, whole.spec.hidden_size))  # its own head: no gather
-            out.put(("collectives", summed, gathered, ids, head.shape[1]))
+            out.put(("collectives", tuple(t.numpy() for t in summed), gathered.numpy(), ids.numpy(), head.shape[1]))
     finally:
         close_tensor_parallel()
 
@@ -114,11 +116,12 @@ def test_two_ranks_give_the_whole_models_logits(cases):
     for name, path, load_format in cases:
         whole = load_model(path, torch.float32, "cpu", "sdpa", load_format=load_format)
         ref = prefill_logits(whole, IDS)
-        logits, heads = got[name]
+        logits, heads = torch.from_numpy(got[name][0]), got[name][1]
         assert heads == (whole.spec.num_heads // 2, max(1, whole.spec.num_kv_heads // 2)), name
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4, msg=name)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1)), name
     (plain_sum, ordered_sum), gathered, ids, whole_columns = got["collectives"]
+    plain_sum, ordered_sum = torch.from_numpy(plain_sum), torch.from_numpy(ordered_sum)
     assert whole_columns == vocab_rows(load_model(cases[0][1], torch.float32, "cpu", "sdpa").vocab_size, 1)
     assert torch.equal(plain_sum, ordered_sum) and torch.equal(plain_sum, torch.tensor([[3.0, 1e-8]]))
     assert gathered.tolist() == [[0, 0, 0, 1, 1, 1]] * 2  # rank r's columns at r * cols
