@@ -29,6 +29,9 @@ from models.linear import storage_later
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
+EMBEDDED_DRAFT = Path(__file__).parent / "embedded-draft"  # its speculative decoding draft (tools/embedded/)
+# what a pip-installed server names them by (package data: pyproject.toml); a directory of that name wins
+EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT}
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
               "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
               "generation_config.json"]
@@ -43,6 +46,8 @@ def resolve_model_path(model: str | None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if model in EMBEDDED_NAMES:
+        return EMBEDDED_NAMES[model]
     if path.exists() or model.startswith((".", "/")):
         raise FileNotFoundError(f"--model {model!r} is not a model directory")
     from huggingface_hub import snapshot_download
