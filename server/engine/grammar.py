@@ -99,10 +99,18 @@ class Grammars:
         return self.xgr.GrammarMatcher(self.compile(s))
 
     def fill_bitmask(self, matchers: list, bits: np.ndarray, live: np.ndarray,
-                     ended: frozenset[int] = frozenset()) -> list[int]:
+                     ended: frozenset[int] = frozenset(), drafts: list | None = None) -> list[int]:
         """Fill a step's masks: the rows j whose matchers[j] is live (not None, and not in `ended`:
         the ids of matchers that just took an end token) get what they allow next in bits[j] and
-        live[j] = 1; every other row live[j] = 0 (left alone). Returns the live rows."""
+        live[j] = 1; every other row live[j] = 0 (left alone). Returns the live rows. `drafts`: a
+        speculative step's verifications (server/engine/spec/), (row, proposals) each: the row is
+        filled as any row, row + i with what its matcher allows after proposals 1..i. Rows past a
+        proposal it rejects, or past its end, stay live 0: the choice before them, masked, cannot
+        be that proposal, so no accepted run reaches them."""
+        if drafts:
+            matchers = list(matchers)
+            for row, proposals in drafts:  # the rows after the first: filled after the proposals
+                matchers[row + 1 : row + 1 + len(proposals)] = [None] * len(proposals)
         rows = [j for j, m in enumerate(matchers) if m is not None and id(m) not in ended]
         live[: len(matchers)] = 0
         if not rows:
@@ -112,9 +120,33 @@ class Grammars:
         else:
             self.batch.batch_fill_next_token_bitmask([matchers[j] for j in rows], bits, rows)
         live[rows] = 1
+        for row, proposals in drafts or ():
+            if matchers[row] is not None and live[row]:
+                self.valid_prefix(matchers[row], proposals, (bits, live, row))
         if self.end is not None:
             self._end_dead_ends(bits, live, len(matchers))
         return rows
+
+    @staticmethod
+    def valid_prefix(matcher, proposals: list[int], fill: tuple | None = None) -> int:
+        """How many leading proposals the matcher accepts (until one it rejects, or its end); it
+        takes them (`accept_token`) and gives them back (`rollback`): it advances over an accepted
+        run only, with the step's ids. `fill` (bits, live, row): row + i gets the mask after the
+        i-th (live 1), unless the matcher ended there."""
+        if matcher is None:
+            return 0
+        taken = 0
+        for t in proposals:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
+            taken += 1
+            if fill is not None and not matcher.is_terminated():
+                bits, live, row = fill
+                matcher.fill_next_token_bitmask(bits, row + taken)
+                live[row + taken] = 1
+        if taken:
+            matcher.rollback(taken)
+        return taken
 
     def _end_dead_ends(self, bits: np.ndarray, live: np.ndarray, n: int) -> None:
         """A grammar that allows nothing (e.g. {"anyOf": []}, or `root ::= root`) may still compile;
@@ -133,14 +165,19 @@ class Grammars:
             row[:] = 0
             row[self.end // 32] = _word(1 << (self.end % 32))
 
-    def accept(self, matchers: list, tokens: list[int]) -> frozenset[int]:
+    def accept(self, matchers: list, tokens: list[int], runs: bool = False) -> frozenset[int]:
         """Advance each matcher by its sequence's sampled token (the masks allowed only what it
         accepts), in one call into XGrammar when there are several. Returns the ids of the matchers
         that took an end token: they have terminated, and the engine finishes their sequences.
         (The engine never hands a terminated matcher back, so nothing here asks XGrammar whether
-        one is: 64 calls into XGrammar a step saved.)"""
+        one is: 64 calls into XGrammar a step saved.) `runs`: a speculative step's ids, where a
+        matcher comes once per token of its sequence's accepted run, in order (none past its end)."""
         if len(matchers) == 1:
             matchers[0].accept_token(tokens[0])
+        elif runs:  # a speculative step's: a verification's run is one matcher's, in order
+            for m, t in zip(matchers, tokens):
+                if not m.is_terminated():
+                    m.accept_token(t)
         elif matchers:
             self.accept_batch(matchers, tokens)
         stop = self.stop_token_ids

@@ -13,7 +13,7 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
 (`MaskLayout`, server/worker/grammar_rows.py).
   engine -> process: ("add", key, kind, spec)  compile (on a thread of its own: a new schema takes
                                                tens of milliseconds) and make key's matcher
-                     ("job", step, adds, drops, tokens, rows)
+                     ("job", step, adds, drops, tokens, rows, drafts)
                                                first make the matchers `adds` ([(key, kind, spec)]:
                                                specs this process compiled before, a cache hit)
                                                and drop the matchers `drops` (their sequences
@@ -23,7 +23,10 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
                                                unconstrained rows skipped); then (step not None)
                                                fill the step's masks, row j from matcher rows[j]
                                                (-1: unconstrained; rows None: the last fill's
-                                               rows), and write the step to the flag
+                                               rows), and write the step to the flag; `drafts`:
+                                               its verifications (server/engine/spec/), whose
+                                               ids next job are each one's run, then -1
+                     ("check", ref, [(key, proposals)])  how many proposals each matcher accepts
                      ("fail_at", n)            tests: the n-th fill from now fails (0: none)
                      ("count",)                tests: how many matchers the process holds
   process -> engine: ("added", key, error)     error None, or what is wrong with the spec
@@ -31,6 +34,7 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
                                                is left alone; the engine fails its request)
                      ("failed", step, message) a job failed (its rows left alone, live 0)
                      ("count", n, None)        the answer to "count"
+                     ("checked", ref, counts)  the answer to "check"
 A fill that succeeds sends nothing: its flag is the answer (the device reads it; the engine reads
 it after collecting the step). A failed one writes its step to the second flag first.
 Why adds and drops ride on the jobs: a batch of 64 requests of one schema cost 128 messages of
@@ -67,6 +71,7 @@ log = logging.getLogger("flashpage.grammar")
 ENTRY = "import sys; from server.engine.grammar_process import main; main(sys.argv[1:])"  # the process's
 START_TIMEOUT_S = 120.0  # a matcher's first reply waits for the process's start (imports, tokenizer)
 READY_SPECS = 1024  # the specs the engine remembers the process compiled (least recently used go)
+CHECK_TIMEOUT_S = 2.0  # a speculative step's wait for its proposals' check (then none of them stands)
 
 
 def mask_memory(rows: int, covered: int, alive: Callable[[], bool]) -> tuple[int, MaskMemory]:
@@ -105,6 +110,8 @@ class GrammarProcess:
         self.adds: list[tuple[int, str, str]] = []  # matchers to make (key, kind, spec), with the next job
         self.drops: list[int] = []  # and matchers to drop
         self.count: int | None = None  # the last answer to "count"
+        self.checked: dict[int, list[int]] = {}  # the answers to "check", by their number
+        self.checks = 0  # the last check's number
         self.filled: list | None = None  # the sequences of the last fill's rows (the process has their keys)
         self.sent = 0  # the last step sent to be filled
 
@@ -132,6 +139,8 @@ class GrammarProcess:
                     self.broken[ref] = text
                 elif kind == "count":
                     self.count = ref
+                elif kind == "checked":
+                    self.checked[ref] = text
                 else:
                     self.failures[ref] = text
                     if ref is None:
@@ -169,20 +178,37 @@ class GrammarProcess:
                 return
         self.drops.append(key)
 
-    def job(self, step: int | None, tokens: list[int] | None, seqs: list | None = None) -> None:
+    def job(self, step: int | None, tokens: list[int] | None, seqs: list | None = None,
+            drafts: list[tuple[int, list[int]]] | None = None) -> None:
         """`tokens`: the ids the last filled step sampled, one a row (its matchers take them);
         `step`, `seqs`: a step to fill and its rows' sequences (their `grammar` keys). The rows go
         only when they changed: a decoding batch keeps its sequences step after step, and their
-        keys cost the engine's thread a pass over them and the message a list."""
+        keys cost the engine's thread a pass over them and the message a list. `drafts`: the
+        step's constrained verifications, (first row, proposals) (server/engine/spec/)."""
         adds, drops, self.adds, self.drops = self.adds, self.drops, [], []
         rows = None
         if seqs is not None:
             last, self.filled = self.filled, seqs
             if last is None or len(last) != len(seqs) or not all(map(operator.is_, last, seqs)):
                 rows = [-1 if s.grammar is None else s.grammar for s in seqs]
-        self._send(("job", step, adds, drops, tokens, rows))
+        self._send(("job", step, adds, drops, tokens, rows, drafts))
         if step is not None:
             self.sent = step
+
+    def valid_prefixes(self, drafts: list[tuple[int, list[int]]], timeout: float = CHECK_TIMEOUT_S) -> list[int]:
+        """How many leading proposals of each (key, proposals) its matcher accepts after the ids
+        sent so far; 0 each where the process does not answer in time (they decode a token)."""
+        self.checks = ref = self.checks + 1
+        try:
+            self._send(("check", ref, drafts))
+        except RuntimeError:
+            return [0] * len(drafts)
+        deadline = time.monotonic() + timeout
+        while ref not in self.checked and self.alive and time.monotonic() < deadline:
+            self.drain(0.01)
+        answer = self.checked.pop(ref, None)
+        self.checked.clear()  # (late answers to checks given up on)
+        return answer if answer is not None else [0] * len(drafts)
 
     def abandon(self, step: int | None = None) -> dict[int, str]:
         """The process is gone: every step sent to it and not yet filled (and `step`, whose job
@@ -307,16 +333,18 @@ def serve(conn: Connection, fd: int) -> None:
 
     get = matchers.get
 
-    def advance(rows: list[int], tokens: list[int]) -> frozenset[int]:
+    def advance(rows: list[int], tokens: list[int], runs: bool) -> frozenset[int]:
         # Skipped: unconstrained rows (-1), matchers dropped since (their sequences ended), and
-        # those of a job's adds that could not be made (held as None; reported).
+        # those of a job's adds that could not be made (held as None; reported); after a
+        # speculative step, a verification's rows past its accepted run (id -1).
         ms = [get(k) for k in rows]
-        if None in ms:
-            tokens = [t for m, t in zip(ms, tokens) if m is not None]
-            ms = [m for m in ms if m is not None]
-        return grammars.accept(ms, tokens) if ms else frozenset()
+        if None in ms or runs:
+            kept = [(m, t) for m, t in zip(ms, tokens) if m is not None and t >= 0]
+            ms, tokens = [m for m, _ in kept], [t for _, t in kept]
+        return grammars.accept(ms, tokens, runs) if ms else frozenset()
 
     filled: list[int] | None = None  # the last fill's rows: whose matchers the next ids advance
+    runs = False  # the last fill had verifications: its ids are runs
     fills, fail_at = 0, 0
     while True:
         try:
@@ -325,20 +353,21 @@ def serve(conn: Connection, fd: int) -> None:
             os._exit(0)  # at once: an interpreter's teardown (torch, XGrammar) takes CPU a busy host lacks
         kind = msg[0]
         if kind == "job":
-            _, step, adds, drops, tokens, rows = msg
+            _, step, adds, drops, tokens, rows, drafts = msg
             for key, spec_kind, spec in adds:  # compiled before: XGrammar's cache, ~10 us each
                 matchers[key], error = matcher(StructuredOutput(spec_kind, spec))
                 if error is not None:  # held as None: its row is left alone until the engine drops it
                     reply(("broken", key, error))
             for key in drops:
                 drop(key)
-            taking = filled  # the rows whose ids `tokens` are
+            taking, taking_runs = filled, runs  # the rows whose ids `tokens` are
             if step is not None:
                 filled = filled if rows is None else rows
+                runs = bool(drafts)
             try:
                 if tokens is not None and taking is None:
                     raise RuntimeError("ids for matchers this process never filled (it started since)")
-                ended = advance(taking, tokens) if tokens else frozenset()
+                ended = advance(taking, tokens, taking_runs) if tokens else frozenset()
                 if step is not None:
                     fills += 1
                     if fills == fail_at:
@@ -346,7 +375,7 @@ def serve(conn: Connection, fd: int) -> None:
                     if filled is None:
                         raise RuntimeError("no rows to fill")
                     grammars.fill_bitmask([None if r < 0 else matchers[r] for r in filled], bitss[step % 2],
-                                          lives[step % 2], ended)
+                                          lives[step % 2], ended, drafts)
             except Exception as e:  # noqa: BLE001 - the step fails, the process goes on
                 if step is not None:
                     lives[step % 2][: len(filled or ())] = 0
@@ -362,6 +391,8 @@ def serve(conn: Connection, fd: int) -> None:
             fail_at = fills + msg[1] if msg[1] else 0
         elif kind == "count":
             reply(("count", len(matchers), None))
+        elif kind == "check":
+            reply(("checked", msg[1], [grammars.valid_prefix(get(key), p) for key, p in msg[2]]))
 
 
 def main(argv: list[str]) -> None:

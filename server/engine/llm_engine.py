@@ -24,7 +24,7 @@ from server.engine.outputs import EngineSnapshot, RequestOutput
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
-from server.engine.spec import Speculator
+from server.engine.spec import make_speculator
 from server.engine.grammar import Grammars
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
@@ -62,9 +62,7 @@ class LLMEngine:
         self.quantization, self.weight_bytes = worker.weights.quantization, worker.weights.bytes
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config)
-        # speculative decoding (server/engine/spec/): None when off
-        self.speculator = (Speculator(config, self.block_manager, self.max_model_len, worker.draft)
-                           if config.speculative_config is not None else None)
+        self.speculator = make_speculator(config, self.block_manager, self.max_model_len, worker)  # None: off
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
         eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
@@ -237,10 +235,7 @@ class LLMEngine:
         expired = self._expire() if self.deadlines else []
         if self.compiling:
             expired += self._compiled(wait=not self.scheduler.running and self.inflight is None)
-        if self.speculator is not None and self.inflight is not None and (
-                self.inflight[0].verifies or self.speculator.wants(self.scheduler.running)):
-            # a speculative step continues its sequences' known tokens, and the step after one
-            # cannot stand placeholders for a run of unknown length: the step in flight first
+        if self.speculator is not None and self.speculator.finish_first(self.inflight, self.scheduler.running):
             expired += self._finish(self.inflight)
         launched = self._launch()
         if isinstance(launched, LaunchFailure):
@@ -263,7 +258,7 @@ class LLMEngine:
             if self.faults is not None:
                 self.faults.before_step(batch)
             if self.speculator is not None:
-                self.speculator.extend(batch, len(self.scheduler.running))
+                self.speculator.extend(batch, len(self.scheduler.running), self._grammars)
             launched = (batch, self.runner.launch(batch.prefills, batch.decodes, batch.verifies))
         except Exception as e:
             if self.config.tensor_parallel_size > 1:  # the other ranks may wait in the step's collectives for good
@@ -286,8 +281,9 @@ class LLMEngine:
         if tokens is None and handle is None:
             return
         step = None if handle is None else handle.grammar.step
+        drafts = self.speculator.grammar_drafts(launched[0]) if handle is not None and launched[0].verifies else None
         try:  # (the process the rows were sent to: a dead one is replaced only by the next request)
-            self._grammars.job(step, tokens, None if handle is None else handle.rows)
+            self._grammars.job(step, tokens, None if handle is None else handle.rows, drafts)
         except RuntimeError as e:  # the process is gone: this step and those it owed fail when collected
             log.error("%s", e)
             self._grammars.abandon(step)
@@ -318,17 +314,18 @@ class LLMEngine:
             self._submit_grammar(None, fill)
             return self._fail_step(batch, e)
         self.consecutive_step_failures = 0
+        grammar_ids = result.token_ids if handle.grammar is not None else None
+        rows, ids, top = handle.rows, result.token_ids, result.logprobs
+        if batch.verifies:  # each verification's rows become its accepted run (server/engine/spec/)
+            rows, ids, top, grammar_ids = self.speculator.settle(batch, rows, ids, top, grammar_ids)
         # the grammars take the ids first: the step just launched waits for them
-        self._submit_grammar(result.token_ids if handle.grammar is not None else None, fill)
+        self._submit_grammar(grammar_ids, fill)
         outputs = []
         if broken:  # (after the job: the step just launched has their rows; their tokens are dropped)
             outputs = [self._fail(seq, f"the request's grammar failed: {broken[seq.grammar]}")
                        for seq in handle.rows if seq.grammar in broken and seq.status is not Status.FINISHED]
         now = time.monotonic()
         advance = self._advance
-        rows, ids, top = handle.rows, result.token_ids, result.logprobs
-        if batch.verifies:  # each verification's rows become its accepted run (server/engine/spec/)
-            rows, ids, top = self.speculator.settle(batch, rows, ids, top)
         for seq, first, entries in result.prompt_logprobs:
             have = len(seq.prompt_logprobs)  # a recompute after preemption scores positions again
             seq.prompt_logprobs += entries[have - first :] if first <= have else []

@@ -62,6 +62,7 @@ class TokenCounts:
         # Released slots are reused only after the next step's update: a step launched before a
         # sequence finished may still add its last (discarded) id to the slot.
         self.released: list[int] = []
+        self.scratched: list[int] = []  # a verification's per-row slots this step (server/worker/spec/penalties.py)
         self.ones = torch.ones(0, dtype=torch.int32, device=device)  # what add() adds, kept between steps
         # The tables' device addresses, through which the decode graphs' penalized argmax reads them
         # (kernels/argmax.py `penalty`): rewritten when the tables grow, so no graph holds a stale one.
@@ -80,6 +81,14 @@ class TokenCounts:
         self.in_prompt[s, to_device(prompt_token_ids, torch.long, self.device)] = True
         self.penalties[s] = to_device([p.repetition_penalty, p.frequency_penalty, p.presence_penalty], torch.float32,
                                       self.device)
+        return s
+
+    def scratch(self) -> int:
+        """A slot for one step, its contents the caller's (server/worker/spec/penalties.py)."""
+        if not self.free:
+            self._grow()
+        s = self.free.pop()
+        self.scratched.append(s)
         return s
 
     def _grow(self) -> None:
@@ -102,10 +111,14 @@ class TokenCounts:
         """counts[slots[i], ids[i]] += 1 (the step's sampled ids, still on the device). index_add_ on
         the flat view: atomic adds, where index_put_(accumulate=True) sorts its indices first."""
         flat = torch.add(ids.long(), slots, alpha=self.vocab_size)
-        if self.ones.numel() < flat.numel():
-            self.ones = torch.ones(max(64, 2 * flat.numel()), dtype=torch.int32, device=self.device)
-        self.counts.view(-1).index_add_(0, flat, self.ones[: flat.numel()])
+        self.counts.view(-1).index_add_(0, flat, self.ones_for(flat.numel()))
         self.updated()
+
+    def ones_for(self, n: int) -> torch.Tensor:
+        """n int32 ones on the device (what an index_add_ of counts adds)."""
+        if self.ones.numel() < n:
+            self.ones = torch.ones(max(64, 2 * n), dtype=torch.int32, device=self.device)
+        return self.ones[:n]
 
     def updated(self) -> None:
         """The step's count update is queued (add, or the greedy path's kernel): slots released
@@ -130,9 +143,10 @@ class StepControls:
     @staticmethod
     def build(params: list[SamplingParams], sampled: list[int], request_ids: list[str],
               prompts: list[list[int]], stop_ids: frozenset[int], counts: TokenCounts | None,
-              device: torch.device) -> StepControls:
+              device: torch.device, slots: dict[int, int] | None = None) -> StepControls:
         """`sampled[r]`: tokens row r's sequence had sampled before this step; `stop_ids`: the
-        model's end-of-sequence ids (min_tokens holds them back with the row's stop_token_ids)."""
+        model's end-of-sequence ids (min_tokens holds them back with the row's stop_token_ids);
+        `slots`: rows whose penalties read another slot than their sequence's (a verification's)."""
         out = StepControls()
         b_rows, b_ids, b_vals, m_rows, m_ids, p_rows, p_slots = [], [], [], [], [], [], []
         for r, p in enumerate(params):
@@ -146,7 +160,7 @@ class StepControls:
                 m_ids += held
             if p.penalized and counts is not None:
                 p_rows.append(r)
-                p_slots.append(counts.slot(request_ids[r], prompts[r], p))
+                p_slots.append(slots[r] if slots and r in slots else counts.slot(request_ids[r], prompts[r], p))
         t = lambda xs, dtype=torch.long: to_device(xs, dtype, device)  # noqa: E731
         if b_rows:
             out.bias = (t(b_rows), t(b_ids), t(b_vals, torch.float32))

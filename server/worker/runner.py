@@ -31,7 +31,7 @@ from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
 from server.worker.scoring import PromptScores, head_slices, score_chunks, unpack, wants_scores
-from server.worker.spec.verify import verify_parts, verify_rows
+from server.worker.spec.verify import verify_parts, verify_rows, verify_slots
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
 
@@ -130,14 +130,14 @@ class ModelRunner:
         self._resolve()  # on the CPU, the last step's constrained choice: this forward reads its ids
         with torch.inference_mode():
             positions = offsets = None
+            n_dec = len(decodes)
             if verifies:
                 rows, positions, offsets = verify_rows(decodes, verifies, prefills)
             else:
                 rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
-            n_dec = len(decodes)
             # Planned before the forward: a new penalized row's count slot is set up first, and
             # the decode graph makes the plan's choice itself where it can (plan.choice).
-            plan = None if all(s.plain for s in rows) else self._plan(rows, offsets)
+            plan = None if all(s.plain for s in rows) else self._plan(rows, offsets, verify_slots(self, verifies, n_dec))
             # (not a constrained step's: its masks come after the forward, and a penalized row's
             # choice must not be counted before the grammar has had its say)
             choice = plan.choice if plan is not None and not plan.structured else None
@@ -188,13 +188,16 @@ class ModelRunner:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
 
-    def _plan(self, rows: list[SeqState], offsets: list[int] | None = None) -> RowsPlan:
+    def _plan(self, rows: list[SeqState], offsets: list[int] | None = None,
+              slots: dict[int, int] | None = None) -> RowsPlan:
         """How the step's rows choose their tokens, and their logits controls (server/worker/logits.py).
         Decoding steps keep the same rows step after step, and a row's parameters, bias and penalty
         slot do not change while its sequence runs: the previous step's plan serves again when the
         rows are the same sequences in the same order and none still waits on min_tokens (whose
         held-back ids depend on the count sampled). Building one is a Python pass over the rows and
-        an upload, ~0.1 ms a step at 64 rows; checking the rows is one pass of identity tests."""
+        an upload, ~0.1 ms a step at 64 rows; checking the rows is one pass of identity tests.
+        `slots`: a verification's rows whose penalties read a scratch slot (server/worker/spec/penalties.py),
+        filled anew each step: such a plan is not kept."""
         last = self.last_plan
         if last is not None and len(last.rows) == len(rows) and all(map(operator.is_, last.rows, rows)):
             return last
@@ -207,18 +210,20 @@ class ModelRunner:
         controls = None
         if any(p.processes_logits for p in params):
             controls = StepControls.build(params, sampled, [s.request_id for s in rows],
-                                          [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device)
+                                          [s.prompt_token_ids for s in rows], self.stop_ids, self.counts, self.device,
+                                          slots)
         structured = any(p.structured is not None for p in params)
         # The argmax kernel's own choice: temperature, noise, penalties and a grammar's masks, but no
         # other control, no top-k/top-p (a sort), no logprobs.
         choice = None
         if ((controls is None or (controls.bias is None and controls.masked is None))
                 and all(p.logprobs is None and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)) for p in params)):
-            choice = ArgmaxChoice([self.counts.slots.get(s.request_id, -1) if p.penalized else -1
-                                   for s, p in zip(rows, params)],
+            slot = (slots or {}).get
+            choice = ArgmaxChoice([slot(r, self.counts.slots.get(s.request_id, -1)) if p.penalized else -1
+                                   for r, (s, p) in enumerate(zip(rows, params))],
                                   inverse_temperatures(params), noise_keys(params, self.rng))
         plan = RowsPlan(list(rows), controls, structured=structured, choice=choice)
-        self.last_plan = None if pending else plan
+        self.last_plan = None if pending or slots else plan
         return plan
 
     def complete(self, handle: StepHandle) -> StepHandle:

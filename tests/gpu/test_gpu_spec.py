@@ -74,3 +74,42 @@ def test_llama_family_with_a_smaller_draft(llama_pair):
     _assert_same_greedy(target, prompts, got, ref, "bfloat16")
     assert eng.speculator.counters.drafts > 0
     assert eng.speculator.proposer.runner.graphs is not None  # the draft's decode graphs
+
+
+def test_penalized_and_constrained_rows_speculate_in_graphs(gpt2_ckpt):
+    """Penalized rows (the argmax kernel's penalized choice over scratch count slots) and
+    grammar-constrained rows (masks filled after each proposal, the device waiting for them) verify
+    proposals in the verification graphs beside plain rows: the tokens of decoding without
+    speculation (up to half-precision near-ties: most requests identical), outputs inside their
+    grammar, runs accepted, no block or count slot left."""
+    import re
+
+    from server.sampling_params import StructuredOutput
+
+    regex = "(ab|cd)[a-z]{2,6}(, (ab|cd)[a-z]{2,6}){2,4}"
+    prompts = _prompts(8, 4, 120, seed=23)
+    prompts = [p + p[: len(p) // 2] for p in prompts]
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, frequency_penalty=0.3,
+                             presence_penalty=0.2),
+              SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(max_tokens=64, temperature=0.0, structured=StructuredOutput("regex", regex)),
+              GREEDY] * 2
+
+    def run(spec):
+        cfg = SpeculativeConfig.parse(json.dumps(spec)) if spec else None
+        eng = LLMEngine(EngineConfig(model=str(gpt2_ckpt), device="cuda", dtype="float16", num_blocks=2048,
+                                     speculative_config=cfg, max_num_batched_tokens=256))
+        outs = eng.generate(prompts, params)
+        assert eng.block_manager.check_all_free()
+        return outs, eng
+
+    ref, _ = run(None)
+    got, eng = run({"model": str(gpt2_ckpt), "num_speculative_tokens": 4})
+    assert sum(g.token_ids == r.token_ids for g, r in zip(got, ref)) >= 6
+    for g, p in zip(got, params):
+        if p.structured is not None and g.finish_reason == "stop":
+            assert re.fullmatch(regex, g.text), g.text
+    c = eng.speculator.counters
+    assert c.accepted_tokens > 0 and eng.runner.verify_graphs.graphs
+    assert not eng.runner.counts.slots and not eng.runner.counts.scratched
+    eng.close()

@@ -3,7 +3,7 @@
 (`speculator.py`: which decodes verify proposals, which proposals stand, the KV slots and blocks of
 the rest given back)."""
 
-from server.engine.spec.policy import SpecState, can_speculate
-from server.engine.spec.speculator import SpecCounters, Speculator, VerifySeq, accepted_prefix
+from server.engine.spec.policy import SpecState
+from server.engine.spec.speculator import SpecCounters, Speculator, VerifySeq, accepted_prefix, make_speculator
 
-__all__ = ["SpecCounters", "SpecState", "Speculator", "VerifySeq", "accepted_prefix", "can_speculate"]
+__all__ = ["SpecCounters", "SpecState", "Speculator", "VerifySeq", "accepted_prefix", "make_speculator"]

@@ -15,9 +15,10 @@ Two rules (their defaults are server/config.py's SPEC_* values, with the measure
   is scheduled as any other (asynchronously), so text that offers no n-gram, or a draft that keeps
   missing, costs one probe every SPEC_MAX_BACKOFF steps.
 
-Whether a request can speculate at all is its parameters': penalties need every proposal's counts
-on the device before the next is scored, and structured output would need the grammar advanced over
-proposals inside the grammar process: such rows decode one token a step beside speculating ones.
+Every request may speculate: a penalized one's verification rows read the counts after the proposals
+before them (server/worker/spec/penalties.py), a constrained one's proposals are cut where its
+grammar rejects one and its rows' masks are filled after the proposals before them
+(server/engine/grammar_process.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.config import SPEC_MAX_BACKOFF
-from server.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -36,10 +36,6 @@ class SpecState:
     skip: int = 0  # steps left before it proposes again
     backoff: int = 0  # the length of its last back-off (0: none)
     draft_computed: int = 0  # draft_model: leading tokens whose K/V the draft holds (spec/draft.py)
-
-
-def can_speculate(p: SamplingParams) -> bool:
-    return not p.penalized and p.structured is None
 
 
 def record(st: SpecState, proposed: int, accepted: int, floor: float) -> None:

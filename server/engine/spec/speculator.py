@@ -3,13 +3,16 @@ step's batch, and, once the step's ids are in, which proposals stand.
 
 A step (server/engine/llm_engine.py calls these):
 
-1. `wants(running)`: does some sequence mean to propose? Then the step in flight is finished first
-   (its ids on the host): a proposal continues the sequence's known tokens.
-2. `extend(batch)`: after the scheduler's batch, each decode of a sequence that may speculate gets
+1. `finish_first(inflight, running)`: does some sequence mean to propose (`wants`)? Then the step
+   in flight is finished first (its ids on the host): a proposal continues the sequence's known
+   tokens.
+2. `extend(batch)`: after the scheduler's batch, each decode of a sequence not backing off gets
    room for k more tokens (blocks through the block manager, the step's token budget, the step's
    rows never past max_num_seqs, max_tokens and the context never passed), then the proposer's
-   proposals; a decode with proposals becomes a `VerifySeq` in `batch.verifies` (the worker scores
-   its k + 1 positions: server/worker/spec/verify.py).
+   proposals, a constrained sequence's cut at the first its grammar rejects (the grammar process's
+   check); a decode with proposals becomes a `VerifySeq` in `batch.verifies` (the worker scores
+   its k + 1 positions, each after the proposals before it: server/worker/spec/verify.py; the
+   grammar process fills a constrained one's masks from `grammar_drafts`).
 3. `settle(batch, rows, ids, top)`: for each verification, its row i is the target's own choice
    after proposals 1..i (greedy, or sampled with the noise of the row's position,
    kernels/sampling_noise.py); proposal i + 1 stands if it equals row i's choice, and the run is
@@ -19,8 +22,10 @@ A step (server/engine/llm_engine.py calls these):
    follows; a seeded request's tokens are the ones it samples without speculation. The sequence's
    computed tokens advance past the accepted inputs only; full blocks of those are published to the
    prefix cache, and the blocks past the run go back to the block manager (never published: they
-   hold rejected positions). The run's tokens are then emitted one by one by the engine's own loop
-   (stop rule, stop strings, logprobs row by row, max_tokens).
+   hold rejected positions). A penalized sequence's counts take the run (server/worker/spec/
+   penalties.py), a constrained one's matcher takes it with the next grammar job (`grammar_ids`).
+   The run's tokens are then emitted one by one by the engine's own loop (stop rule, stop strings,
+   logprobs row by row, max_tokens).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from server.config import EngineConfig
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec.draft import DraftProposer
 from server.engine.spec.ngram import NgramProposer
-from server.engine.spec.policy import SpecState, can_speculate, record
+from server.engine.spec.policy import SpecState, record
+from server.worker.logits import TokenCounts
+from server.worker.spec.penalties import count_runs
 
 
 @dataclass(slots=True)
@@ -41,6 +48,7 @@ class VerifySeq(ScheduledSeq):
     proposals), every position sampled."""
 
     draft: list[int] = field(default_factory=list)
+    accepted: int = -1  # the proposals that stood, once settled (-1: its sequence had ended)
 
     @property
     def samples(self) -> bool:
@@ -68,7 +76,7 @@ class SpecCounters:
 
 class Speculator:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 draft_runner=None) -> None:
+                 draft_runner=None, counts: TokenCounts | None = None) -> None:
         spec = config.speculative_config
         self.k, self.floor, self.max_batch = spec.num_speculative_tokens, spec.min_acceptance, spec.disable_by_batch_size
         self.bm, self.max_model_len = block_manager, max_model_len
@@ -79,6 +87,7 @@ class Speculator:
             self.proposer = DraftProposer(draft_runner, self.k, config.max_num_batched_tokens)
         self.acceptance = accepted_prefix  # which proposals stand (benchmarks swap in an oracle's)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+        self.counts = counts  # the runner's penalty counts: accepted runs are counted there
 
     def snapshot(self) -> dict:
         """The counters as EngineSnapshot's spec_* fields."""
@@ -86,9 +95,15 @@ class Speculator:
         return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens, spec_accepted_tokens=c.accepted_tokens,
                     spec_accepted_per_pos=list(c.accepted_per_pos))
 
-    def state(self, params) -> SpecState | None:
-        """A new request's state (None: its parameters never speculate)."""
-        return SpecState() if can_speculate(params) else None
+    def state(self, params) -> SpecState:
+        """A new request's state."""
+        return SpecState()
+
+    def finish_first(self, inflight, running: list) -> bool:
+        """Must the step in flight be finished before the next is scheduled? A speculative step
+        continues its sequences' known tokens, and the step after one cannot stand placeholders
+        for a run of unknown length."""
+        return inflight is not None and (bool(inflight[0].verifies) or self.wants(running))
 
     def wants(self, running: list) -> bool:
         """Will some running sequence propose in the next step?"""
@@ -97,8 +112,10 @@ class Speculator:
         return any(s.spec is not None and s.spec.skip == 0 and len(s.token_ids) > len(s.prompt_token_ids)
                    for s in running)
 
-    def extend(self, batch: SchedulerOutput, running: int) -> None:
-        """Turn the batch's decodes of sequences that propose into verifications (see the module)."""
+    def extend(self, batch: SchedulerOutput, running: int, grammars=None) -> None:
+        """Turn the batch's decodes of sequences that propose into verifications (see the module).
+        `grammars`: the grammar process (server/engine/grammar_process.py), which cuts a constrained
+        sequence's proposals at the first its grammar rejects."""
         for seq in batch.preempted:  # recomputed from scratch: the draft too
             if seq.spec is not None:
                 self.proposer.reset(seq)
@@ -127,8 +144,15 @@ class Speculator:
             budget, room = budget - k, room - k
         if not items:
             return
+        drafts = self.proposer.propose(items)
+        constrained = [i for i, ((seq, _, _), d) in enumerate(zip(items, drafts)) if d and seq.grammar is not None]
+        if constrained:
+            valid = (grammars.valid_prefixes([(items[i][0].grammar, drafts[i]) for i in constrained])
+                     if grammars is not None else [0] * len(constrained))
+            for i, n in zip(constrained, valid):
+                drafts[i] = drafts[i][:n]
         moved = set()
-        for item, (seq, start, k), draft in zip(picked, items, self.proposer.propose(items)):
+        for item, (seq, start, k), draft in zip(picked, items, drafts):
             if not draft:
                 self.bm.trim(seq.blocks, start + 1)
                 if draft is not None:  # found nothing to propose
@@ -145,20 +169,42 @@ class Speculator:
         n_dec, n_ver = len(batch.decodes), sum(v.num_tokens for v in batch.verifies)
         return [(r, s) for r, s in enumerate(rows) if not n_dec <= r < n_dec + n_ver]
 
-    def settle(self, batch: SchedulerOutput, rows: list, ids: list[int], top: list | None):
+    def grammar_drafts(self, batch: SchedulerOutput) -> list[tuple[int, list[int]]] | None:
+        """The step's constrained verifications as the grammar process fills them: (first row,
+        proposals); None when it has none."""
+        out, r = [], len(batch.decodes)
+        for v in batch.verifies:
+            if v.seq.grammar is not None:
+                out.append((r, v.draft))
+            r += v.num_tokens
+        return out or None
+
+    def grammar_ids(self, batch: SchedulerOutput, ids: list[int]) -> list[int]:
+        """A settled step's ids as the grammar process takes them: a verification's rows hold its
+        accepted run, then -1 (not taken)."""
+        out, r = list(ids), len(batch.decodes)
+        for v in batch.verifies:
+            n = v.num_tokens
+            out[r + v.accepted + 1 : r + n] = [-1] * (n - v.accepted - 1)
+            r += n
+        return out
+
+    def settle(self, batch: SchedulerOutput, rows: list, ids: list[int], top: list | None,
+               grammar_ids: list[int] | None = None):
         """Which proposals stand (see the module): the step's rows, ids and logprobs with each
         verification's rows replaced by its run, the run's tokens appended to the sequence (the
-        engine's loop resolves them one by one, as placeholders)."""
+        engine's loop resolves them one by one, as placeholders); and `grammar_ids` (the step's
+        ids, for a step with constrained rows) as the grammar process takes them (grammar_ids)."""
         n_dec = len(batch.decodes)
         out_rows, out_ids = rows[:n_dec], ids[:n_dec]
         out_top = top[:n_dec] if top is not None else None
-        r, c = n_dec, self.counters
+        r, c, runs = n_dec, self.counters, []
         for v in batch.verifies:
             n, seq = v.num_tokens, v.seq
             chosen, r = ids[r : r + n], r + n
             if seq.is_finished:
                 continue
-            j = self.acceptance(v.draft, chosen)
+            j = v.accepted = self.acceptance(v.draft, chosen)
             c.drafts += 1
             c.draft_tokens += len(v.draft)
             c.accepted_tokens += j
@@ -167,6 +213,8 @@ class Speculator:
             record(seq.spec, len(v.draft), j, self.floor)
             self.proposer.accepted(seq, v.start, len(v.draft), j)
             run = chosen[: j + 1]
+            if seq.params.penalized:  # row 0 counted its token; the rest of the run, now
+                runs.append((seq.request_id, run[1:]))
             seq.token_ids += run
             seq.num_computed = v.start + j + 1  # the inputs that stood: the last token, the accepted proposals
             self.bm.cache_computed(seq.blocks, seq.token_ids, seq.num_computed)
@@ -175,8 +223,18 @@ class Speculator:
             out_ids += run
             if out_top is not None:
                 out_top += top[r - n : r - n + len(run)]
+        if self.counts is not None and (runs or self.counts.scratched):
+            count_runs(self.counts, runs)
         out_rows += rows[r:]
         out_ids += ids[r:]
         if out_top is not None:
             out_top += top[r:]
-        return out_rows, out_ids, out_top
+        return out_rows, out_ids, out_top, None if grammar_ids is None else self.grammar_ids(batch, grammar_ids)
+
+
+def make_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int, worker) -> Speculator | None:
+    """The engine's speculator over its worker (server/worker/setup.py: the draft, the penalty
+    counts), or None where speculation is off."""
+    if config.speculative_config is None:
+        return None
+    return Speculator(config, block_manager, max_model_len, worker.draft, worker.runner.counts)

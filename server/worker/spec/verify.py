@@ -5,14 +5,17 @@ prefill chunk with a cached prefix, so the flash prefill kernel's varlen path sc
 (kernels/flash_prefill.py) and, on a GPU, a captured graph of its own replays it
 (`capture_verify_graphs`: server/worker/cuda_graphs.py's PrefillGraphs with a logit row per token).
 Rows of a step: decodes, then each verification's k + 1, then the prompt chunks that sample. Each
-row chooses as any row does (the argmax, Gumbel noise counted by its position, the general sampler);
-which proposals stand is the host's to say (server/engine/spec/speculator.py)."""
+row chooses as any row does (the argmax, Gumbel noise counted by its position, the general sampler,
+a grammar's mask filled after the proposals before it), a penalized row over the counts after the
+proposals before it (`verify_slots`: server/worker/spec/penalties.py); which proposals stand is the
+host's to say (server/engine/spec/speculator.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from server.worker.inputs import ScheduledChunk, SeqState
+from server.worker.spec.penalties import scratch_slots
 
 # The largest verification a graph holds: chunks (sequences) and tokens; a step past either runs eagerly.
 VERIFY_GRAPH_CHUNKS = 64
@@ -38,6 +41,14 @@ def verify_rows(decodes: list[ScheduledChunk], verifies: list[ScheduledChunk], p
             positions.append(item.start + item.num_tokens - 1)
             offsets.append(0)
     return rows, positions, offsets
+
+
+def verify_slots(runner, verifies: list[ScheduledChunk] | None, row0: int) -> dict[int, int] | None:
+    """The scratch count slots of penalized verifications' rows from row0 on (server/worker/spec/penalties.py);
+    None when no verification is penalized."""
+    if not verifies or not any(item.seq.params.penalized for item in verifies):
+        return None
+    return scratch_slots(runner.counts, verifies, row0)
 
 
 def verify_parts(runner, decodes: list[ScheduledChunk], verifies: list[ScheduledChunk],

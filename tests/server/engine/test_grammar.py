@@ -390,3 +390,76 @@ def test_a_matcher_that_cannot_be_made_with_a_job_fails_its_request_alone(engine
     proc.ready.pop(bad)
     assert proc.held() == 0 and not proc.broken
     assert engine.block_manager.check_all_free() and not engine.seqs
+
+
+def test_a_verifications_rows_are_filled_after_the_proposals_before_them(engine, grammars):
+    """Speculative decoding (server/engine/spec/): `valid_prefix` counts the proposals a matcher
+    accepts in a row; `fill_bitmask` fills row i of a verification with what the matcher allows after
+    proposals 1..i (as a matcher advanced token by token allows), leaves the rows past a rejected
+    proposal not live, and gives the proposals back; `accept(runs=True)` advances a matcher over its
+    accepted run, one token per row."""
+    g = grammars
+    doc = engine.tokenizer.encode('{"n": 7, "tags": ["ab", "c"]}', add_special_tokens=False)
+    m, ref = g.matcher(SCHEMA), g.matcher(SCHEMA)
+    for t in doc[:2]:
+        assert m.accept_token(t) and ref.accept_token(t)
+    state = m._debug_print_internal_state()
+    words = -(-g.vocab_size // 32)
+    want = np.zeros((4, words), dtype=np.int32)
+    for i in range(4):  # what the matcher allows after doc[2 : 2 + i]
+        ref.fill_next_token_bitmask(want, i)
+        ref.accept_token(doc[2 + i])
+    bad = int(np.flatnonzero(np.unpackbits(want[2].view(np.uint8), bitorder="little") == 0)[0])  # not allowed there
+    proposals = doc[2:4] + [bad, doc[5]]
+    assert g.valid_prefix(m, proposals) == 2 and g.valid_prefix(m, doc[2:6]) == 4
+    bits, live = np.zeros((6, words), dtype=np.int32), np.zeros(6, dtype=np.int32)
+    g.fill_bitmask([None, m, m, m, m, m], bits, live, drafts=[(1, proposals)])
+    assert live.tolist() == [0, 1, 1, 1, 0, 0]
+    assert np.array_equal(bits[1:4], want[:3])
+    assert m._debug_print_internal_state() == state  # the proposals given back
+    g.accept([m, m, m], doc[2:5], runs=True)  # an accepted run of three
+    again = g.matcher(SCHEMA)
+    for t in doc[:5]:
+        again.accept_token(t)
+    assert m._debug_print_internal_state() == again._debug_print_internal_state()
+
+
+def test_speculative_steps_keep_constrained_outputs(engine):
+    """Speculative decoding (n-gram proposals, looked up in prompts that show the format): greedy
+    and seeded sampled constrained requests give the tokens they give without it; proposals were cut
+    where the grammar rejected them (before the verification) and runs of them accepted; the
+    outputs parse."""
+    from server.config import SpeculativeConfig
+    from server.engine.spec import Speculator
+
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                   '"prompt_lookup_max": 3}')
+    prompts = [prompt(engine, 'Value: {"n": 12, "tags": ["ab", "cd"]}\\nValue: {"n": 3, "tags": ["x"]}\\nValue: '),
+               prompt(engine, "Values: abc-12, abcd-13, abde-14, abdf-")] * 2
+    params = [SamplingParams(max_tokens=60, temperature=0, structured=SCHEMA),
+              SamplingParams(max_tokens=30, temperature=0, structured=REGEX),
+              SamplingParams(max_tokens=60, temperature=0.8, seed=3, structured=SCHEMA),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=4, structured=REGEX)]
+    ref = engine.generate(prompts, params)
+    config = copy.copy(engine.config)
+    config.speculative_config = spec
+    engine.speculator = speculator = Speculator(config, engine.block_manager, engine.max_model_len,
+                                                counts=engine.runner.counts)
+    checked = []  # (proposals, how many of them the grammar accepted)
+    check = engine._grammars.valid_prefixes
+    engine._grammars.valid_prefixes = lambda drafts: checked.extend(zip(drafts, n := check(drafts))) or n
+    try:
+        got = engine.generate(prompts, params)
+    finally:
+        engine.speculator = None
+        del engine._grammars.valid_prefixes
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert any(n < len(d) for (_, d), n in checked) and any(n > 0 for _, n in checked)
+    assert speculator.counters.accepted_tokens > 0
+    for o, p in zip(got, params):
+        assert o.finish_reason == "stop"
+        if p.structured is SCHEMA:
+            assert set(json.loads(o.text)) == {"n", "tags"}
+        else:
+            assert re.fullmatch(REGEX.spec, o.text)
+    assert engine.block_manager.check_all_free()

@@ -1,5 +1,6 @@
 """Speculative decoding end to end on the CPU (server/engine/spec/, server/worker/spec/): the tokens
-are the ones decoding gives without it (greedy, seeded sampling, every control), under chunked
+are the ones decoding gives without it (greedy, seeded sampling, every control, penalties read
+per verification row; constrained rows: tests/server/engine/test_grammar.py), under chunked
 prefill, preemption and prefix hits, with stops, max_tokens and logprobs inside accepted runs, no
 block lost; sampled tokens keep the target's distribution (a chi-squared test); the back-off."""
 
@@ -130,8 +131,8 @@ def _logprobs(path, prompts, params, spec):
 
 def test_sampled_controls_and_constrained_rows_beside_speculating_ones(tiny_ckpt):
     """Seeded sampling (temperature, top-k/top-p, logit_bias, min_tokens) speculates and samples the
-    tokens it samples without speculation (the noise is counted by position); penalized and
-    grammar-constrained requests in the same steps decode a token a step, as before."""
+    tokens it samples without speculation (the noise is counted by position), beside penalized and
+    grammar-constrained requests in the same steps."""
     prompts = _prompts(400, 7, seed=4)
     params = [SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=12, ignore_eos=True),
@@ -146,6 +147,28 @@ def test_sampled_controls_and_constrained_rows_beside_speculating_ones(tiny_ckpt
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert eng.speculator.counters.accepted_tokens > 0
     eng.close()
+
+
+def test_penalized_rows_speculate_and_choose_as_without(tiny_ckpt):
+    """Presence, frequency and repetition penalties, greedy and seeded sampling (the argmax kernel's
+    choice, and the general sampler's with top-k): each verification row is penalized by the counts
+    after the proposals before it, and the sequence's counts take the accepted run, so the tokens
+    are the ones decoding without speculation chooses; runs of proposals stand; every count slot,
+    scratch ones included, is free afterwards."""
+    prompts = _prompts(400, 4, seed=8)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=6, presence_penalty=0.6,
+                             repetition_penalty=1.1, ignore_eos=True)]
+    ref, _ = _run(tiny_ckpt, prompts, params)
+    got, eng = _run(tiny_ckpt, prompts, params, _draft(tiny_ckpt, k=4))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    c = eng.speculator.counters
+    assert c.accepted_per_pos[1] > 0  # runs past the first proposal: counted by count_runs
+    counts = eng.runner.counts
+    assert not counts.slots and not counts.scratched and len(counts.free) + len(counts.released) == counts.counts.shape[0]
 
 
 @pytest.fixture(scope="module")
