@@ -9,7 +9,6 @@ is async or knows about HTTP, and nothing here knows which model family runs.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import time
@@ -48,9 +47,6 @@ class LLMEngine:
     MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.speculative_config is not None and config.deterministic:  # (its bits not yet checked there)
-            log.warning("--deterministic turns speculative decoding off")
-            config = dataclasses.replace(config, speculative_config=None)
         self.config = config
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or (config.model or "flashpage-embedded")

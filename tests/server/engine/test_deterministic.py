@@ -1,7 +1,8 @@
 """The deterministic mode end to end, on CPU in CI (the batch-invariant kernels under Triton's
 interpreter) and on the GPU where there is one: one probe request's tokens and log-probabilities, bitwise, whether it runs alone or
 among other traffic, with its prompt chunked at other boundaries, after a prefix-cache hit, after
-preemption and recompute, with and without asynchronous scheduling; and a seeded sampled probe
+preemption and recompute, with and without asynchronous scheduling, with speculative decoding
+(a verification's rows have the bits of decoding's); and a seeded sampled probe
 likewise. The probe's prompt passes the attention kernel's first key segment (256 positions), so
 positions are folded over two segments."""
 
@@ -12,7 +13,7 @@ import random
 import pytest
 import torch
 
-from server.config import EngineConfig
+from server.config import EngineConfig, SpeculativeConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams
 
@@ -75,7 +76,7 @@ def _others(n, seed):
             for i, p in enumerate(_prompts(VOCAB, lens, seed))]
 
 
-@pytest.mark.parametrize("case", ["batched-chunked", "prefix-hit", "preempted", "sync"])
+@pytest.mark.parametrize("case", ["batched-chunked", "prefix-hit", "preempted", "sync", "speculative"])
 def test_probe_is_bitwise_the_same(ckpt, alone, case):
     kw, others, stagger = {}, _others(5, seed=len(case)), 1
     if case == "batched-chunked":  # budget 40: the probe's prompt is cut wherever the others leave room
@@ -89,6 +90,10 @@ def test_probe_is_bitwise_the_same(ckpt, alone, case):
         kw = dict(num_blocks=25, max_num_batched_tokens=64)
         others = [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
                   for p in _prompts(VOCAB, [120, 70, 60], seed=9)]
+    elif case == "speculative":  # n-gram proposals: runs of the probe's tokens come from verifications
+        kw = dict(speculative_config=SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                                             '"prompt_lookup_min": 1, "prompt_lookup_max": 2}'))
+        others = others[:3]
     else:
         kw = dict(async_scheduling=False, max_num_batched_tokens=96)
     eng = _engine(ckpt, **kw)
@@ -98,6 +103,8 @@ def test_probe_is_bitwise_the_same(ckpt, alone, case):
     assert probe_seeded == alone[1], f"{case}: the seeded probe's tokens or logprobs changed"
     if case == "preempted":
         assert eng.scheduler.num_preemptions > 0
+    if case == "speculative":
+        assert eng.speculator.counters.accepted_tokens > 0
     if case == "prefix-hit":
         assert eng.block_manager.check_all_free()
 
