@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.wo_matmul import _fp8_bits_to_f32
+from kernels.wo_matmul import fp8_bits_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -54,7 +54,7 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr, N, K, group, groups,
         w = (q - tl.load(z_ptr + g, mask=m, other=0).to(tl.float32)) * s
     else:
         bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=m, other=0).to(tl.int32) & 0xFF
-        w = _fp8_bits_to_f32(bits) * s
+        w = fp8_bits_to_f32(bits) * s
     tl.store(out_ptr + n64 * K + kk[None, :], round_to(w, out_ptr.dtype.element_ty), mask=m)
 
 

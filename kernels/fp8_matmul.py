@@ -44,18 +44,20 @@ class Fp8MatmulConfig(NamedTuple):
     split_k: int = 1  # 0: from the shape (kernels.tiles.splits_for)
 
 
-def config(m: int, n: int) -> Fp8MatmulConfig:
+def config(m: int, n: int, per_group: bool = False) -> Fp8MatmulConfig:
     """Tiles by row count: decode rows stream b (small tiles, many programs, 256-column K steps: the
     best of benchmarks/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
     for the 28672-row gate/up projection; K split where the tiles are fewer than four a SM), prefill
-    is compute bound."""
+    is compute bound. With block scales the prefill tile is 64 x 128 on 4 warps (vLLM's default for
+    these checkpoints): compiled for sm_90, 128 x 128 on 8 warps needs 255 registers and spills, its
+    second accumulator (the group's dot before its scales) being another 64 a thread."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return Fp8MatmulConfig(16, 64, 1, 1)
     if m <= 16:
         return Fp8MatmulConfig(16, 128 if n > 8192 else 64, 4, 4, 256, 0)
     if m <= 64:
         return Fp8MatmulConfig(64, 64, 4, 4)
-    return Fp8MatmulConfig(128, 128, 8, 3)
+    return Fp8MatmulConfig(64, 128, 4, 3) if per_group else Fp8MatmulConfig(128, 128, 8, 3)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     assert a_scale.shape == (m, groups) and b_scale.shape == (n, groups), "scales: [rows, ceil(K / group)]"
     assert a_scale.dtype == b_scale.dtype == torch.float32 and a_scale.stride(1) == 1 and b_scale.is_contiguous()
     per_group = groups > 1
-    cfg = cfg or config(m, n)
+    cfg = cfg or config(m, n, per_group)
     if per_group:
         cfg = cfg._replace(block_k=min(cfg.block_k, 128))
     assert not per_group or group % cfg.block_k == 0, "group: a multiple of BLOCK_K, or >= K"

@@ -49,13 +49,12 @@ import triton.language as tl
 from kernels.fp8_quant import dynamic_scale, quantize_values
 from kernels.rounding import round_to
 from kernels.tiles import k_range, reduce_splits, split_plan, splits_for
-from kernels.wo_matmul import _fp8_bits_to_f32
+from kernels.wo_matmul import fp8_bits_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-PER_CHANNEL = 0  # GROUP's value for one scale per output channel
-
+PER_CHANNEL = tl.constexpr(0)  # GROUP's value for one scale per output channel
 # x's forms (ACT): quantized before, or a 16-bit row quantized here per token, per group, statically
-ACT_FP8, ACT_TOKEN, ACT_GROUP, ACT_STATIC = 0, 1, 2, 3
+ACT_FP8, ACT_TOKEN, ACT_GROUP, ACT_STATIC = (tl.constexpr(v) for v in range(4))
 
 
 class GemvConfig(NamedTuple):
@@ -66,12 +65,14 @@ class GemvConfig(NamedTuple):
 
 
 def config(n: int, k: int, int4: bool) -> GemvConfig:
-    """512 bytes of each of 16 weight rows per K step (8 KB a program a step; int4: 1024 columns), 4
-    warps; splits of K where the output tiles alone give fewer than four programs per SM (on an H100
-    at the Llama-3.1-8B shape: 2 for QKV, 4 for o_proj and down_proj, none for gate/up)."""
+    """16 weight rows by 512 columns a K step (8 KB of FP8, 4 KB of int4 a program), 4 warps: compiled
+    for sm_90 (Triton 3.9, ptxas) the FP8 loop takes ~3.5 instructions a weight and 119 registers,
+    the int4 loop ~7 and 64, no spills; K split where the output tiles alone give fewer than four
+    programs per SM (at the Llama-3.1-8B shape on an H100: 2 for QKV, 4 for o_proj and down_proj,
+    none for gate/up). benchmarks/bench_quant.py sweeps the alternatives."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return GemvConfig(32, 256, 1, 1)
-    return GemvConfig(16, 1024 if int4 else 512, 4)
+    return GemvConfig(16, 512, 4)
 
 
 def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -94,49 +95,56 @@ def _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT: tl.
 def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+    n64 = offs_n.to(tl.int64)
     k_lo, k_hi = k_range(pid_k, K, k_per_split)
-    if ACT == ACT_TOKEN:  # the token's scale needs the whole row's largest magnitude: the row is in L2
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(h))
-        x_scale = dynamic_scale(tl.max(amax, axis=0))
-    elif ACT == ACT_STATIC:
-        x_scale = tl.load(static_ptr)
-    elif ACT == ACT_FP8 and GROUP == PER_CHANNEL:
-        x_scale = tl.load(xs_ptr)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < k_hi
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        if GROUP == PER_CHANNEL:
+    # Products are summed elementwise in registers and reduced across threads once, after the loop.
+    if GROUP == PER_CHANNEL:
+        offs_k = tl.arange(0, BLOCK_K)
+        if ACT == ACT_TOKEN:  # the token's scale needs the whole row's largest magnitude (the row is in L2)
+            amax = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                h = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(h))
+            x_scale = dynamic_scale(tl.max(amax, axis=0))
+        elif ACT == ACT_STATIC:
+            x_scale = tl.load(static_ptr)
+        else:
+            x_scale = tl.load(xs_ptr)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < k_hi
+            w = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             if ACT != ACT_FP8:
                 x = quantize_values(x, x_scale)
-            acc += tl.sum(w * x[None, :], axis=1)
-        else:  # each step holds BLOCK_K // GROUP whole groups: a scale of x and of each channel for each
-            G: tl.constexpr = BLOCK_K // GROUP
-            g = k0 // GROUP + tl.arange(0, G)
+            acc2 += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(acc2, axis=1) * x_scale * tl.load(ws_ptr + offs_n * stride_ws, mask=n_ok, other=0.0)
+    else:  # K as [groups, GROUP]: each step holds BLOCK_K // GROUP whole groups, each with its scales
+        G: tl.constexpr = BLOCK_K // GROUP
+        offs_g = tl.arange(0, G)
+        offs_c = tl.arange(0, GROUP)
+        acc3 = tl.zeros([BLOCK_N, G, GROUP], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            g = k0 // GROUP + offs_g
             g_ok = g * GROUP < k_hi
+            kk = g[:, None] * GROUP + offs_c[None, :]
+            k_ok = kk < k_hi
+            w = tl.load(w_ptr + n64[:, None, None] * K + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :],
+                        other=0.0)
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             if ACT == ACT_GROUP:
-                xg = tl.reshape(x, [G, GROUP])
-                xs = dynamic_scale(tl.max(tl.abs(xg), axis=1))
-                x = tl.reshape(quantize_values(xg, xs[:, None]), [BLOCK_K])
+                xs = dynamic_scale(tl.max(tl.abs(x), axis=1))
+                x = quantize_values(x, xs[:, None])
             else:
                 xs = tl.load(xs_ptr + g, mask=g_ok, other=0.0)
-            ws = tl.load(ws_ptr + offs_n[:, None] * stride_ws + g[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                         other=0.0)
-            part = tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, G, GROUP]), axis=2)
-            acc += tl.sum(part * ws * xs[None, :], axis=1)
-    if GROUP == PER_CHANNEL:
-        acc = acc * x_scale * tl.load(ws_ptr + offs_n * stride_ws, mask=n_ok, other=0.0)
+            ws = tl.load(ws_ptr + offs_n[:, None, None] * stride_ws + g[None, :, None],
+                         mask=n_ok[:, None, None] & g_ok[None, :, None], other=0.0)
+            acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
     _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT, HAS_BIAS)
 
 
@@ -144,64 +152,80 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
 def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, groups,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
     k_lo, k_hi = k_range(pid_k, K, k_per_split)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    x_sum = tl.zeros([BLOCK_N], tl.float32)  # per channel int4: the sum of x, for the zero point
-    if INT4:
-        # K as [words, 8]: word w of a row holds columns 8w .. 8w + 7 (bits 4j: column 8w + j)
-        W: tl.constexpr = BLOCK_K // 8
-        offs_w = tl.arange(0, W)
-        j = tl.arange(0, 8)
+    # K as [G, C] (G groups of C columns a step; per channel: one "group" of BLOCK_K); products are
+    # summed elementwise in registers and reduced across threads once, after the loop.
+    C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
+    G: tl.constexpr = BLOCK_K // C
+    offs_g = tl.arange(0, G)
+    if INT4:  # a group's C // 8 words, word w holding columns 8w .. 8w + 7 (column 8w + j in bits 4j)
+        WG: tl.constexpr = C // 8
+        acc3 = tl.zeros([BLOCK_N, G, WG], tl.float32)
+        x_sum = tl.zeros([G, WG], tl.float32)  # per channel: the sum of x, for the zero point
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kw = k0 // 8 + offs_w
-            w_ok = kw < k_hi // 8
-            words = tl.load(w_ptr + n64[:, None] * (K // 8) + kw[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0)
-            q = ((words[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, W, 8]
-            kk = kw[:, None] * 8 + j[None, :]  # [W, 8]
-            x = tl.load(x_ptr + kk, mask=w_ok[:, None], other=0.0).to(tl.float32)
+            wv = k0 // 8 + offs_g[:, None] * WG + tl.arange(0, WG)[None, :]
+            w_ok = wv < k_hi // 8
+            wm = n_ok[:, None, None] & w_ok[None, :, :]
+            words = tl.load(w_ptr + n64[:, None, None] * (K // 8) + wv[None, :, :], mask=wm, other=0)
+            words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign to extend
+            if not HAS_GIDX and GROUP != PER_CHANNEL:
+                g = k0 // GROUP + offs_g
+                gp = n64[:, None, None] * groups + g[None, :, None]
+                gm = n_ok[:, None, None] & (g < groups)[None, :, None]
+                s = tl.load(s_ptr + gp, mask=gm, other=0.0)
+                z = tl.load(z_ptr + gp, mask=gm, other=0).to(tl.float32)
+            # the eight values of each word one after another, in the words' own registers (a [.., 8]
+            # axis spreads them over threads and costs a shuffle a value)
+            qx = tl.zeros([BLOCK_N, G, WG], tl.float32)
+            xs = tl.zeros([G, WG], tl.float32)
+            for j in tl.static_range(8):
+                # the value as a float by its bits (2^23 + q), not by a conversion (a quarter-rate one);
+                # the word shifted a nibble a time: a shift and one and-or for each value
+                q = ((words & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                words = words >> 4
+                x = tl.load(x_ptr + wv * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+                if HAS_GIDX:  # each column's own group: its scale and zero gathered
+                    gs = n64[:, None, None] * groups + tl.load(gidx_ptr + wv * 8 + j, mask=w_ok, other=0)[None]
+                    s = tl.load(s_ptr + gs, mask=wm, other=0.0)
+                    z = tl.load(z_ptr + gs, mask=wm, other=0).to(tl.float32)
+                    qx += (q - z) * s * x[None]
+                else:
+                    qx += q * x[None]
+                    xs += x
             if HAS_GIDX:
-                gs = n64[:, None, None] * groups + tl.load(gidx_ptr + kk, mask=w_ok[:, None], other=0)[None, :, :]
-                m3 = n_ok[:, None, None] & w_ok[None, :, None]
-                s = tl.load(s_ptr + gs, mask=m3, other=0.0)
-                z = tl.load(z_ptr + gs, mask=m3, other=0).to(tl.float32)
-                acc += tl.sum(tl.sum((q - z) * s * x[None, :, :], axis=2), axis=1)
+                acc3 += qx
             elif GROUP == PER_CHANNEL:
-                acc += tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)
-                x_sum += tl.sum(tl.sum(x, axis=1), axis=0)
+                acc3 += qx
+                x_sum += xs
             else:
-                G: tl.constexpr = BLOCK_K // GROUP
-                g = k0 // GROUP + tl.arange(0, G)
-                gm = n_ok[:, None] & (g < groups)[None, :]
-                s = tl.load(s_ptr + n64[:, None] * groups + g[None, :], mask=gm, other=0.0)
-                z = tl.load(z_ptr + n64[:, None] * groups + g[None, :], mask=gm, other=0).to(tl.float32)
-                qx = tl.sum(tl.reshape(tl.sum(q * x[None, :, :], axis=2), [BLOCK_N, G, GROUP // 8]), axis=2)
-                xg = tl.sum(tl.reshape(tl.sum(x, axis=1), [G, GROUP // 8]), axis=1)
-                acc += tl.sum(s * (qx - z * xg[None, :]), axis=1)
+                acc3 += s * (qx - z * xs[None])
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if GROUP == PER_CHANNEL and not HAS_GIDX:
             s = tl.load(s_ptr + n64 * groups, mask=n_ok, other=0.0)
             z = tl.load(z_ptr + n64 * groups, mask=n_ok, other=0).to(tl.float32)
-            acc = s * (acc - z * x_sum)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
+            acc = s * (acc - z * tl.sum(tl.sum(x_sum, axis=1), axis=0))
+    else:  # fp8 decoded from its bits
+        offs_c = tl.arange(0, C)
+        acc3 = tl.zeros([BLOCK_N, G, C], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + offs_k
+            g = k0 // C + offs_g
+            kk = g[:, None] * C + offs_c[None, :]
             k_ok = kk < k_hi
-            bits = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w = _fp8_bits_to_f32(bits.to(tl.int32) & 0xFF)
+            bits = tl.load(w_ptr + n64[:, None, None] * K + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None],
+                           other=0)
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            w = fp8_bits_to_f32(bits.to(tl.int32) & 0xFF)
             if GROUP == PER_CHANNEL:
-                acc += tl.sum(w * x[None, :], axis=1)
+                acc3 += w * x[None]
             else:
-                G: tl.constexpr = BLOCK_K // GROUP
-                g = k0 // GROUP + tl.arange(0, G)
-                s = tl.load(s_ptr + n64[:, None] * groups + g[None, :], mask=n_ok[:, None] & (g < groups)[None, :],
-                            other=0.0)
-                acc += tl.sum(tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, G, GROUP]), axis=2) * s, axis=1)
+                s = tl.load(s_ptr + n64[:, None, None] * groups + g[None, :, None],
+                            mask=n_ok[:, None, None] & (g < groups)[None, :, None], other=0.0)
+                acc3 += w * x[None] * s
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if GROUP == PER_CHANNEL:
             acc = acc * tl.load(s_ptr + n64 * groups, mask=n_ok, other=0.0)
     _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT, HAS_BIAS)
@@ -219,7 +243,7 @@ def _launch(kernel, n: int, k: int, cfg: GemvConfig, out: torch.Tensor, bias: to
 def _group(group: int, k: int, block_k: int, least: int) -> int:
     """GROUP's value: PER_CHANNEL, or the group, which must divide the K step."""
     if group >= k:
-        return PER_CHANNEL
+        return PER_CHANNEL.value
     assert group >= least and group & (group - 1) == 0 and block_k % group == 0, \
         f"group {group}: a power of two >= {least} dividing BLOCK_K ({block_k}), or >= K"
     return group
@@ -234,24 +258,24 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     assert weight.shape[1] == k and scale.dtype == torch.float32 and scale.is_contiguous()
     cfg = cfg or config(n, k, False)
     g = _group(group, k, cfg.block_k, 16)
-    assert scale.shape == (n, 1 if g == PER_CHANNEL else triton.cdiv(k, group))
+    assert scale.shape == (n, 1 if g == PER_CHANNEL.value else triton.cdiv(k, group))
     assert bias is None or (bias.shape == (n,) and bias.dtype == out_dtype)
     if x_scale is not None:
         assert x.dtype == torch.float8_e4m3fn and x_scale.shape == (1, scale.shape[1]) and x_scale.stride(1) == 1
         act = ACT_FP8
     elif static_scale is not None:
-        assert g == PER_CHANNEL and static_scale.numel() == 1 and static_scale.dtype == torch.float32
+        assert g == PER_CHANNEL.value and static_scale.numel() == 1 and static_scale.dtype == torch.float32
         act = ACT_STATIC
     else:
-        assert (act_group >= k) == (g == PER_CHANNEL) and (g == PER_CHANNEL or act_group == group), \
+        assert (act_group >= k) == (g == PER_CHANNEL.value) and (g == PER_CHANNEL.value or act_group == group), \
             "activations per token with per-channel weights, per group with group weights"
-        act = ACT_TOKEN if g == PER_CHANNEL else ACT_GROUP
+        act = ACT_TOKEN if g == PER_CHANNEL.value else ACT_GROUP
     out = torch.empty((1, n), dtype=out_dtype, device=x.device)
     if n == 0:
         return out
     return _launch(_fp8_gemv_kernel, n, k, cfg, out, bias, x, x_scale if x_scale is not None else scale,
                    static_scale if static_scale is not None else scale, weight, scale, stride_ws=scale.stride(0),
-                   ACT=act, GROUP=g)
+                   ACT=act.value, GROUP=g)
 
 
 def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
@@ -268,7 +292,7 @@ def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: to
         assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k) and g_idx is None, "fp8: [N, K]"
         weight = weight.view(torch.uint8)
     cfg = cfg or config(n, k, int4)
-    g = PER_CHANNEL if g_idx is not None else _group(group, k, cfg.block_k, 8 if int4 else 16)
+    g = PER_CHANNEL.value if g_idx is not None else _group(group, k, cfg.block_k, 8 if int4 else 16)
     groups = triton.cdiv(k, group) if group < k else 1
     assert scale.shape == (n, groups) and scale.dtype == torch.float32 and scale.is_contiguous()
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)

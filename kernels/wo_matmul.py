@@ -67,7 +67,7 @@ def config(m: int, n: int, k: int) -> WoConfig:
 
 
 @triton.jit
-def _fp8_bits_to_f32(b):
+def fp8_bits_to_f32(b):
     """float8_e4m3fn bits (int32 0..255) -> fp32, exactly (NaN, 0x7F/0xFF, never occurs in weights)."""
     sign = (b & 0x80) << 24
     e = (b >> 3) & 0xF
@@ -123,7 +123,7 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, par
             w = (q.to(tl.float32) - z) * s
         else:
             bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=wmask, other=0).to(tl.int32) & 0xFF
-            w = _fp8_bits_to_f32(bits) * s
+            w = fp8_bits_to_f32(bits) * s
         w = round_to(w, dt)
         if UPCAST_DOT:  # the interpreter holds bf16 as bits: its dot takes fp32 (exact products)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
