@@ -33,25 +33,29 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr, N, K, group, groups, INT4: tl.constexpr,
-                    HAS_GIDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n64 = offs_n.to(tl.int64)[:, None]
     k_ok = kk < K
     m = (offs_n < N)[:, None] & k_ok[None, :]
-    if HAS_GIDX:
-        col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+    if STEP_GROUP:  # the tile inside one group: one scale (and zero) a row
+        g = n64 * groups + (tl.program_id(1) * BLOCK_K) // group
+        s = tl.load(s_ptr + g, mask=(offs_n < N)[:, None], other=0.0)
     else:
-        col_group = kk // group
-    g = n64 * groups + col_group[None, :]
-    s = tl.load(s_ptr + g, mask=m, other=0.0)
+        if HAS_GIDX:
+            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        else:
+            col_group = kk // group
+        g = n64 * groups + col_group[None, :]
+        s = tl.load(s_ptr + g, mask=m, other=0.0)
     if INT4:
         kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=(offs_n < N)[:, None] & (kw < K // 8)[None, :],
                         other=0)
         words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
         q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-        w = (q - tl.load(z_ptr + g, mask=m, other=0).to(tl.float32)) * s
+        w = (q - tl.load(z_ptr + g, mask=(offs_n < N)[:, None] if STEP_GROUP else m, other=0).to(tl.float32)) * s
     else:
         bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=m, other=0).to(tl.int32) & 0xFF
         w = fp8_bits_to_f32(bits) * s
@@ -71,9 +75,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     if n and k:
-        bn, bk = (16, 256) if _INTERPRET else (32, 128)
+        bn, bk = (16, 128) if _INTERPRET else (32, 128)
         _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
             weight if int4 else weight.view(torch.uint8), scale, zero if int4 else scale,
             g_idx if g_idx is not None else scale, out, n, k, min(group, max(k, 1)), groups, INT4=int4,
-            HAS_GIDX=g_idx is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=1 if _INTERPRET else 4)
+            HAS_GIDX=g_idx is not None, STEP_GROUP=g_idx is None and (group >= k or group % bk == 0), BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=1 if _INTERPRET else 4)
     return out

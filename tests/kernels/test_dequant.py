@@ -13,7 +13,7 @@ from kernels.quant_reference import dequant_fp8, dequant_int4, pack_int4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("group,k,gidx", [(128, 392, False), (1 << 30, 136, False), (128, 384, True)])
+@pytest.mark.parametrize("group,k,gidx", [(128, 392, False), (64, 200, False), (1 << 30, 136, False), (128, 384, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_int4_dequantized_as_the_cpu_path_does(group, k, gidx, dtype):
     g = torch.Generator().manual_seed(k)
