@@ -17,7 +17,7 @@ Contract (semantics = ``kernels.quant_reference.fp8_matmul_ref`` up to the order
 Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits) programs, grouped along M so that consecutive
 programs share b's tiles in L2. With block scales each K step is one group (BLOCK_K = 128). Decode
 rows (2 to 16; one row is kernels/gemv.py's) split K where the tiles alone are too few to keep every
-SM streaming b: fp32 partials, added in split order by kernels/tiles.py's reduce_splits.
+SM streaming b: fp32 partials, added in split order by each tile's last program (kernels/tiles.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.tiles import grouped_tile, k_range, reduce_splits, split_plan, splits_for
+from kernels.tiles import grouped_tile, k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -61,7 +61,7 @@ def config(m: int, n: int, per_group: bool = False) -> Fp8MatmulConfig:
 
 
 @triton.jit
-def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, part_ptr, M, N, K, k_per_split, group,
+def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split, group,
                        stride_am, stride_as, stride_bs, stride_cm, HAS_BIAS: tl.constexpr, PER_GROUP: tl.constexpr,
                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):
@@ -91,14 +91,21 @@ def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, part_ptr, 
         sa = tl.load(as_ptr + offs_m * stride_as, mask=m_ok, other=0.0)
         sb = tl.load(bs_ptr + offs_n * stride_bs, mask=n_ok, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
-    if SPLIT:
-        part = part_ptr + (tl.program_id(1) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:  # the tile's last program to arrive adds the splits' partials in order and stores
+        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N):
+            acc = split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N)
+            _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group: int,
@@ -121,13 +128,11 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     if m and n:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         per, splits = split_plan(k, cfg.block_k, cfg.split_k or splits_for(tiles, k, cfg.block_k, a.device))
-        part = torch.empty((splits, m, n), dtype=torch.float32, device=a.device) if splits > 1 else out
-        _fp8_matmul_kernel[(tiles, splits)](a, a_scale, b, b_scale, bias if bias is not None else out, out, part, m, n,
-                                            k, per, group, a.stride(0), a_scale.stride(0), b_scale.stride(0),
+        part, count = split_buffers(a.device, tiles, splits, cfg.block_m * cfg.block_n) if splits > 1 else (out, out)
+        _fp8_matmul_kernel[(tiles, splits)](a, a_scale, b, b_scale, bias if bias is not None else out, out, part, count,
+                                            m, n, k, per, group, a.stride(0), a_scale.stride(0), b_scale.stride(0),
                                             out.stride(0), HAS_BIAS=bias is not None, PER_GROUP=per_group,
                                             SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                             BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
                                             num_stages=cfg.num_stages)
-        if splits > 1:
-            reduce_splits(part, bias, out)
     return out

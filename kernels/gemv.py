@@ -32,8 +32,8 @@ as ``kernels/wo_matmul.py`` at M = 1):
            scale * (that - zero * sum of x over the group), so a weight costs a shift, a mask, a
            conversion and an FMA.
 
-Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 the programs write fp32 partials and
-``kernels.tiles.reduce_splits`` adds them in split order (one small launch more; deterministic).
+Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
+tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).
 Not checked: NaN/inf (they propagate).
 """
 
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from kernels.fp8_quant import dynamic_scale, quantize_values
 from kernels.rounding import round_to
-from kernels.tiles import k_range, reduce_splits, split_plan, splits_for
+from kernels.tiles import k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
 from kernels.wo_matmul import fp8_bits_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -81,18 +81,28 @@ def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, i
 
 
 @triton.jit
-def _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The program's sums: its split's fp32 partial, or (one split) the row with its bias, rounded."""
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=n_ok)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, round_to(acc, out_ptr.dtype.element_ty), mask=n_ok)
+def _store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, round_to(acc, out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split,
+def _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """The program's sums stored with the bias, rounded once; split: by the tile's last program, all
+    splits' partials added in split order (kernels/tiles.py)."""
+    if SPLIT:
+        block = tl.arange(0, BLOCK_N)
+        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N):
+            _store(split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N), offs_n, n_ok, bias_ptr,
+                   out_ptr, HAS_BIAS)
+    else:
+        _store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_k = tl.program_id(1)
@@ -145,11 +155,12 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
                          mask=n_ok[:, None, None] & g_ok[None, :, None], other=0.0)
             acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
-    _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT, HAS_BIAS)
+    _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
 
 @triton.jit
-def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, part_ptr, N, K, k_per_split, groups,
+def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
+                    groups,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_k = tl.program_id(1)
@@ -228,16 +239,17 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, par
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if GROUP == PER_CHANNEL:
             acc = acc * tl.load(s_ptr + n64 * groups, mask=n_ok, other=0.0)
-    _finish(acc, offs_n, n_ok, pid_k, bias_ptr, out_ptr, part_ptr, N, SPLIT, HAS_BIAS)
+    _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
 
 def _launch(kernel, n: int, k: int, cfg: GemvConfig, out: torch.Tensor, bias: torch.Tensor | None, *args, **meta):
     per, splits = _plan(cfg, n, k, out.device)
-    part = torch.empty((splits, 1, n), dtype=torch.float32, device=out.device) if splits > 1 else out
-    kernel[(triton.cdiv(n, cfg.block_n), splits)](*args, bias if bias is not None else out, out, part, n, k, per,
-                                                   **meta, SPLIT=splits > 1, HAS_BIAS=bias is not None,
-                                                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-    return reduce_splits(part, bias, out) if splits > 1 else out
+    tiles = triton.cdiv(n, cfg.block_n)
+    part, count = split_buffers(out.device, tiles, splits, cfg.block_n) if splits > 1 else (out, out)
+    kernel[(tiles, splits)](*args, bias if bias is not None else out, out, part, count, n, k, per, **meta,
+                            SPLIT=splits > 1, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                            num_warps=cfg.num_warps)
+    return out
 
 
 def _group(group: int, k: int, block_k: int, least: int) -> int:

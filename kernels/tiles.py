@@ -1,9 +1,11 @@
 """What the GEMMs of the quantized linears (kernels/fp8_matmul.py, wo_matmul.py, gemv.py) share:
 where a program's output tile is, grouped along M so that consecutive programs share the weight's
 tiles in L2 (the ordering of Triton's matmul tutorial); and split-K, for decode shapes whose output
-tiles alone are too few to keep every SM streaming the weight: each of `splits` programs of a tile
-sums one range of K into fp32 partials, [splits, M, N], and `reduce_splits` adds them up in split
-order (deterministic: the same bits every run, graph or eager), adds the bias and rounds once.
+tiles alone are too few to keep every SM streaming the weight. Each of a tile's `splits` programs
+sums one range of K, writes its fp32 partial, and the tile's last program to arrive (an atomic
+count) adds the partials in split order and stores the tile: one launch, the same bits every run
+(graph or eager) whichever program arrives last. kernels/invariant_matmul.py folds its K segments
+the same way; the partials and counters are kernels/scratch.py buffers, made before any capture.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from kernels.scratch import has_scratch, scratch, scratch_size
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -61,27 +63,40 @@ def split_plan(k: int, block_k: int, splits: int) -> tuple[int, int]:
     return per, max(1, triton.cdiv(k, per))
 
 
+COUNTERS = 1 << 16  # arrival counters kept per device: more than any split launch's tiles
+
+
 @triton.jit
-def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(splits):  # in split order, always
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, round_to(acc, out_ptr.dtype.element_ty), mask=ok)
+def split_arrive(acc, part_ptr, count_ptr, tile, block, TILE_ELEMS: tl.constexpr):
+    """Store `acc` (the tile's elements at offsets `block`) as split program_id(1)'s partial of
+    `tile` (program_id(0)); whether this program is the tile's last to arrive."""
+    tl.store(part_ptr + (tl.program_id(1) * tl.num_programs(0) + tile).to(tl.int64) * TILE_ELEMS + block, acc)
+    tl.debug_barrier()  # every thread's partial is written before the count says so
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    return done == tl.num_programs(1) - 1
 
 
-def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = round(sum over s of partials[s] (+ bias)), partials [S, M, N] fp32 contiguous."""
-    s, m, n = partials.shape
-    assert partials.dtype == torch.float32 and partials.is_contiguous() and out.shape == (m, n) and out.stride(1) == 1
-    if m and n:
-        block = min(triton.next_power_of_2(n), 1024)
-        _reduce_kernel[(m, triton.cdiv(n, block))](partials, bias if bias is not None else out, out, m, n, s,
-                                                   out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-                                                   num_warps=1 if _INTERPRET else 4)
-    return out
+@triton.jit
+def split_total(acc, part_ptr, count_ptr, tile, block, TILE_ELEMS: tl.constexpr):
+    """The tile's partials added in split order (by its last program; `acc`: any of them, for the shape)."""
+    total = tl.zeros_like(acc)
+    for s in range(0, tl.num_programs(1)):  # ascending, whichever program arrived last
+        total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * TILE_ELEMS + block,
+                         cache_modifier=".cg")
+    tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
+    return total
+
+
+def split_buffers(device: torch.device, tiles: int, splits: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials for `splits` x `tiles` tiles, the per-tile arrival counters): kept between
+    launches, shared by the split launches on a device (one stream orders them); the counters are
+    zero between launches. They must exist before a CUDA graph is captured (the warm-up's eager
+    steps make them): made or grown during a capture, they would be the graph's memory."""
+    assert tiles <= COUNTERS
+    n = splits * tiles * tile_elems
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        grown = not has_scratch(("split-partials", device)) or scratch_size(("split-partials", device)) < n
+        if grown or not has_scratch(("split-counters", device)):
+            raise RuntimeError("a split-K GEMM's buffers must be made before capture: run the shape eagerly first")
+    return (scratch(("split-partials", device), n, torch.float32, device),
+            scratch(("split-counters", device), tiles, torch.int32, device, min_size=COUNTERS, zeroed=True))

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.tiles import grouped_tile, k_range, reduce_splits, split_plan, splits_for
+from kernels.tiles import grouped_tile, k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -79,8 +79,8 @@ def fp8_bits_to_f32(b):
 
 
 @triton.jit
-def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, part_ptr, M, N, K, k_per_split, group,
-                      groups, stride_xm, stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr,
+def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, K,
+                      k_per_split, group, groups, stride_xm, stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr,
                       STEP_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     dt = x_ptr.dtype.element_ty
@@ -129,14 +129,21 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, par
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-    if SPLIT:
-        part = part_ptr + (tl.program_id(1) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:  # the tile's last program to arrive adds the splits' partials in order and stores
+        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N):
+            acc = split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N)
+            _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c, round_to(acc, dt), mask=m_ok[:, None] & n_ok[None, :])
+        _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
@@ -162,15 +169,13 @@ def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
         cfg = cfg or config(m, n, k)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         per, splits = split_plan(k, cfg.block_k, cfg.split_k or splits_for(tiles, k, cfg.block_k, x.device))
-        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+        part, count = split_buffers(x.device, tiles, splits, cfg.block_m * cfg.block_n) if splits > 1 else (out, out)
         _wo_matmul_kernel[(tiles, splits)](x, weight, scale, zero if int4 else scale,
                                            g_idx if g_idx is not None else scale, bias if bias is not None else out,
-                                           out, part, m, n, k, per, min(group, max(k, 1)), groups, x.stride(0),
+                                           out, part, count, m, n, k, per, min(group, max(k, 1)), groups, x.stride(0),
                                            out.stride(0), INT4=int4, HAS_GIDX=g_idx is not None,
                                            STEP_GROUP=g_idx is None and (group >= k or group % cfg.block_k == 0),
                                            HAS_BIAS=bias is not None, UPCAST_DOT=_INTERPRET, SPLIT=splits > 1,
                                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
                                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if splits > 1:
-            reduce_splits(part, bias, out)
     return out
