@@ -85,7 +85,8 @@ async def completion_choices(engine, limits: ServerLimits, body: CompletionReque
     choices: list[Choice] = []
     for text, ids in prompts:
         for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt", scored):
-            choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer))
+            choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer,
+                                  bool(body.return_token_ids)))
     return choices
 
 
