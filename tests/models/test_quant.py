@@ -286,3 +286,30 @@ def test_quantization_flag_must_agree_with_the_checkpoint(src, quantized):
     with pytest.raises(ValueError, match="this one is 16-bit"):
         detect(src, "gptq")
     assert detect(quantized["awq"][0], "awq").method == "awq"
+
+
+def test_speculative_decoding_with_a_quantized_target(quantized):
+    """An AWQ target verifying the proposals of a draft model that is itself quantized (the same AWQ
+    checkpoint, so nearly every proposal stands): the greedy tokens of decoding without
+    speculation, no block lost. (The n-gram method verifies through the same target step.)"""
+    from server.config import EngineConfig, SpeculativeConfig
+    from server.engine import LLMEngine
+    from server.sampling_params import SamplingParams
+
+    path, _ = quantized["awq"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(spec=None):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", num_blocks=64, speculative_config=spec))
+        outs = [o.token_ids for o in engine.generate(prompts, params)]
+        assert engine.block_manager.check_all_free()
+        return outs, engine
+
+    spec = SpeculativeConfig.parse(f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 3}}')
+    got, engine = run(spec)
+    assert got == run()[0]
+    assert engine.speculator.proposer.runner.model.quant_scheme.method == "awq"
+    c = engine.speculator.counters
+    assert c.drafts > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens  # the draft is the target
