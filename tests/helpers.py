@@ -74,6 +74,11 @@ LLAMA_CONFIGS = {  # model_type -> transformers config class name
     "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
+# The quantization tests' Llama (tests/models/conftest.py): head_dim 64, 2 KV heads, so that every
+# part of the merged QKV is a multiple of the 128-row FP8 blocks
+QUANT_LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+
+
 def make_llama_checkpoint(path, model_type="llama", num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, hidden_size=64, intermediate_size=96, max_position_embeddings=256,
                           vocab_size=512, seed=0, initializer_range=0.2, **extra):

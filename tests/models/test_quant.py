@@ -24,29 +24,21 @@ import models.quant as quant
 from benchmarks.quant_checkpoint import FORMATS, quantize_checkpoint
 from models import load_model, weights_info
 from models.quant import compute_mode, detect
+from tests.helpers import QUANT_LLAMA as LLAMA
 from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits
 
-# head_dim 64, 2 KV heads: every part of the merged QKV is a multiple of the 128-row blocks
-LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
 IDS = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    return make_llama_checkpoint(tmp_path_factory.mktemp("src16"), "llama", **LLAMA)
+@pytest.fixture
+def src(quant_src):  # tests/models/conftest.py: shared with test_quant_http.py
+    return quant_src
 
 
 @pytest.fixture(scope="module")
 def calm_src(tmp_path_factory):  # one layer: the interpreter runs every GEMM of the forced paths
     return make_llama_checkpoint(tmp_path_factory.mktemp("calm16"), "llama", initializer_range=0.02,
                                  num_hidden_layers=1, **LLAMA)
-
-
-@pytest.fixture(scope="module")
-def quantized(src, tmp_path_factory):
-    """format -> (checkpoint path, dequantized weights by source name)."""
-    root = tmp_path_factory.mktemp("quantized")
-    return {fmt: (root / fmt, quantize_checkpoint(src, root / fmt, fmt)) for fmt in FORMATS}
 
 
 # what the start-up log and /v1/models call each format (weights_info(...).quantization)
@@ -180,8 +172,9 @@ def test_transformers_loads_the_compressed_tensors_files(src, quantized, fmt):
 @pytest.mark.parametrize("fmt,mode,dtype", [("fp8-dynamic", "w8a8", torch.bfloat16),  # torch._scaled_mm (CPU)
                                             ("fp8-block", "w8a8", torch.float32),  # kernels/fp8_matmul.py
                                             ("fp8-static", "w8a8", torch.float32),
-                                            ("fp8-dynamic", "weight_only", torch.bfloat16),  # kernels/wo_matmul.py
-                                            ("awq", "weight_only", torch.bfloat16),
+                                            ("fp8-dynamic", "weight_only", torch.bfloat16),  # kernels/dequant.py
+                                            # int4 (g_idx: the gather AWQ's plain groups skip; both in
+                                            # test_quant_gemms.py at every row count)
                                             ("gptq-desc-act", "weight_only", torch.float16)])
 def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fmt, mode, dtype):
     """The linear methods' GPU paths (Triton kernels under the interpreter): the quantized storage is
