@@ -8,8 +8,9 @@
               tile kernels at one row for comparison with the GEMV. Each case is timed as a CUDA graph
               of calls over copies of the weight that together pass the L2 cache (as a decode step's
               layers do): no launch gaps, no L2 hits, device time only
-  sweep       the decode GEMV's tiles at one row for each linear (FP8 per channel, int4); the best of
-              each is installed for the engine steps (recorded under "tuned")
+  sweep       the decode GEMV's tiles at one row for each linear (FP8 per channel, int4), the default
+              (kernels/gemv.py's config) first; the best of each is recorded under "tuned", and the
+              engine steps run with them only with --install-tuned (else what ships: "engine_gemv")
   tpot        batch-1 time per output token of the engine (128-token prompt, CUDA graphs): the
               difference between a 257- and a 1-token generation, over 256 tokens; and the batch-1
               decode graph's replay alone
@@ -22,7 +23,7 @@ compressed-tensors FP8_DYNAMIC; fp8-block: quant_method fp8, 128x128 blocks; awq
 Goals: at the Llama-3.1-8B shape, batch-1 TPOT FP8 <= 0.6x bf16 and 4-bit <= 0.4x; throughput FP8
 >= 1.3x bf16. Writes quant_<gpu>.json after every step and prints a table last.
 
-    python benchmarks/bench_quant.py --out-dir OUT [--time-budget 420]
+    python benchmarks/bench_quant.py --out-dir OUT [--time-budget 420] [--install-tuned]
 """
 
 from __future__ import annotations
@@ -330,6 +331,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-budget", type=float, default=420, help="seconds for the whole run; engines past it are skipped")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--install-tuned", action="store_true",
+                    help="the engines run the sweep's best GEMV tiles instead of kernels/gemv.py's defaults")
     ap.add_argument("--gemv-configs", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=3, metavar=("FORMAT", "CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -340,7 +343,7 @@ def main(argv=None) -> dict:
         return {}
     deadline = time.monotonic() + args.time_budget
     result = dict(benchmark="quant", shape=args.shape, **gpu_run_info("bench_quant.py", argv), formats=args.formats,
-                  goals=GOALS, rows=[], tuned={})
+                  goals=GOALS, rows=[], tuned={}, engine_gemv="tuned" if args.install_tuned else "defaults")
 
     def save():
         result["summary"] = summarize(result["rows"])
@@ -376,7 +379,8 @@ def main(argv=None) -> dict:
                     quantize_checkpoint(bf16, path, fmt, device="cuda", dequantized=False)
                     torch.cuda.empty_cache()
                     print(f"{fmt} checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
-                result["rows"] += run_child(fmt, path, args, result["tuned"], deadline - time.monotonic() - 5)
+                tuned = result["tuned"] if args.install_tuned else {}
+                result["rows"] += run_child(fmt, path, args, tuned, deadline - time.monotonic() - 5)
                 if path != bf16:
                     for f in path.glob("*.safetensors"):
                         f.unlink()  # the disk holds the 16-bit checkpoint and one quantized copy at a time
