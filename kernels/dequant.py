@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.wo_matmul import fp8_bits_to_f32
+from kernels.wo_matmul import dequant_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -35,30 +35,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr, N, K, group, groups, INT4: tl.constexpr,
                     HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    kk = k0 + tl.arange(0, BLOCK_K)
     n64 = offs_n.to(tl.int64)[:, None]
-    k_ok = kk < K
-    m = (offs_n < N)[:, None] & k_ok[None, :]
-    if STEP_GROUP:  # the tile inside one group: one scale (and zero) a row
-        g = n64 * groups + (tl.program_id(1) * BLOCK_K) // group
-        s = tl.load(s_ptr + g, mask=(offs_n < N)[:, None], other=0.0)
-    else:
-        if HAS_GIDX:
-            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
-        else:
-            col_group = kk // group
-        g = n64 * groups + col_group[None, :]
-        s = tl.load(s_ptr + g, mask=m, other=0.0)
-    if INT4:
-        kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=(offs_n < N)[:, None] & (kw < K // 8)[None, :],
-                        other=0)
-        words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
-        q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-        w = (q - tl.load(z_ptr + g, mask=(offs_n < N)[:, None] if STEP_GROUP else m, other=0).to(tl.float32)) * s
-    else:
-        bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=m, other=0).to(tl.int32) & 0xFF
-        w = fp8_bits_to_f32(bits) * s
+    n_ok = offs_n < N
+    w = dequant_tile(w_ptr, s_ptr, z_ptr, gidx_ptr, n64, n_ok, k0, kk, K, K, group, groups, INT4, HAS_GIDX, STEP_GROUP,
+                     BLOCK_N, BLOCK_K)
+    m = n_ok[:, None] & (kk < K)[None, :]
     tl.store(out_ptr + n64 * K + kk[None, :], round_to(w, out_ptr.dtype.element_ty), mask=m)
 
 

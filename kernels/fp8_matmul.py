@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
-from kernels.tiles import grouped_tile, k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
+from kernels.tiles import finish_tile, grouped_tile, k_range, split_buffers, split_plan, splits_for
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -91,21 +90,8 @@ def _fp8_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, part_ptr, 
         sa = tl.load(as_ptr + offs_m * stride_as, mask=m_ok, other=0.0)
         sb = tl.load(bs_ptr + offs_n * stride_bs, mask=n_ok, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
-    if SPLIT:  # the tile's last program to arrive adds the splits' partials in order and stores
-        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N):
-            acc = split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N)
-            _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
-    else:
-        _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
-
-
-@triton.jit
-def _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    finish_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, part_ptr, count_ptr, SPLIT, HAS_BIAS,
+                BLOCK_M, BLOCK_N)
 
 
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group: int,

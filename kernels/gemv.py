@@ -102,14 +102,18 @@ def _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT: tl
 
 
 @triton.jit
+def _program_span(N, K, k_per_split, BLOCK_N: tl.constexpr):
+    """This program's output channels (offsets, in range, int64) and its split's [k_lo, k_hi)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo, k_hi = k_range(tl.program_id(1), K, k_per_split)
+    return offs_n, offs_n < N, offs_n.to(tl.int64), k_lo, k_hi
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    n64 = offs_n.to(tl.int64)
-    k_lo, k_hi = k_range(pid_k, K, k_per_split)
+    offs_n, n_ok, n64, k_lo, k_hi = _program_span(N, K, k_per_split, BLOCK_N)
     # Products are summed elementwise in registers and reduced across threads once, after the loop.
     if GROUP == PER_CHANNEL:
         offs_k = tl.arange(0, BLOCK_K)
@@ -163,11 +167,7 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, par
                     groups,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    n64 = offs_n.to(tl.int64)
-    k_lo, k_hi = k_range(pid_k, K, k_per_split)
+    offs_n, n_ok, n64, k_lo, k_hi = _program_span(N, K, k_per_split, BLOCK_N)
     # K as [G, C] (G groups of C columns a step; per channel: one "group" of BLOCK_K); products are
     # summed elementwise in registers and reduced across threads once, after the loop.
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.rounding import round_to
 from kernels.scratch import has_scratch, scratch, scratch_size
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -85,6 +86,28 @@ def split_total(acc, part_ptr, count_ptr, tile, block, TILE_ELEMS: tl.constexpr)
                          cache_modifier=".cg")
     tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
     return total
+
+
+@triton.jit
+def finish_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, part_ptr, count_ptr, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a [BLOCK_M, BLOCK_N] fp32 output tile plus the bias, rounded once to c's dtype; split: by
+    the tile's last program to arrive, the splits' partials added in split order."""
+    if SPLIT:
+        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N):
+            acc = split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N)
+            _store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
+    else:
+        _store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def split_buffers(device: torch.device, tiles: int, splits: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:

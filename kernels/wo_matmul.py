@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.tiles import grouped_tile, k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
+from kernels.tiles import finish_tile, grouped_tile, k_range, split_buffers, split_plan, splits_for
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -79,6 +79,36 @@ def fp8_bits_to_f32(b):
 
 
 @triton.jit
+def dequant_tile(w_ptr, s_ptr, z_ptr, gidx_ptr, n64, n_ok, k0, kk, k_end, K, group, groups, INT4: tl.constexpr,
+                 HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight's rows n64 ([BLOCK_N, 1] int64; n_ok: [BLOCK_N]) at columns kk = k0 + arange(BLOCK_K)
+    (those from k_end on masked), dequantized in fp32 (also kernels/dequant.py's tile): (q - zero) *
+    scale for int4, weight * scale for fp8."""
+    k_ok = kk < k_end
+    mask = n_ok[:, None] & k_ok[None, :]
+    if STEP_GROUP:  # the whole step inside one group: one scale (and zero) per row
+        g = n64 * groups + k0 // group
+        smask = n_ok[:, None]
+    else:
+        if HAS_GIDX:
+            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        else:
+            col_group = kk // group
+        g = n64 * groups + col_group[None, :]
+        smask = mask
+    s = tl.load(s_ptr + g, mask=smask, other=0.0)
+    if INT4:
+        # each packed word loaded once, then its eight values spread along K in registers
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=n_ok[:, None] & (kw < k_end // 8)[None, :], other=0)
+        words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
+        q = (words >> ((kk % 8) * 4)[None, :]) & 0xF
+        return (q.to(tl.float32) - tl.load(z_ptr + g, mask=smask, other=0).to(tl.float32)) * s
+    bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
+    return fp8_bits_to_f32(bits) * s
+
+
+@triton.jit
 def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, K,
                       k_per_split, group, groups, stride_xm, stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr,
                       STEP_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr,
@@ -97,53 +127,15 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, par
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_hi
-        wmask = n_ok[:, None] & k_ok[None, :]
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if STEP_GROUP:  # the whole step inside one group: one scale (and zero) per row
-            g = offs_n.to(tl.int64) * groups + k0 // group
-            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
-        else:
-            if HAS_GIDX:
-                col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
-            else:
-                col_group = kk // group
-            g = n64 * groups + col_group[None, :]
-            s = tl.load(s_ptr + g, mask=wmask, other=0.0)
-        if INT4:
-            # each packed word loaded once, then its eight values spread along K in registers
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=n_ok[:, None] & (kw < k_hi // 8)[None, :],
-                            other=0)
-            words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
-            q = (words >> ((kk % 8) * 4)[None, :]) & 0xF
-            if STEP_GROUP:
-                z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.float32)[:, None]
-            else:
-                z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.float32)
-            w = (q.to(tl.float32) - z) * s
-        else:
-            bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=wmask, other=0).to(tl.int32) & 0xFF
-            w = fp8_bits_to_f32(bits) * s
-        w = round_to(w, dt)
+        w = round_to(dequant_tile(w_ptr, s_ptr, z_ptr, gidx_ptr, n64, n_ok, k0, kk, k_hi, K, group, groups, INT4,
+                                  HAS_GIDX, STEP_GROUP, BLOCK_N, BLOCK_K), dt)
         if UPCAST_DOT:  # the interpreter holds bf16 as bits: its dot takes fp32 (exact products)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-    if SPLIT:  # the tile's last program to arrive adds the splits' partials in order and stores
-        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N):
-            acc = split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_M * BLOCK_N)
-            _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
-    else:
-        _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
-
-
-@triton.jit
-def _store(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    finish_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, part_ptr, count_ptr, SPLIT, HAS_BIAS,
+                BLOCK_M, BLOCK_N)
 
 
 def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
