@@ -10,6 +10,10 @@
 | http | `vllm serve` / `python -m server` | streamed /v1/completions, 512 in / 256 out, 1, 32, 256 and 1024 clients, driven by `vllm bench serve` and by our load client; both servers with the same API process count (run.py --api-server-count) |
 | prefix | the same servers | shared prefixes (`vllm bench serve --dataset-name prefix_repetition`: 8 prefixes of 1,024 tokens, 128-token suffixes, 128 outputs, 64 clients), prefix caching on in both |
 
+A shape may name a quantized copy of its random checkpoint, `<shape>.<format>` (e.g.
+`llama-3.1-8b.fp8-dynamic`, `llama-3.1-8b.awq`): benchmarks/quant_checkpoint.py writes it from the
+16-bit one, and both engines read its `quantization_config` (issue 47's side by side).
+
 Each workload is a list of `Job`s: an offline job (one `benchmarks.peers.offline` process per
 engine) or a serving job (one server per engine, benchmarks/peers/serving.py). Jobs of the same kind,
 shape and flags are run as one (the workloads selected together share an engine's start-up); each
@@ -27,12 +31,27 @@ from server.config import SERVE_MAX_NUM_BATCHED_TOKENS
 
 WORKLOADS = ("offline", "nanovllm", "batch1", "structured", "long", "http", "prefix")
 SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
+# benchmarks/quant_checkpoint.py's formats that vLLM reads too (its GPTQ Marlin kernels need symmetric
+# weights: not gptq-desc-act, written asymmetric, nor w4a16-asym)
+QUANT_FORMATS = ("fp8-dynamic", "fp8-static", "fp8-block", "awq", "gptq", "w4a16")
 DEFAULT_SHAPES = {"offline": SHAPES, "nanovllm": SHAPES, "batch1": SHAPES, "structured": ("qwen2.5-0.5b",), "long": ("llama-3.1-8b",),
                   "http": ("qwen2.5-0.5b",), "prefix": ("qwen2.5-0.5b",)}
 HTTP_CLIENTS = (1, 32, 256, 1024)
 OFFLINE_FLAGS = Flags(max_model_len=4096, enable_prefix_caching=False)  # repeated runs must not hit the cache
 SERVE_FLAGS = Flags(max_model_len=4096, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
 LONG_FLAGS = replace(OFFLINE_FLAGS, max_model_len=32768 + 256)
+
+
+def split_shape(shape: str) -> tuple[str, str | None]:
+    """(the random checkpoint's shape, the quantized format or None): "llama-3.1-8b.awq" ->
+    ("llama-3.1-8b", "awq"); ValueError for a name that is neither."""
+    if shape in SHAPES:
+        return shape, None
+    base, _, fmt = shape.rpartition(".")
+    if base in SHAPES and fmt in QUANT_FORMATS:
+        return base, fmt
+    raise ValueError(f"unknown shape {shape!r} (choose from {', '.join(SHAPES)}, each optionally "
+                     f"followed by .FORMAT of {', '.join(QUANT_FORMATS)})")
 
 
 @dataclass
@@ -145,6 +164,7 @@ def merge_jobs(jobs: list[Job]) -> list[Job]:
 # checkpoint (the 8B's ~1 min to initialise on the GPU and write 16 GB), and the measured part.
 START_MIN = {"flashpage": 0.5, "vllm": 1.2}
 CKPT_MIN = {"llama-3.1-8b": 1.0}
+QUANT_CKPT_MIN = 0.7  # a quantized copy of the 8B (read, quantized on the GPU, written); a fifth of it for the small shapes
 # The measured parts, from flashpage's own H100 figures (benchmarks/results/throughput_*, nanovllm_*:
 # 1-3 s a run of the 128-512 workload, 6-11 s of nano-vllm's on the small shapes) times three runs
 # and both engines, and the HTTP levels' requests at the clients' rates.
@@ -160,6 +180,8 @@ def estimate_minutes(selection: list[tuple[str, str]]) -> float:
                            LONG_FLAGS if w == "long" else SERVE_FLAGS if w in ("http", "prefix") else OFFLINE_FLAGS)
                        for w, s in selection])
     total = sum(START_MIN.values()) * len(jobs)
-    total += sum(WORK_MIN[(w, s == "llama-3.1-8b")] for w, s in selection)
-    total += sum(CKPT_MIN.get(s, 0.15) for s in {s for _, s in selection})
+    total += sum(WORK_MIN[(w, split_shape(s)[0] == "llama-3.1-8b")] for w, s in selection)
+    shapes = [split_shape(s) for s in {s for _, s in selection}]
+    total += sum(CKPT_MIN.get(base, 0.15) for base in {base for base, _ in shapes})
+    total += sum(QUANT_CKPT_MIN * (1 if base == "llama-3.1-8b" else 0.2) for base, fmt in shapes if fmt)
     return round(total, 1)

@@ -240,3 +240,31 @@ def test_a_server_under_our_client(tiny_ckpt, tmp_path):
     assert (row["impl"], row["client"], row["level"], row["api"]) == ("flashpage", "flashpage-load", "c2", "completions")
     assert row["completed"] == 4 and row["errors"] == 0 and row["output_tokens"] == 16 and row["length_mismatches"] == 0
     assert (tmp_path / "tiny_flashpage_server.log").exists()
+
+
+def test_quantized_shapes_are_the_16_bit_checkpoints_quantized_copy(tmp_path, monkeypatch):
+    """`<shape>.<format>`: the 16-bit random checkpoint made first (once), then quant_checkpoint.py's
+    copy of it in that format; formats vLLM cannot read, and unknown shapes, refused by name."""
+    from benchmarks.quant_checkpoint import FORMATS
+
+    assert set(workloads.QUANT_FORMATS) <= set(FORMATS)
+    sel = run.parse_selection(["offline:llama-3.1-8b.fp8-dynamic,qwen2.5-0.5b.awq", "batch1:llama-3.1-8b.awq"])
+    assert sel == [("offline", "llama-3.1-8b.fp8-dynamic"), ("offline", "qwen2.5-0.5b.awq"),
+                   ("batch1", "llama-3.1-8b.awq")]
+    plain = workloads.estimate_minutes([("offline", "llama-3.1-8b"), ("batch1", "llama-3.1-8b")])
+    assert workloads.estimate_minutes([("offline", "llama-3.1-8b.fp8-dynamic"), ("batch1", "llama-3.1-8b.awq")]) > plain
+    for bad in ("offline:llama-3.1-8b.gptq-desc-act", "offline:gpt-5.awq", "offline:llama-3.1-8b.int3"):
+        with pytest.raises(SystemExit, match="unknown shape"):
+            run.parse_selection([bad])
+    calls = []
+
+    def fake_run(cmd, **kw):  # the GPU's part: record what would run, make the directory it would write
+        calls.append(cmd[3:])
+        Path(cmd[3]).mkdir(parents=True)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    for shape in ("llama-3.1-8b.awq", "llama-3.1-8b.fp8-dynamic"):
+        assert run.ensure_checkpoint(shape, tmp_path, tmp_path) == tmp_path / shape
+    base = str(tmp_path / "llama-3.1-8b")
+    assert calls == [[base, "llama-3.1-8b"], [str(tmp_path / "llama-3.1-8b.awq"), "awq", base],
+                     [str(tmp_path / "llama-3.1-8b.fp8-dynamic"), "fp8-dynamic", base]]
