@@ -71,11 +71,14 @@ for step in "${@:-tests throughput prefix}"; do
       # its time budget are skipped, each in a child process); quanttests: the quantization GPU tests
       # (every path at 1/13/200 tokens, graph replay against eager bit for bit, the engine's graphs,
       # speculation on a quantized target, the staging race) and the quantized kernels' tests on the GPU.
+      # QUANT_ARGS adds bench_quant flags (a second call: QUANT_ARGS="--steps engine --formats fp8-block").
       quant)
-        timeout 575 python3 benchmarks/bench_quant.py --time-budget 500 --out-dir "$OUT" > "$OUT/quant.log" 2>&1 || status=1
+        # shellcheck disable=SC2086
+        timeout 565 python3 benchmarks/bench_quant.py --time-budget 490 --out-dir "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 \
+          || status=1
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
       quanttests)
-        timeout 570 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_staging.py \
+        timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_staging.py \
           tests/kernels/test_gemv.py tests/kernels/test_dequant.py tests/kernels/test_fp8_quant.py \
           tests/kernels/test_fp8_matmul.py tests/kernels/test_wo_matmul.py tests/models/test_quant_gemms.py 2>&1 \
           | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
