@@ -203,6 +203,22 @@ def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
     assert detect(src, "fp8").online and detect(src) is None
 
 
+def test_dummy_weights_quantized_at_load_and_quantized_checkpoints_refused(src, quantized):
+    """--load-format dummy with --quantization fp8 (a benchmark's FP8 model from config.json alone):
+    the dummy 16-bit weights quantized per channel (the CPU then serves them dequantized); a
+    quantized checkpoint's own tensors cannot be made up, so dummy refuses it by name."""
+    from kernels.quant_reference import dequant_fp8
+    from models.quant.fp8 import quantize_per_channel
+
+    plain = load_model(src, torch.float32, "cpu", "sdpa", load_format="dummy")
+    ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8", load_format="dummy")
+    assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])
+    w = plain.layers[1].mlp.down_proj.weight
+    assert torch.equal(ours.layers[1].mlp.down_proj.weight, dequant_fp8(*quantize_per_channel(w), 1 << 30, w.dtype))
+    with pytest.raises(ValueError, match="--load-format dummy makes a 16-bit checkpoint's tensors"):
+        load_model(quantized["awq"][0], torch.float32, "cpu", "sdpa", load_format="dummy")
+
+
 def test_gpt2_conv1d_weights_quantized(tmp_path):
     """GPT-2 stores its projections as Conv1D [in, out]; quantized formats store [out, in]."""
     src = make_checkpoint(tmp_path / "gpt2", n_embd=128, n_head=2)
