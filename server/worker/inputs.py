@@ -79,7 +79,7 @@ class Staging:
 
     def next_host(self) -> np.ndarray:
         self.turn = (self.turn + 1) % len(self.hosts)
-        if self.on_cuda:
+        if self.copied:  # (pinned mirrors only: a CPU staging has none to wait for)
             self.copied[self.turn].synchronize()  # at once in serving (step k-2 is done); never recorded: at once
         return self.host_nps[self.turn]
 
@@ -87,7 +87,8 @@ class Staging:
         """Copy the first n (default all) values of the current mirror to the device buffer."""
         if self.on_cuda:
             self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
-            self.copied[self.turn].record()
+            if self.copied:
+                self.copied[self.turn].record()
 
 
 Spans = dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape) of each array a pack laid out
