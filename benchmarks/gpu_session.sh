@@ -6,9 +6,10 @@
 # machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
 # orjson), fetched here once:
 #   ../shared/device/fetch-wheels.sh msgspec httptools uvloop prometheus_client fastokens "vllm-router==0.1.17"
-# plus xgrammar without its dependencies (torch, transformers and triton are on the machine):
+# plus xgrammar, and compressed-tensors with loguru (the quant steps: compressed-tensors checkpoints),
+# without their dependencies (torch, transformers, triton, pydantic and psutil are on the machine or above):
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl xgrammar
+#     --platform manylinux_2_28_x86_64 -d .whl xgrammar "compressed-tensors==0.20.0" loguru
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
