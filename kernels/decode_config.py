@@ -46,17 +46,47 @@ def merge_heads(group: int, splits_pad: int, head_dim_pad: int, num_warps: int) 
 
 
 def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
-                  head_dim: int = 64) -> dict:
-    """Tile / warps / stages / split count, from shapes only (never from tensor values)."""
+                  head_dim: int = 64, kv_bytes: int = 2) -> dict:
+    """Tile / warps / stages / split count, from shapes only (never from tensor values). kv_bytes:
+    the cache's element size (1 for an fp8 cache)."""
     if _INTERPRET:  # one fixed small config; programs run one by one, so few splits
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1, "PREFETCH": 2,
                 "num_splits": split_count(num_seqs * num_kv_heads, max_ctx, 32, 4 * sm_count, min_tiles=1)}
+    if kv_bytes == 1:
+        return choose_fp8_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
     return choose_gpu_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
+
+
+# An fp8 cache: each tile's bytes halve, so a tile of the 16-bit config keeps half as many bytes in
+# flight. FP8_TILES[(lanes, padded head_dim)] = (BLOCK_N, num_warps, PREFETCH) for the fp8 tiles;
+# stages and splits follow the 16-bit rules for that BLOCK_N.
+FP8_TILES = {(True, 64): (64, 4, 2), (True, 128): (32, 4, 2), (False, 64): (64, 4, 0), (False, 128): (128, 4, 0)}
+
+
+def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
+                      head_dim: int = 64) -> dict:
+    """The config on a GPU for an fp8 cache."""
+    pairs = num_seqs * num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n, warps, prefetch = FP8_TILES.get((group == 1, min(max(d_pad, 64), 128)), (64, 4, 0))
+    if group == 1:
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 1, "PREFETCH": prefetch}
+        if max_ctx <= 128 and pairs <= 4 * sm_count:
+            cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
+        cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], 6 * sm_count)
+        return cfg
+    cap = max(16, merge_split_cap(group, d_pad))
+    per_sm = 3 if d_pad > 64 else 4
+    splits = min(cap, split_count(pairs, max_ctx, block_n, per_sm * sm_count))
+    deep = pairs * splits < 2 * sm_count if d_pad > 64 else pairs * splits <= 6 * sm_count
+    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 5 if deep else 3, "PREFETCH": prefetch,
+            "num_splits": splits}
 
 
 def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
                       head_dim: int = 64) -> dict:
-    """The config on a GPU (choose_config outside the interpreter). Tuned on an H100, Triton 3.6."""
+    """The config on a GPU (choose_config outside the interpreter) for a 16-bit cache. Tuned on an
+    H100, Triton 3.6."""
     pairs = num_seqs * num_kv_heads
     if group == 1:
         # The lane-wise path with 32-token tiles and K/V loaded one tile ahead was within noise of
@@ -91,8 +121,9 @@ def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int
 
 
 def stage_variants(group: int) -> tuple[int, ...]:
-    """Every num_stages the config can pick for this group size, whatever the batch: what a
-    warm-up must compile so that no batch shape compiles a variant mid-serving."""
+    """Every num_stages the config can pick for this group size (with either cache element size),
+    whatever the batch: what a warm-up must compile so that no batch shape compiles a variant
+    mid-serving."""
     if _INTERPRET:
         return (1,)
     return (1,) if group == 1 else (3, 5)

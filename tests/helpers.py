@@ -176,3 +176,21 @@ def openai_client(url: str):
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # the fp8 KV cache formats (torch attribute names)
+
+
+def fp8_cache(cache, fp8_dtype, seed: int = 0):
+    """An fp8 copy of a [blocks, block_size, kv_heads, head_dim] cache through the reference quantizer
+    (NaN slots stay NaN bytes), with per-head fp32 scales [kv_heads]: each head's largest |value| over
+    the format's largest, times a factor in [1, 2) (scales that are not powers of two)."""
+    import torch
+
+    from kernels.reference import FP8_MAX, fp8_quantize_ref
+
+    dtype = getattr(torch, fp8_dtype) if isinstance(fp8_dtype, str) else fp8_dtype
+    g = torch.Generator().manual_seed(seed)
+    amax = cache.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).cpu().clamp(min=1e-3)
+    scale = (amax / FP8_MAX[dtype] * (1 + torch.rand(cache.shape[2], generator=g))).to(cache.device)
+    return fp8_quantize_ref(cache, scale, dtype), scale
