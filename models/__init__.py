@@ -4,6 +4,7 @@ models/attention/base.py); a family's own names stay in its file. Depends on ker
 
 from models.attention import BACKENDS, AttentionBackend, AttentionMetadata, StepRows
 from models.base import CausalLM, KVCaches, placeholder_id, resolve_placeholders
+from models.kv_scales import checkpoint_kv_scales
 from models.loader import (DTYPES, EMBEDDED_MODEL, checkpoint_dtype, eos_token_ids, load_config, load_model,
                            load_tokenizer, resolve_model_path)
 from models.registry import MODEL_FAMILIES, check_served, model_class
@@ -12,4 +13,4 @@ from models.spec import ModelSpec
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
            "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "checkpoint_dtype", "eos_token_ids",
            "load_config", "load_model",
-           "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec"]
+           "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec"]

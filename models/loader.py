@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from models.base import CausalLM
+from models.kv_scales import is_attention_scale
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
@@ -97,7 +98,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     with torch.device(device), _no_init():
         model = model_class(config.model_type)(config, attention, deterministic=deterministic)
     model = model.to(dtype)
-    model.load_weights(_read_tensors(path))
+    # KV-cache scales are not weights: the worker reads them (models/kv_scales.py) for an fp8 cache
+    model.load_weights({k: t for k, t in _read_tensors(path).items() if not is_attention_scale(k)})
     return model.eval().requires_grad_(False)
 
 

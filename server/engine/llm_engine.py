@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvcache import BlockManager
+from kvcache import BlockManager, dtype_name
 from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
@@ -50,7 +50,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
         self.tokenizer = load_tokenizer(path)
-        worker = start_worker(config, path)
+        worker = start_worker(config, path, self.tokenizer)
+        self.cache_spec = worker.cache_spec  # what the cache stores (its dtype) and a block's bytes
         self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
         self.runner = worker.runner
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -112,7 +113,9 @@ class LLMEngine:
                               preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
                               prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
-                              generation_tokens=self.num_generated_tokens)
+                              generation_tokens=self.num_generated_tokens,
+                              kv_cache_dtype=dtype_name(self.cache_spec.dtype), kv_block_size=bm.block_size,
+                              kv_bytes_per_token=self.cache_spec.bytes_per_block // bm.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     validated: bool = False, deadline: float | None = None) -> None:

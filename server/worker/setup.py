@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kvcache import CacheSpec
-from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
+from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
+from models import DTYPES, ModelSpec, checkpoint_dtype, load_model, load_tokenizer
 from server.config import EngineConfig
+from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
 from server.worker.warmup import profile_peak_memory, warmup
 
@@ -31,13 +32,16 @@ class Worker:
     num_blocks: int
     max_model_len: int
     device: torch.device
+    kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def start_worker(config: EngineConfig, path: Path) -> Worker:
+def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
+    """`tokenizer` (the checkpoint's; loaded here if needed and not given) encodes the calibration
+    text of an fp8 cache without checkpoint scales."""
     device = resolve_device(config)
     on_cuda = device.type == "cuda"
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
@@ -45,6 +49,10 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
+    if config.kv_cache_dtype != "auto" and on_cuda and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a GPU with fp8 conversions (compute "
+                         f"capability 8.9 or later: Ada, Hopper); this one is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
              ", deterministic" if config.deterministic else "")
     model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
@@ -68,13 +76,18 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
         raise ValueError(f"this model attends over a sliding window of {spec.sliding_window} tokens, which flashpage "
                          f"does not implement; serve it with --max-model-len {spec.sliding_window} or less "
                          f"(the context would be {max_model_len})")
-    cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, dtype)
+    cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, cache_dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    scales = None
+    if is_fp8_cache(cache_dtype):
+        tokenizer = tokenizer or load_tokenizer(path)
+        scales = decide_kv_scales(runner, cache_dtype, dtype, path, config.calculate_kv_scales,
+                                  tokenizer(CALIBRATION_TEXT)["input_ids"], max_model_len)
+        log.info("KV cache %s: scales %s", dtype_name(cache_dtype), scales.describe())
     num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
-             num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
-             num_blocks * cache_spec.block_size // max_model_len, max_model_len)
-    runner.allocate_cache(num_blocks)
+    log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
+    runner.allocate_cache(num_blocks, scales)
     if on_cuda:
         t0 = time.monotonic()
         warmup(runner)
@@ -82,7 +95,21 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, scales)
+
+
+def log_cache_size(cache_spec: CacheSpec, num_blocks: int, max_model_len: int, model_dtype: torch.dtype) -> None:
+    """The cache's capacity in blocks, tokens and bytes; an fp8 cache's relative to the model's dtype."""
+    tokens = num_blocks * cache_spec.block_size
+    per_token = cache_spec.bytes_per_block // cache_spec.block_size
+    ratio = ""
+    if cache_spec.dtype != model_dtype:
+        wide = model_dtype.itemsize / cache_spec.dtype.itemsize
+        ratio = f", {wide:g}x the tokens a {dtype_name(model_dtype)} cache holds in this memory"
+    log.info("KV cache (%s): %d blocks of %d tokens = %d tokens, %d bytes a token, %.1f MiB%s; %d concurrent "
+             "full-length (%d-token) sequences", dtype_name(cache_spec.dtype), num_blocks, cache_spec.block_size,
+             tokens, per_token, num_blocks * cache_spec.bytes_per_block / 2**20, ratio, tokens // max_model_len,
+             max_model_len)
 
 
 def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:
