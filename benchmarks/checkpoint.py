@@ -71,10 +71,10 @@ LLAMA_SHAPES = {
 }
 
 
-def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str = "cpu") -> Path:
-    """A random bf16 checkpoint of one of LLAMA_SHAPES, built by transformers' own model class on
-    `device` (an 8B model's random initialisation takes minutes on a CPU, seconds on a GPU; the
-    weights differ between devices for one seed)."""
+def make_random_llama(path: str | Path, shape: str | dict, seed: int = 0, device: str = "cpu") -> Path:
+    """A random bf16 checkpoint of one of LLAMA_SHAPES (or of a dict of such config fields), built by
+    transformers' own model class on `device` (an 8B model's random initialisation takes minutes on
+    a CPU, seconds on a GPU; the weights differ between devices for one seed)."""
     import torch
     import transformers
 
@@ -83,7 +83,7 @@ def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    fields = dict(LLAMA_SHAPES[shape])
+    fields = dict(LLAMA_SHAPES[shape] if isinstance(shape, str) else shape)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
