@@ -65,8 +65,11 @@ def _sweep_cfgs(group: int, d: int) -> list[dict]:
     if group == 1:
         return [dict(BLOCK_N=bn, num_warps=w, num_stages=1, PREFETCH=pf) for bn in (32, 64) for w in (4, 8)
                 for pf in (0, 2)]
+    # software-pipelined loads (stages 3 and 5, PREFETCH 0) and loads one tile ahead in registers
+    # (PREFETCH 2): a load feeding a cast before the dot may not be pipelined the way a 16-bit tile is
     widths = (64, 128) if d > 64 else (32, 64, 128)
-    return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, PREFETCH=0) for bn in widths for w in (4, 8) for st in (3, 5)]
+    return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, PREFETCH=pf) for bn in widths for w in (4, 8)
+            for st, pf in ((3, 0), (5, 0), (1, 2), (3, 2))]
 
 
 def _compile_job(job) -> None:

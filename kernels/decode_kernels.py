@@ -25,6 +25,16 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
     return k, v
 
 
+@triton.jit
+def _for_math(x, q_ptr, LANES: tl.constexpr):
+    """fp8 K or V as the math takes it: fp32 on the lane-wise path, q's dtype for the tensor-core dots."""
+    if LANES:
+        y = dequantize(x, tl.float32)
+    else:
+        y = dequantize(x, q_ptr.dtype.element_ty)
+    return y
+
+
 # num_splits and the block-table row stride follow the batch's shape; without this Triton compiles
 # a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bts"])
@@ -67,8 +77,6 @@ def _decode_kernel(
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
-    # What K/V tiles are converted to before the math: q's dtype for the tensor-core dots, fp32 lanes.
-    KV_DT: tl.constexpr = tl.float32 if LANES else q_ptr.dtype.element_ty
     if KV_FP8:
         # An fp8 cache's per-kv-head scales: K's folds into the softmax scale (qv, or each tile's
         # scores), V's multiplies the output once; tiles are cast, never scaled element by element.
@@ -93,8 +101,8 @@ def _decode_kernel(
             dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
             tl.store(v_base + dst + offs_d, v_last, mask=d_ok)
         if KV_FP8:  # the values the cache now holds, as the tiles below are read
-            k_last = dequantize(k_last, KV_DT)
-            v_last = dequantize(v_last, KV_DT)
+            k_last = _for_math(k_last, q_ptr, LANES)
+            v_last = _for_math(v_last, q_ptr, LANES)
 
     if LANES:
         # One query row (GROUP_PAD == 1): no tensor-core shape fits, so dot products are
@@ -139,8 +147,8 @@ def _decode_kernel(
             k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         if KV_FP8:  # prefetched as fp8 (half the registers), cast here
-            k = dequantize(k, KV_DT)
-            v = dequantize(v, KV_DT)
+            k = _for_math(k, q_ptr, LANES)
+            v = _for_math(v, q_ptr, LANES)
         if NEW_KV:  # this step's token: from registers, not from its (maybe not yet written) slot
             is_last = (tok == last)[:, None]
             k = tl.where(is_last, k_last[None, :], k)
