@@ -189,7 +189,7 @@ def engine_run(path: Path, kv: str, args) -> dict:
     from server.engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_dtype=kv, attention="triton",
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_dtype=kv, attention=args.attention,
                                     max_model_len=args.tpot_context, max_num_seqs=args.max_num_seqs))
     start_s = time.perf_counter() - t0
     bs, blocks = engine.block_manager.block_size, engine.block_manager.num_blocks
@@ -201,7 +201,7 @@ def engine_run(path: Path, kv: str, args) -> dict:
     if hasattr(scales, "scale"):
         res["k_scale_layer0"] = scales.scale.tolist()
     vocab = engine.spec.vocab_size
-    _drive(engine, workload(2, 256, 8, vocab, seed=1)[0], 8)  # warm-up
+    _drive(engine, workload(2, min(256, args.prompt_len), 8, vocab, seed=1)[0], 8)  # warm-up
     prompts, out_len = workload(n, args.prompt_len, args.output_len, vocab)
     secs, tokens, most, _ = _drive(engine, prompts, out_len)
     res.update(seconds=secs, output_tokens=tokens, output_tok_s=tokens / secs, most_running=most)
@@ -258,6 +258,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=0, help="requests at once (0: as many as the cache holds)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--attention", default="triton")
     ap.add_argument("--tpot-context", type=int, default=32768)
     ap.add_argument("--tpot-tokens", type=int, default=128)
     args = ap.parse_args(argv)
