@@ -57,30 +57,31 @@ def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm
     return choose_gpu_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
 
 
-# An fp8 cache: each tile's bytes halve, so a tile of the 16-bit config keeps half as many bytes in
-# flight. FP8_TILES[(lanes, padded head_dim)] = (BLOCK_N, num_warps, PREFETCH) for the fp8 tiles;
-# stages and splits follow the 16-bit rules for that BLOCK_N.
-FP8_TILES = {(True, 64): (64, 4, 2), (True, 128): (32, 4, 2), (False, 64): (64, 4, 0), (False, 128): (128, 4, 0)}
+# An fp8 cache (kernels/fp8.py: the tensor-core dots run in fp16). FP8_TILES[(lane-wise path,
+# padded head_dim)] = (BLOCK_N, num_warps, num_stages, PREFETCH). Picked from the first H100 sweep
+# (benchmarks/results/fp8_kv_h100.json, dots in bf16 then): on the GQA path 5 stages won at every
+# shape, 64- and 128-key tiles within 8% of each other, and more splits than the 16-bit merge cap
+# (32 against 16 for one 64k-token sequence: each program moves half the bytes); on the lane-wise
+# path 32-key tiles of 8 warps were within 5% of the best at both shapes.
+FP8_TILES = {(True, 64): (32, 8, 1, 0), (True, 128): (32, 8, 1, 0), (False, 64): (64, 4, 5, 0),
+             (False, 128): (64, 4, 5, 0)}
+FP8_SPLIT_CAP = 32
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
                       head_dim: int = 64) -> dict:
-    """The config on a GPU for an fp8 cache."""
+    """The config on a GPU for an fp8 cache (choose_config with kv_bytes 1)."""
     pairs = num_seqs * num_kv_heads
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    block_n, warps, prefetch = FP8_TILES.get((group == 1, min(max(d_pad, 64), 128)), (64, 4, 0))
+    d_pad = min(max(64, triton.next_power_of_2(head_dim)), 128)
+    block_n, warps, stages, prefetch = FP8_TILES[group == 1, d_pad]
+    cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": prefetch}
     if group == 1:
-        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 1, "PREFETCH": prefetch}
         if max_ctx <= 128 and pairs <= 4 * sm_count:
             cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
         cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], 6 * sm_count)
         return cfg
-    cap = max(16, merge_split_cap(group, d_pad))
-    per_sm = 3 if d_pad > 64 else 4
-    splits = min(cap, split_count(pairs, max_ctx, block_n, per_sm * sm_count))
-    deep = pairs * splits < 2 * sm_count if d_pad > 64 else pairs * splits <= 6 * sm_count
-    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 5 if deep else 3, "PREFETCH": prefetch,
-            "num_splits": splits}
+    cfg["num_splits"] = min(FP8_SPLIT_CAP, split_count(pairs, max_ctx, block_n, 4 * sm_count))
+    return cfg
 
 
 def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,

@@ -6,7 +6,7 @@ them (through Triton's dispatch once per shape, then from a cached plan).
 import triton
 import triton.language as tl
 
-from kernels.fp8 import dequantize, inverse, quantize
+from kernels.fp8 import dequantize, fp16_rows, inverse, quantize
 
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -26,12 +26,13 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
 
 
 @triton.jit
-def _for_math(x, q_ptr, LANES: tl.constexpr):
-    """fp8 K or V as the math takes it: fp32 on the lane-wise path, q's dtype for the tensor-core dots."""
+def _for_math(x, q, LANES: tl.constexpr):
+    """fp8 K or V as the math takes it: fp32 on the lane-wise path, q's dtype (fp16 by then) for the
+    tensor-core dots."""
     if LANES:
         y = dequantize(x, tl.float32)
     else:
-        y = dequantize(x, q_ptr.dtype.element_ty)
+        y = dequantize(x, q.dtype)
     return y
 
 
@@ -83,6 +84,9 @@ def _decode_kernel(
         k_sc = tl.load(ks_ptr + kvh)
         v_sc = tl.load(vs_ptr + kvh)
         scale_log2 = scale_log2 * k_sc
+        if not LANES:  # the dots in fp16, q scaled per row by a power of two (kernels/fp8.py fp16_rows)
+            q, q_up = fp16_rows(q)
+            row_scale = scale_log2 * q_up
     if NEW_KV:
         last = ctx - 1
         k_last = tl.load(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh + offs_d, mask=d_ok, other=0.0)
@@ -101,8 +105,8 @@ def _decode_kernel(
             dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
             tl.store(v_base + dst + offs_d, v_last, mask=d_ok)
         if KV_FP8:  # the values the cache now holds, as the tiles below are read
-            k_last = _for_math(k_last, q_ptr, LANES)
-            v_last = _for_math(v_last, q_ptr, LANES)
+            k_last = _for_math(k_last, q, LANES)
+            v_last = _for_math(v_last, q, LANES)
 
     if LANES:
         # One query row (GROUP_PAD == 1): no tensor-core shape fits, so dot products are
@@ -147,8 +151,8 @@ def _decode_kernel(
             k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         if KV_FP8:  # prefetched as fp8 (half the registers), cast here
-            k = _for_math(k, q_ptr, LANES)
-            v = _for_math(v, q_ptr, LANES)
+            k = _for_math(k, q, LANES)
+            v = _for_math(v, q, LANES)
         if NEW_KV:  # this step's token: from registers, not from its (maybe not yet written) slot
             is_last = (tok == last)[:, None]
             k = tl.where(is_last, k_last[None, :], k)
@@ -167,7 +171,10 @@ def _decode_kernel(
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            if KV_FP8:
+                s = tl.where(valid[None, :], s * row_scale[:, None], float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])

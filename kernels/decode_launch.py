@@ -91,7 +91,9 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
     consts = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
+        # (an fp8 cache's dots run in fp16: kernels/fp8.py)
+        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16 and scales is None, PREFETCH=int(cfg.get("PREFETCH", 0)),
+        LANES=lanes,
         FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
         MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
         KV_FP8=scales is not None,

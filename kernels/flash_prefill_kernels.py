@@ -13,29 +13,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.fp8 import dequantize
+from kernels.fp8 import dequantize, fp16_rows
 
 
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, v_scale=1.0, SCALE_V: tl.constexpr = False):
+                         UPCAST_DOT: tl.constexpr, v_scale=1.0, FP8: tl.constexpr = False):
     """One K/V tile: fold scores q·kT into the running (max, sum, acc). No NaN guard needed: the
     first tile a program visits always holds a key every row may see (cached position 0, new key
     0, or a key before the tile's first position), so m_i is finite before any fully masked
-    row-tile can occur. SCALE_V: the tile's V counts v_scale times (an fp8 prefix tile: the scale
-    goes on the probabilities, a [BLOCK_M, BLOCK_N] multiply, not on the tile)."""
+    row-tile can occur. FP8 (an fp8 prefix tile, kernels/fp8.py): q and the tiles are fp16,
+    qk_scale is per row ([BLOCK_M]: fp16_rows' powers times K's scale), and the tile's V counts
+    v_scale times (the scale goes on the probabilities, not on the tile)."""
     if UPCAST_DOT:
         qk = tl.dot(q.to(tl.float32), kT.to(tl.float32))
     else:
         qk = tl.dot(q, kT)
-    if APPLY_MASK:
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    if FP8:  # per-row scales
+        qk = qk * qk_scale[:, None]
+        if APPLY_MASK:
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+    else:
+        if APPLY_MASK:
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if SCALE_V:
+    if FP8:
         p = p * v_scale
     if UPCAST_DOT:
         acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
@@ -52,7 +60,7 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
     """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
     every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
     and block-table entries past the last used block from being read. KV_FP8: the tiles are fp8,
-    cast to q's dtype; qk_scale already holds K's scale, v_scale is V's."""
+    cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's scale."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -63,11 +71,14 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
     v_off = blk * stride_vcb + within * stride_vct
     kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    # (if/else, not an early return: Triton compiles the statements after a static return too)
     if KV_FP8:
-        return _online_softmax_step(acc, l_i, m_i, q, dequantize(kT, q.dtype), dequantize(vv, q.dtype), qk_scale,
-                                    n_ok[None, :], True, UPCAST_DOT, v_scale, True)
-    return _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale, n_ok[None, :],
-                                True, UPCAST_DOT)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, dequantize(kT, tl.float16), dequantize(vv, tl.float16),
+                                             qk_scale, n_ok[None, :], True, UPCAST_DOT, v_scale, True)
+    else:
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale,
+                                             n_ok[None, :], True, UPCAST_DOT)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -185,21 +196,23 @@ def _flash_prefill_kernel(
         bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
         kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
         vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
+        q_prefix = q
         prefix_scale = qk_scale
         v_scale = 1.0
-        if KV_FP8:  # an fp8 cache: K's scale folds into the prefix tiles' softmax scale
-            prefix_scale = qk_scale * tl.load(K_SCALE + kv_head)
+        if KV_FP8:  # fp16 dots over the fp8 tiles; K's scale in the rows' scales (kernels/fp8.py)
+            q_prefix, q_up = fp16_rows(q)
+            prefix_scale = qk_scale * tl.load(K_SCALE + kv_head) * q_up
             v_scale = tl.load(V_SCALE + kv_head)
         if WHILE_LOOPS:
             start_n = 0
             while start_n < prefix_len:
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
                                              BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
                 start_n += BLOCK_N
         else:
             for start_n in range(0, prefix_len, BLOCK_N):
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
                                              BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
 

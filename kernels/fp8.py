@@ -18,8 +18,18 @@ one ulp either side). It costs ~15 integer operations an element, only where K/V
 
 Loads (``dequantize``) use Triton's cast, which is exact (every e4m3 and e5m2 value is a float16,
 bfloat16 and float32 value); under the interpreter they go through fp32, since its e5m2 -> fp16 cast
-is wrong too. Kernels multiply by the scales outside the tiles: K's scale is folded into the softmax
+is wrong too (and on the GPU e5m2 -> bf16 goes through fp32: triton 3.6 reads e5m2 inf and NaN as
+finite bf16). Kernels multiply by the scales outside the tiles: K's scale is folded into the softmax
 scale and V's into the output (per KV head, one multiply a row), so an fp8 tile costs one cast.
+
+The attention dots over fp8 tiles run in fp16 whatever the model's dtype (``fp16_rows``): on an H100
+e4m3 -> fp16 is one conversion instruction per two values, e4m3 -> bf16 four (through fp16 and
+fp32), and conversions issue at a quarter of the rate of other arithmetic: a decode kernel casting
+to bf16 ran at 46-70% of the copy bandwidth, bound by them. A bf16 query row is exact in fp16 once
+scaled by a power of two that brings its largest |value| into [1, 2) (bf16 keeps 8 significant bits,
+fp16 11); the row's scores are scaled back by the inverse power, so nothing overflows and a row's
+result does not depend on the others'. Probabilities go to fp16 for the P.V dot (3 more mantissa
+bits than bf16).
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ def quantize(x, inv_scale, dtype: tl.constexpr):
 @triton.jit
 def dequantize(c, dtype: tl.constexpr):
     """fp8 `c` as `dtype` (exact; the caller multiplies by the scale where it pays least)."""
+    # (one return: Triton compiles the statements after a return inside a static branch too)
     if _INTERPRET:
         # The interpreter's fp8 -> fp32 cast is right but for the special values (triton 3.9: e4m3
         # NaN -> 480, e5m2 inf -> 65536 and NaN -> 81920..114688), and its fp32 -> fp16 cast of those
@@ -91,8 +102,25 @@ def dequantize(c, dtype: tl.constexpr):
             f = tl.where(low > 0x7C, float("nan"), f)
         else:
             f = tl.where(low == 0x7F, float("nan"), f)
-        return f.to(dtype)
-    return c.to(dtype)
+        out = f.to(dtype)
+    elif c.dtype == tl.float8e5 and dtype == tl.bfloat16:
+        out = c.to(tl.float32).to(dtype)
+    else:
+        out = c.to(dtype)
+    return out
+
+
+@triton.jit
+def fp16_rows(q):
+    """q [rows, d] as fp16 times a power of two per row, which brings the row's largest |value| into
+    [1, 2), and those powers' inverses [rows] (fp32), to multiply the row's dot products by. Exact for
+    bf16 and fp16 q whose values stay above 2^-14 of their row's largest."""
+    qf = q.to(tl.float32)
+    e = (tl.max(tl.abs(qf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent
+    e = tl.minimum(tl.maximum(e, 1), 253)  # an all-zero row (padding) stays zero, nothing overflows
+    down = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e)
+    up = (e << 23).to(tl.float32, bitcast=True)  # 2^(e - 127)
+    return (qf * down[:, None]).to(tl.float16), up
 
 
 @triton.jit

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_scales, dequantize, inverse, quantize
+from kernels.fp8 import check_scales, dequantize, fp16_rows, inverse, quantize
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
@@ -118,8 +118,8 @@ def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, s
              v_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
              CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr):
     """(o, lse) of keys [lo, hi) for every row (lo a multiple of BLOCK_N); rows with no key there
-    give l = 0 (their o is NaN and must be masked by the caller). KV_FP8: fp8 tiles cast to q's
-    dtype, K's scale already in qk_scale, V's (v_scale) on o."""
+    give l = 0 (their o is NaN and must be masked by the caller). KV_FP8: fp8 tiles cast to fp16, q
+    fp16_rows' and qk_scale per row (K's scale in it), V's (v_scale) on o."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
@@ -134,10 +134,11 @@ def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, s
                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(vc_base + (blk * stride_vcb + within * stride_vct)[:, None] + offs_d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if KV_FP8:
-            kT = dequantize(kT, q.dtype)
-            v = dequantize(v, q.dtype)
-        if UPCAST_DOT:  # the interpreter has no bf16 matmul
+        if KV_FP8:  # fp16 tiles and q (kernels/fp8.py fp16_rows), qk_scale per row
+            kT = dequantize(kT, tl.float16)
+            v = dequantize(v, tl.float16)
+            s = tl.dot(q, kT) * qk_scale[:, None]
+        elif UPCAST_DOT:  # the interpreter has no bf16 matmul
             s = tl.dot(q.to(tl.float32), kT.to(tl.float32)) * qk_scale
         else:
             s = tl.dot(q, kT) * qk_scale
@@ -228,7 +229,8 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
     if KV_FP8:  # per kv head: K's folds into the softmax scale, V's onto each segment's o
         k_scale = tl.load(K_SCALE + kv_head)
         v_scale = tl.load(V_SCALE + kv_head)
-        qk_scale = qk_scale * k_scale
+        q, q_up = fp16_rows(q)  # each row's own power of two: no row's bits depend on another's
+        qk_scale = qk_scale * k_scale * q_up
     n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
     if split:  # segments program_id(2), + num_programs(2), ...: each one's partial to PO / PLSE
         first = tl.program_id(2)

@@ -1,6 +1,7 @@
 """kernels/fp8.py: the in-kernel fp8 quantizer gives torch's bits (fp8_quantize_ref) for every value
-that can round either way, and the dequantizer reads every one of the 256 bytes as torch does, NaN
-and inf included (runs under TRITON_INTERPRET=1 on CPU, see tests/conftest.py; on a GPU too)."""
+that can round either way, the dequantizer reads every one of the 256 bytes as torch does, NaN and
+inf included, and fp16_rows brings query rows into fp16 exactly (runs under TRITON_INTERPRET=1 on CPU,
+see tests/conftest.py; on a GPU too)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import dequantize, inverse, quantize
+from kernels.fp8 import dequantize, fp16_rows, inverse, quantize
 from kernels.reference import FP8_MAX, fp8_dequantize_ref, fp8_quantize_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,3 +82,29 @@ def test_reference_round_trip() -> None:
     back = fp8_dequantize_ref(fp8_quantize_ref(x, scale, torch.float8_e4m3fn), scale)
     normal = x.abs() >= scale[:, None] * 2**-6
     assert ((back - x).abs() <= x.abs() / 16)[normal].all()
+
+
+@triton.jit
+def _fp16_rows_kernel(q_ptr, out_ptr, up_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    q16, up = fp16_rows(tl.load(q_ptr + r[:, None] * D + d[None, :]))
+    tl.store(out_ptr + r[:, None] * D + d[None, :], q16)
+    tl.store(up_ptr + r, up)
+
+
+def test_fp16_rows_is_exact_per_row() -> None:
+    """bf16 query rows of any magnitude (1e-30 to 1e30, and all zero) as fp16 times a power of two:
+    exactly the row back once multiplied by its power, largest |value| in [1, 2), and a row's
+    result independent of the other rows."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(8, 64, generator=g) * torch.tensor([1e-30, 1e-3, 1.0, 7.0, 3e4, 1e30, 0.0, 448.0])[:, None]
+    q = q.to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(q.shape, dtype=torch.float16, device=DEVICE)
+    up = torch.empty(8, dtype=torch.float32, device=DEVICE)
+    _fp16_rows_kernel[(1,)](q, out, up, ROWS=8, D=64)
+    real = q.float().abs().amax(dim=1) > 0
+    assert torch.equal(out.float()[real] * up[real, None], q.float()[real])
+    top = out.float().abs().amax(dim=1)
+    assert ((top[real] >= 1) & (top[real] < 2)).all() and (out[~real] == 0).all()
+    assert (up.log2() == up.log2().round()).all()  # powers of two
