@@ -181,7 +181,10 @@ def main(argv=None) -> dict:
                                                                       initializer_range=init), seed=i)
                 kl[f"{name}, init {init}"] = kl_divergence(path, kl_docs, args.chunk)
                 print(name, init, json.dumps(kl[f"{name}, init {init}"]), flush=True)
-    result = dict(device="cpu", torch=torch.__version__.split("+")[0], date=datetime.date.today().isoformat(),
+    import triton
+
+    result = dict(device="cpu", torch=torch.__version__.split("+")[0], triton=triton.__version__,
+                  date=datetime.date.today().isoformat(),
                   command="python benchmarks/bench_kv_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   python=sys.version.split()[0], corpus_sha256=meta["corpus_sha256"], held_out=meta["val"],
                   chunk=args.chunk, perplexity=ppl, kl=kl, kl_documents=len(kl_docs))

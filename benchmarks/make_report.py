@@ -31,6 +31,8 @@ SECTIONS = [
     ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
     ("determinism_", "benchmarks.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
     ("invariant_kernels_", "benchmarks.bench_invariant_kernels", "Batch-invariant kernels"),
+    ("fp8_kv_", "benchmarks.bench_fp8_kv", "FP8 KV cache: decode kernel and engine"),
+    ("kv_accuracy_", "benchmarks.bench_kv_accuracy", "FP8 KV cache: accuracy"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 
