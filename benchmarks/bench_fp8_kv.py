@@ -27,7 +27,6 @@ Writes fp8_kv_<gpu>.json; report(result) renders the tables.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -219,7 +218,7 @@ def engine_run(path: Path, kv: str, args) -> dict:
 
 
 def report(result: dict) -> str:
-    out = []
+    out = [f"{result['note']}\n"] if result.get("note") else []
     if result.get("decode"):
         out += ["| heads | d | batch | context | 16-bit K/V | 16-bit % copy | fp8 % copy (fp8 bytes) | fp8 speed-up |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -257,11 +256,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=0, help="requests at once (0: as many as the cache holds)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--tag", default="", help="results file fp8_kv_<tag>_<gpu>.json (one per section run apart)")
     ap.add_argument("--tpot-context", type=int, default=32768)
     ap.add_argument("--tpot-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     result = dict(gpu_run_info("bench_fp8_kv.py", argv), args=vars(args))
+    prefix = "fp8_kv" + (f"_{args.tag}" if args.tag else "")
     nbytes = 1 << 30
     src = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
     dst = torch.empty_like(src)
@@ -273,7 +274,7 @@ def main(argv=None) -> dict:
         result["decode"] = decode_rows(DECODE_SHAPES, copy_tbps)
         if args.sweep:
             result["sweep"] = sweep_rows(copy_tbps, args.sweep_budget)
-        write_result(result, args.out_dir, "fp8_kv")
+        write_result(result, args.out_dir, prefix)
     if "engine" in args.sections:
         path = Path(args.checkpoint or "/tmp/flashpage-fp8kv-" + args.shape)
         if not (path / "config.json").exists():
@@ -284,8 +285,8 @@ def main(argv=None) -> dict:
         result["engine"] = []
         for kv in ("auto", "fp8"):
             result["engine"].append(engine_run(path, kv, args))
-            write_result(result, args.out_dir, "fp8_kv")  # what is done survives a time limit
-    path = write_result(result, args.out_dir, "fp8_kv")
+            write_result(result, args.out_dir, prefix)  # what is done survives a time limit
+    path = write_result(result, args.out_dir, prefix)
     print(report(result))
     print(f"wrote {path}")
     return result

@@ -138,7 +138,11 @@ def kl_divergence(path: Path, docs: list[list[int]], chunk: int) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = ["| model | cache | tokens | perplexity | vs 16-bit cache |", "|---|---|---:|---:|---:|"]
+    lines = [f"Through the sdpa backend on the CPU (the same cache bytes the Triton kernels write and read; "
+             f"tests/kernels matches the kernels to the reference over them), prefill in {result['chunk']}-token "
+             f"steps. Perplexity of the held-out split's first documents ({result['perplexity'][0]['tokens']} tokens "
+             f"of its {result['held_out']['tokens']}):", "",
+             "| model | cache | tokens | perplexity | vs 16-bit cache |", "|---|---|---:|---:|---:|"]
     base = next(r["perplexity"] for r in result["perplexity"] if r["kv_cache_dtype"] == "auto"
                 and r["dtype"] == "float16")
     for r in result["perplexity"]:
@@ -187,7 +191,7 @@ def main(argv=None) -> dict:
                   date=datetime.date.today().isoformat(),
                   command="python benchmarks/bench_kv_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   python=sys.version.split()[0], corpus_sha256=meta["corpus_sha256"], held_out=meta["val"],
-                  chunk=args.chunk, perplexity=ppl, kl=kl, kl_documents=len(kl_docs))
+                  chunk=args.chunk, documents=len(scored), perplexity=ppl, kl=kl, kl_documents=len(kl_docs))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_accuracy_cpu.json").write_text(json.dumps(result, indent=1))

@@ -58,11 +58,12 @@ def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm
 
 
 # An fp8 cache (kernels/fp8.py: the tensor-core dots run in fp16). FP8_TILES[(lane-wise path,
-# padded head_dim)] = (BLOCK_N, num_warps, num_stages, PREFETCH). Picked from the first H100 sweep
-# (benchmarks/results/fp8_kv_h100.json, dots in bf16 then): on the GQA path 5 stages won at every
-# shape, 64- and 128-key tiles within 8% of each other, and more splits than the 16-bit merge cap
-# (32 against 16 for one 64k-token sequence: each program moves half the bytes); on the lane-wise
-# path 32-key tiles of 8 warps were within 5% of the best at both shapes.
+# padded head_dim)] = (BLOCK_N, num_warps, num_stages, PREFETCH). Picked from the first H100 sweep,
+# whose dots were in bf16 (benchmarks/results/fp8_kv_bf16-dots_h100.json): on the GQA path 5 stages
+# won at every shape, 64- and 128-key tiles within 8% of each other, and more splits than the
+# 16-bit merge cap (32 against 16 for one 64k-token sequence: each program moves half the bytes);
+# on the lane-wise path 32-key tiles of 8 warps were within 5% of the best at both shapes. Not yet
+# swept with fp16 dots.
 FP8_TILES = {(True, 64): (32, 8, 1, 0), (True, 128): (32, 8, 1, 0), (False, 64): (64, 4, 5, 0),
              (False, 128): (64, 4, 5, 0)}
 FP8_SPLIT_CAP = 32

@@ -22,10 +22,12 @@ is wrong too (and on the GPU e5m2 -> bf16 goes through fp32: triton 3.6 reads e5
 finite bf16). Kernels multiply by the scales outside the tiles: K's scale is folded into the softmax
 scale and V's into the output (per KV head, one multiply a row), so an fp8 tile costs one cast.
 
-The attention dots over fp8 tiles run in fp16 whatever the model's dtype (``fp16_rows``): on an H100
-e4m3 -> fp16 is one conversion instruction per two values, e4m3 -> bf16 four (through fp16 and
-fp32), and conversions issue at a quarter of the rate of other arithmetic: a decode kernel casting
-to bf16 ran at 46-70% of the copy bandwidth, bound by them. A bf16 query row is exact in fp16 once
+The attention dots over fp8 tiles run in fp16 whatever the model's dtype (``fp16_rows``): on Hopper
+e4m3 -> fp16 is one conversion instruction per two values, while e4m3 -> bf16 goes through fp16 and
+fp32 (four), and conversions issue at a fraction of the rate of other arithmetic. A decode kernel
+casting to bf16 ran at 46-72% of the copy bandwidth on an H100 (counted in fp8 bytes;
+benchmarks/results/fp8_kv_bf16-dots_h100.json), which that would explain; the fp16 path is not
+measured yet. A bf16 query row is exact in fp16 once
 scaled by a power of two that brings its largest |value| into [1, 2) (bf16 keeps 8 significant bits,
 fp16 11); the row's scores are scaled back by the inverse power, so nothing overflows and a row's
 result does not depend on the others'. Probabilities go to fp16 for the P.V dot (3 more mantissa

@@ -13,4 +13,5 @@ from models.spec import ModelSpec
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
            "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "checkpoint_dtype", "eos_token_ids",
            "load_config", "load_model",
-           "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec"]
+           "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served",
+           "model_class", "ModelSpec"]

@@ -9,19 +9,10 @@ where Triton casts with the hardware."""
 import pytest
 import torch
 
-from tests.gpu.test_gpu_llama import SHAPES
+from tests.gpu.test_gpu_llama import ckpt  # noqa: F401 (the fixture: GQA at head 64 and 128)
 from tests.gpu.test_gpu_parity import _assert_same_greedy, _prompts, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def ckpt(request, tmp_path_factory):
-    from tests.helpers import make_llama_checkpoint
-
-    model_type, shape = SHAPES[request.param]
-    return make_llama_checkpoint(tmp_path_factory.mktemp(request.param), model_type, num_hidden_layers=3,
-                                 max_position_embeddings=1024, vocab_size=2048, initializer_range=0.05, **shape)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])

@@ -1,4 +1,5 @@
-"""kvcache/fp8.py: --kv-cache-dtype names, the scales' layout, and caches that carry their scales."""
+"""kvcache/fp8.py: --kv-cache-dtype names, the scales' layout, and caches that carry their scales
+(named apart from tests/kernels/test_fp8.py: pytest needs unique basenames)."""
 
 import pytest
 import torch
