@@ -21,7 +21,8 @@ exists) and the same prompts.
   python benchmarks/bench_fp8_kv.py --out-dir benchmarks/results [--sections decode engine] [--sweep]
       [--checkpoint /tmp/llama8b]
 
-Writes fp8_kv_<gpu>.json; report(result) renders the tables.
+Writes fp8_kv_<gpu>.json (rows of impl paged_decode, paged_decode fp8 sweep and engine); report(result)
+renders the tables.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def decode_rows(shapes, copy_tbps: float) -> list[dict]:
         err = max(rel_err(f8()[:2], ref), rel_err(f8()[:2], ref))  # the second call: the cached launch plan
         t16, t8 = _bench(f16), _bench(f8)
         bytes16 = 2 * b * n * kvh * d * 2
-        row = dict(batch=b, context=n, heads=h, kv_heads=kvh, head_dim=d, dtype=str(dt).removeprefix("torch."),
+        row = dict(impl="paged_decode", batch=b, context=n, heads=h, kv_heads=kvh, head_dim=d,
+                   dtype=str(dt).removeprefix("torch."),
                    kv_bytes_16bit=bytes16, kv_bytes_fp8=bytes16 // 2, ms_16bit=t16, ms_fp8=t8,
                    tbps_16bit=bytes16 / t16 / 1e9, tbps_fp8=bytes16 / 2 / t8 / 1e9, speedup=t16 / t8, fp8_rel_err=err)
         row["copy_share_16bit"], row["copy_share_fp8"] = row["tbps_16bit"] / copy_tbps, row["tbps_fp8"] / copy_tbps
@@ -144,7 +146,8 @@ def sweep_rows(copy_tbps: float, budget_s: float) -> list[dict]:
         fp8_bytes = 2 * b * n * kvh * d
         best = sorted(res, key=lambda r: r[0])
         for ms, ns, cfg in best:
-            rows.append(dict(batch=b, context=n, heads=h, kv_heads=kvh, head_dim=d, num_splits=ns,
+            rows.append(dict(impl="paged_decode fp8 sweep", batch=b, context=n, heads=h, kv_heads=kvh, head_dim=d,
+                             num_splits=ns,
                              config=cfg or "default", default=base, ms=ms, copy_share=fp8_bytes / ms / 1e9 / copy_tbps))
         default_ms = next(ms for ms, _, cfg in res if cfg is None)
         print(f"sweep {h}/{kvh}x{d} b={b} n={n}: default {fp8_bytes / default_ms / 1e9 / copy_tbps:.0%} of copy "
@@ -192,7 +195,7 @@ def engine_run(path: Path, kv: str, args) -> dict:
     bs, blocks = engine.block_manager.block_size, engine.block_manager.num_blocks
     fit = blocks // -(-(args.prompt_len + args.output_len) // bs)
     n = args.concurrency or fit
-    res = dict(kv_cache_dtype=kv, start_s=start_s, kv_blocks=blocks, kv_tokens=blocks * bs,
+    res = dict(impl="engine", kv_cache_dtype=kv, start_s=start_s, kv_blocks=blocks, kv_tokens=blocks * bs,
                kv_bytes_per_token=engine.cache_spec.bytes_per_block // bs, sequences_fit=fit, requests=n)
     scales = engine.runner.kv_caches[0][0]
     if hasattr(scales, "scale"):
@@ -219,17 +222,19 @@ def engine_run(path: Path, kv: str, args) -> dict:
 
 def report(result: dict) -> str:
     out = [f"{result['note']}\n"] if result.get("note") else []
-    if result.get("decode"):
+    decode = [r for r in result["rows"] if r["impl"] == "paged_decode"]
+    engine = [r for r in result["rows"] if r["impl"] == "engine"]
+    if decode:
         out += ["| heads | d | batch | context | 16-bit K/V | 16-bit % copy | fp8 % copy (fp8 bytes) | fp8 speed-up |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in result["decode"]:
+        for r in decode:
             out.append(f"| {r['heads']}/{r['kv_heads']} | {r['head_dim']} | {r['batch']} | {r['context']} | "
                        f"{r['kv_bytes_16bit'] / 1e6:.0f} MB | {r['copy_share_16bit']:.0%} | {r['copy_share_fp8']:.0%} | "
                        f"{r['speedup']:.2f}x |")
-    if result.get("engine"):
-        e = {r["kv_cache_dtype"]: r for r in result["engine"]}
+    if engine:
+        e = {r["kv_cache_dtype"]: r for r in engine}
         out += ["", "| cache | KV tokens | requests | output tok/s | most resident | TPOT @ "
-                f"{result['engine'][0]['tpot_context']} (ms) |", "|---|---:|---:|---:|---:|---:|"]
+                f"{engine[0]['tpot_context']} (ms) |", "|---|---:|---:|---:|---:|---:|"]
         for kv, r in e.items():
             out.append(f"| {kv} | {r['kv_tokens']} | {r['requests']} | {r['output_tok_s']:.0f} | {r['most_running']} | "
                        f"{r['tpot_ms']:.2f} |")
@@ -261,7 +266,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tpot-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
-    result = dict(gpu_run_info("bench_fp8_kv.py", argv), args=vars(args))
+    result = dict(gpu_run_info("bench_fp8_kv.py", argv), args=vars(args), rows=[])
     prefix = "fp8_kv" + (f"_{args.tag}" if args.tag else "")
     nbytes = 1 << 30
     src = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
@@ -271,9 +276,9 @@ def main(argv=None) -> dict:
     result["copy_tbps"] = copy_tbps
     print(f"{result['device']}: copy {copy_tbps:.2f} TB/s", flush=True)
     if "decode" in args.sections:
-        result["decode"] = decode_rows(DECODE_SHAPES, copy_tbps)
+        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps)
         if args.sweep:
-            result["sweep"] = sweep_rows(copy_tbps, args.sweep_budget)
+            result["rows"] += sweep_rows(copy_tbps, args.sweep_budget)
         write_result(result, args.out_dir, prefix)
     if "engine" in args.sections:
         path = Path(args.checkpoint or "/tmp/flashpage-fp8kv-" + args.shape)
@@ -282,9 +287,8 @@ def main(argv=None) -> dict:
             make_random_llama(path, args.shape, device="cuda")
             print(f"checkpoint {args.shape} built in {path} in {time.perf_counter() - t:.0f} s", flush=True)
         result["checkpoint"] = dict(shape=args.shape, path=str(path))
-        result["engine"] = []
         for kv in ("auto", "fp8"):
-            result["engine"].append(engine_run(path, kv, args))
+            result["rows"].append(engine_run(path, kv, args))
             write_result(result, args.out_dir, prefix)  # what is done survives a time limit
     path = write_result(result, args.out_dir, prefix)
     print(report(result))

@@ -97,7 +97,7 @@ def perplexity(docs: list[list[int]], kv_cache_dtype: str, dtype: str, chunk: in
     outs = engine.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
     nll = [-lp[0][1] for o in outs for lp in o.prompt_logprobs[1:]]
     engine.runner.close()
-    return {"kv_cache_dtype": kv_cache_dtype, "dtype": dtype, "tokens": len(nll),
+    return {"impl": "perplexity", "kv_cache_dtype": kv_cache_dtype, "dtype": dtype, "tokens": len(nll),
             "perplexity": math.exp(sum(nll) / len(nll)), "seconds": time.perf_counter() - t0}
 
 
@@ -132,26 +132,26 @@ def kl_divergence(path: Path, docs: list[list[int]], chunk: int) -> dict:
     p8 = torch.cat(logits["fp8"]).log_softmax(-1)
     kl = (p16.exp() * (p16 - p8)).sum(-1)
     entropy = -(p16.exp() * p16).sum(-1)
-    return {"positions": len(kl), "kl_mean": kl.mean().item(), "kl_p99": kl.quantile(0.99).item(),
+    return {"impl": "kl", "positions": len(kl), "kl_mean": kl.mean().item(), "kl_p99": kl.quantile(0.99).item(),
             "kl_max": kl.max().item(), "top1_agree": (p16.argmax(-1) == p8.argmax(-1)).float().mean().item(),
             "entropy_mean": entropy.mean().item(), "k_scale_layer0": scales}
 
 
 def report(result: dict) -> str:
+    ppl = [r for r in result["rows"] if r["impl"] == "perplexity"]
     lines = [f"Through the sdpa backend on the CPU (the same cache bytes the Triton kernels write and read; "
              f"tests/kernels matches the kernels to the reference over them), prefill in {result['chunk']}-token "
-             f"steps. Perplexity of the held-out split's first documents ({result['perplexity'][0]['tokens']} tokens "
+             f"steps. Perplexity of the held-out split's first documents ({ppl[0]['tokens']} tokens "
              f"of its {result['held_out']['tokens']}):", "",
              "| model | cache | tokens | perplexity | vs 16-bit cache |", "|---|---|---:|---:|---:|"]
-    base = next(r["perplexity"] for r in result["perplexity"] if r["kv_cache_dtype"] == "auto"
-                and r["dtype"] == "float16")
-    for r in result["perplexity"]:
+    base = next(r["perplexity"] for r in ppl if r["kv_cache_dtype"] == "auto" and r["dtype"] == "float16")
+    for r in ppl:
         lines.append(f"| embedded ({r['dtype']}) | {r['kv_cache_dtype']} | {r['tokens']} | {r['perplexity']:.4f} | "
                      f"{r['perplexity'] / base - 1:+.2%} |")
     lines += ["", "| random checkpoint (bf16) | positions | KL mean | KL p99 | KL max | top-1 agree | entropy |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in result["kl"].items():
-        lines.append(f"| {name} | {r['positions']} | {r['kl_mean']:.2e} | {r['kl_p99']:.2e} | {r['kl_max']:.2e} | "
+    for r in (r for r in result["rows"] if r["impl"] == "kl"):
+        lines.append(f"| {r['model']} | {r['positions']} | {r['kl_mean']:.2e} | {r['kl_p99']:.2e} | {r['kl_max']:.2e} | "
                      f"{r['top1_agree']:.2%} | {r['entropy_mean']:.2f} |")
     return "\n".join(lines)
 
@@ -177,21 +177,21 @@ def main(argv=None) -> dict:
             ppl.append(perplexity(scored, kv, dtype, args.chunk))
             print(json.dumps(ppl[-1]), flush=True)
         kl_docs = [d[:256] for d in docs if len(d) >= 64][: args.kl_documents]
-        kl = {}
+        kl = []
         for init in KL_INITS:
             for i, (name, fields) in enumerate(KL_MODELS.items()):
                 path = make_random_llama(work / f"kl{i}-{init}", dict(fields, vocab_size=8192, tie_word_embeddings=False,
                                                                       max_position_embeddings=2048,
                                                                       initializer_range=init), seed=i)
-                kl[f"{name}, init {init}"] = kl_divergence(path, kl_docs, args.chunk)
-                print(name, init, json.dumps(kl[f"{name}, init {init}"]), flush=True)
+                kl.append(dict(model=f"{name}, init {init}", **kl_divergence(path, kl_docs, args.chunk)))
+                print(json.dumps(kl[-1]), flush=True)
     import triton
 
     result = dict(device="cpu", torch=torch.__version__.split("+")[0], triton=triton.__version__,
                   date=datetime.date.today().isoformat(),
                   command="python benchmarks/bench_kv_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   python=sys.version.split()[0], corpus_sha256=meta["corpus_sha256"], held_out=meta["val"],
-                  chunk=args.chunk, documents=len(scored), perplexity=ppl, kl=kl, kl_documents=len(kl_docs))
+                  chunk=args.chunk, documents=len(scored), kl_documents=len(kl_docs), rows=ppl + kl)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_accuracy_cpu.json").write_text(json.dumps(result, indent=1))
