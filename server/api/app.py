@@ -258,7 +258,8 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         s = engine.engine.snapshot()
         return {"kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
                 "kv_cache_dtype": s.kv_cache_dtype, "kv_tokens_total": s.kv_blocks_total * s.kv_block_size,
-                "kv_bytes_per_token": s.kv_bytes_per_token, "requests_active": engine.num_active, "requests_running": s.running,
+                "kv_bytes_per_token": s.kv_bytes_per_token,
+                "requests_active": engine.num_active, "requests_running": s.running,
                 "requests_waiting": s.waiting, "engine_sequences": s.sequences,
                 "preemptions": s.preemptions, "generated_tokens": s.generation_tokens}
 
