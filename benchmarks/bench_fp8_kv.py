@@ -8,15 +8,16 @@ decode   kernels.paged_decode over the same scattered paged K/V stored 16-bit (f
          the 16-bit kernel. Goal where the 16-bit K/V is >= 256 MB: >= 85% of copy in fp8 bytes, i.e.
          >= 1.7x. Each fp8 row is checked against the reference over the dequantized cache.
 sweep    (--sweep) fp8 tile configs x split counts at GQA and MHA shapes, against decode_config's pick.
-engine   the Llama-3.1-8B shape (benchmarks/checkpoint.py, random bf16 weights), through LLMEngine with
+engine   the Llama-3.1-8B shape (benchmarks/checkpoint.py; random bf16 weights, made on the GPU from its
+         config.json with --load-format dummy unless --load-format auto), through LLMEngine with
          Triton attention and CUDA graphs, once per cache dtype: --concurrency (default: as many
          requests of --prompt-len random tokens + --output-len outputs as the cache holds at once)
          submitted together: output tokens a second and the most sequences resident at once; then
          batch-1 TPOT after a --tpot-context-token prompt (median gap between tokens).
 
 The engine workload is `workload()` (seeded random token ids, ignore_eos): the peer harness (vLLM with
---kv-cache-dtype fp8) can serve the same checkpoint (--checkpoint DIR keeps it, and reuses it when it
-exists) and the same prompts.
+--kv-cache-dtype fp8) can serve the same checkpoint (--load-format auto --checkpoint DIR writes its
+weights there, and reuses them when they exist) and the same prompts.
 
   python benchmarks/bench_fp8_kv.py --out-dir benchmarks/results [--sections decode engine] [--sweep]
       [--checkpoint /tmp/llama8b]
@@ -190,7 +191,8 @@ def engine_run(path: Path, kv: str, args) -> dict:
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_dtype=kv, attention=args.attention,
-                                    max_model_len=args.tpot_context, max_num_seqs=args.max_num_seqs))
+                                    max_model_len=args.tpot_context, max_num_seqs=args.max_num_seqs,
+                                    load_format=args.load_format))
     start_s = time.perf_counter() - t0
     bs, blocks = engine.block_manager.block_size, engine.block_manager.num_blocks
     fit = blocks // -(-(args.prompt_len + args.output_len) // bs)
@@ -247,7 +249,7 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> dict:
     from benchmarks.bench_decode import _bench
-    from benchmarks.checkpoint import make_random_llama
+    from benchmarks.checkpoint import make_config_only_llama, make_random_llama
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="benchmarks/results")
@@ -255,6 +257,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="also sweep fp8 decode configs")
     ap.add_argument("--sweep-budget", type=float, default=120.0)
     ap.add_argument("--checkpoint", default=None, help="directory of the 8B-shape checkpoint (built there if missing)")
+    ap.add_argument("--load-format", default="dummy", choices=["dummy", "auto"],
+                    help="dummy: config.json alone, random weights made on the GPU at start-up; auto: random "
+                         "weights written to --checkpoint (16 GB: minutes) that a peer can serve too")
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=256)
@@ -282,11 +287,13 @@ def main(argv=None) -> dict:
         write_result(result, args.out_dir, prefix)
     if "engine" in args.sections:
         path = Path(args.checkpoint or "/tmp/flashpage-fp8kv-" + args.shape)
-        if not (path / "config.json").exists():
+        if args.load_format == "dummy" and not (path / "config.json").exists():
+            make_config_only_llama(path, args.shape)
+        elif args.load_format == "auto" and not any(path.glob("*.safetensors")):
             t = time.perf_counter()
             make_random_llama(path, args.shape, device="cuda")
             print(f"checkpoint {args.shape} built in {path} in {time.perf_counter() - t:.0f} s", flush=True)
-        result["checkpoint"] = dict(shape=args.shape, path=str(path))
+        result["checkpoint"] = dict(shape=args.shape, path=str(path), load_format=args.load_format)
         for kv in ("auto", "fp8"):
             result["rows"].append(engine_run(path, kv, args))
             write_result(result, args.out_dir, prefix)  # what is done survives a time limit

@@ -13,7 +13,8 @@ Contract (semantics are exactly ``kernels.reference.prefill_attention_ref``):
                any strides but a contiguous last dim; usually q's dtype (others are cast on load),
                or fp8 (float8_e4m3fn / float8_e5m2) with k_scale, v_scale (fp32 [num_kv_heads]):
                the prefix is then read as stored * scale (kernels/fp8.py). The new tokens are
-               always k and v as given: a chunk's own keys never go through the cache here.
+               always k and v as given: a chunk's own keys never go through the cache here
+               (kv_write and rope_kv_write leave them as an fp8 cache holds them).
   block_tables [num_seqs, max_blocks] int32; prefix_lens [num_seqs] int32
 
 Sequence s's new tokens sit at positions prefix_lens[s] .. prefix_lens[s] + len_s - 1. Each query

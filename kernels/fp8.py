@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import FP8_MAX
+from kernels.rounding import round_to
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -110,6 +111,14 @@ def dequantize(c, dtype: tl.constexpr):
     else:
         out = c.to(dtype)
     return out
+
+
+@triton.jit
+def held(c, scale, dtype: tl.constexpr):
+    """What fp8 `c` stored with `scale` means, c * scale in fp32, rounded to `dtype` (nearest even):
+    the value written back over a K/V row the cache quantized (kv_write, rope_kv_write), so that
+    attention over this step's own rows reads them as later steps read them from the cache."""
+    return round_to(dequantize(c, tl.float32) * scale, dtype)
 
 
 @triton.jit

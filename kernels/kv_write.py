@@ -13,6 +13,12 @@ Contract (semantics = ``kernels.reference.kv_write_ref``):
   k_scale,
   v_scale       fp32 [num_kv_heads], contiguous: an fp8 cache's scales (required then, else unused).
 
+An fp8 cache's rows are also written back over k and v (`held`: the stored value times its scale,
+rounded to their dtype), so that attention over this step's own K/V (a prefill chunk's) reads what
+later steps read from the cache: a token's result then does not depend on whether its keys came
+from the same chunk, an earlier chunk, a prefix hit or a recomputation after preemption (vLLM's
+attention reads every key from the cache). Padding rows (slot -1) are left as they are.
+
 One program per token writes all of its heads. Cache offsets are computed in int64. Slots must be
 unique among non-padding tokens (as they are when each token owns its slot); duplicates would race.
 """
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_scales, inverse, placeholder, quantize
+from kernels.fp8 import check_scales, held, inverse, placeholder, quantize
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -49,12 +55,18 @@ def _kv_write_kernel(
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
         tok64 = tok.to(tl.int64)
-        k = tl.load(k_ptr + tok64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-        v = tl.load(v_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        k_src = k_ptr + tok64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+        v_src = v_ptr + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        k = tl.load(k_src, mask=mask)
+        v = tl.load(v_src, mask=mask)
         if KV_FP8:
             h_ok = offs_h < num_kv_heads
-            k = quantize(k, inverse(tl.load(ks_ptr + offs_h, mask=h_ok, other=1.0))[:, None], kc_ptr.dtype.element_ty)
-            v = quantize(v, inverse(tl.load(vs_ptr + offs_h, mask=h_ok, other=1.0))[:, None], vc_ptr.dtype.element_ty)
+            k_sc = tl.load(ks_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+            v_sc = tl.load(vs_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+            k = quantize(k, inverse(k_sc), kc_ptr.dtype.element_ty)
+            v = quantize(v, inverse(v_sc), vc_ptr.dtype.element_ty)
+            tl.store(k_src, held(k, k_sc, k_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_src, held(v, v_sc, v_ptr.dtype.element_ty), mask=mask)
         kc = kc_ptr + block * stride_kcb + off * stride_kct
         vc = vc_ptr + block * stride_vcb + off * stride_vct
         tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
@@ -71,7 +83,8 @@ def kv_write(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write k, v [num_tokens, kv_heads, head_dim] into their cache slots; slot -1 is skipped. An fp8
-    cache takes its per-head scales k_scale, v_scale [kv_heads] fp32."""
+    cache takes its per-head scales k_scale, v_scale [kv_heads] fp32, and the written rows of k and v
+    become what it holds (see the module docstring)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, "k and v must have the same shape"
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)

@@ -134,13 +134,15 @@ def kv_write_ref(
 ) -> None:
     """Scatter k, v [num_tokens, kv_heads, d] into the caches at flat slots slot_mapping [num_tokens]
     (block * block_size + offset). Slots of -1 are padding: those rows are skipped. An fp8 cache
-    stores fp8_quantize_ref(k, k_scale) and (v, v_scale)."""
+    stores fp8_quantize_ref(k, k_scale) and (v, v_scale), and the written rows of k and v become
+    what it holds (fp8_dequantize_ref, in their dtype)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if cache.dtype in FP8_MAX:  # written as bytes: torch's CPU index_put has no fp8 kernel
-            rows = fp8_quantize_ref(x[keep], scale, cache.dtype).view(torch.uint8)
-            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = rows
+            stored = fp8_quantize_ref(x[keep], scale, cache.dtype)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = stored.view(torch.uint8)
+            x[keep] = fp8_dequantize_ref(stored, scale).to(x.dtype)
         else:
             cache.view(-1, *cache.shape[2:])[slots] = x[keep].to(cache.dtype)
 
@@ -294,7 +296,8 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, write_cache=True,
                       k_scale=None, v_scale=None):
     """q and k rotated in place (rope_ref); then, with write_cache, rotated k and v scattered into the
-    caches at slot_mapping (kv_write_ref: slot -1 skipped; fp8 caches quantized). Returns (q, k)."""
+    caches at slot_mapping (kv_write_ref: slot -1 skipped; fp8 caches quantized, and the written rows
+    of k and v replaced by what they hold). Returns (q, k)."""
     q.copy_(rope_ref(q, positions, cos, sin))
     k.copy_(rope_ref(k, positions, cos, sin))
     if write_cache:

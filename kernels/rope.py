@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_scales, inverse, placeholder, quantize
+from kernels.fp8 import check_scales, held, inverse, placeholder, quantize
 from kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -108,12 +108,22 @@ def _rope_kv_write_kernel(
             v2 = tl.load(vp + HALF, mask=kmask, other=0.0).to(tl.float32)
             if KV_FP8:  # k1, k2 are the rotated k in x's dtype, as the cache of a 16-bit run would hold it
                 h_ok = offs_h < num_kv_heads
-                inv_k = inverse(tl.load(ks_ptr + offs_h, mask=h_ok, other=1.0))[:, None]
-                inv_v = inverse(tl.load(vs_ptr + offs_h, mask=h_ok, other=1.0))[:, None]
-                tl.store(kc, quantize(k1, inv_k, kc_ptr.dtype.element_ty), mask=kmask)
-                tl.store(kc + HALF, quantize(k2, inv_k, kc_ptr.dtype.element_ty), mask=kmask)
-                tl.store(vc, quantize(v1, inv_v, vc_ptr.dtype.element_ty), mask=kmask)
-                tl.store(vc + HALF, quantize(v2, inv_v, vc_ptr.dtype.element_ty), mask=kmask)
+                k_sc = tl.load(ks_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+                v_sc = tl.load(vs_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+                kq1 = quantize(k1, inverse(k_sc), kc_ptr.dtype.element_ty)
+                kq2 = quantize(k2, inverse(k_sc), kc_ptr.dtype.element_ty)
+                vq1 = quantize(v1, inverse(v_sc), vc_ptr.dtype.element_ty)
+                vq2 = quantize(v2, inverse(v_sc), vc_ptr.dtype.element_ty)
+                tl.store(kc, kq1, mask=kmask)
+                tl.store(kc + HALF, kq2, mask=kmask)
+                tl.store(vc, vq1, mask=kmask)
+                tl.store(vc + HALF, vq2, mask=kmask)
+                # k and v become what the cache holds (kernels/kv_write.py says why)
+                kp = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+                tl.store(kp, held(kq1, k_sc, dt), mask=kmask)
+                tl.store(kp + HALF, held(kq2, k_sc, dt), mask=kmask)
+                tl.store(vp, held(vq1, v_sc, v_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vp + HALF, held(vq2, v_sc, v_ptr.dtype.element_ty), mask=kmask)
             else:
                 tl.store(kc, round_to(k1.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)
                 tl.store(kc + HALF, round_to(k2.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)

@@ -10,6 +10,10 @@ A checkpoint's scale is what its values are divided by before the fp8 cast (amax
 the meaning kvcache/fp8.py gives a scale. The layer is the first integer in the name, whatever the
 family's module names. The FP8 attention scales some checkpoints carry beside them (`q_scale`,
 `prob_scale`) are not used: queries and probabilities stay in the model's dtype.
+
+Under tensor parallelism a rank's cache holds its own K/V heads (models/parallel `kv_heads`: a
+slice of them, or one head shared with the ranks whose query heads use it), and so do its scales: a
+per-KV-head scale is read for the whole model's heads and sliced to the rank's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from models.parallel.group import TensorParallel, kv_heads
 
 log = logging.getLogger("flashpage.loader")
 
@@ -54,11 +60,13 @@ def _scale_tensors(path: Path) -> dict[str, torch.Tensor]:
     return found
 
 
-def checkpoint_kv_scales(path: Path, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(k, v) fp32 [num_layers, num_kv_heads] from the checkpoint's scale tensors, or None when it
-    has none. A per-tensor scale fills its layer's heads; a layer with one of K's and V's scales
-    (or the older kv_scale) uses it for both, as vLLM does. Raises if only some layers have scales,
-    or a scale is neither one value nor one per KV head."""
+def checkpoint_kv_scales(path: Path, num_layers: int, num_kv_heads: int,
+                         tp: TensorParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(k, v) fp32 [num_layers, heads] from the checkpoint's scale tensors for the KV heads of rank
+    `tp` (default: this process's group; all `num_kv_heads`, the whole model's, without tensor
+    parallelism), or None when it has none. A per-tensor scale fills its layer's heads; a layer with
+    one of K's and V's scales (or the older kv_scale) uses it for both, as vLLM does. Raises if only
+    some layers have scales, or a scale is neither one value nor one per KV head."""
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in _scale_tensors(path).items():
         kind = next((k for suffix, k in _KV.items() if name.endswith(suffix)), None)
@@ -86,4 +94,5 @@ def checkpoint_kv_scales(path: Path, num_layers: int, num_kv_heads: int) -> tupl
         v[i] = found.get("v", one)
         if "kv" in found and len(found) == 1:
             log.warning("layer %d: the checkpoint's kv_scale (a format vLLM deprecated) is used for K and V", i)
-    return k, v
+    first, count = kv_heads(num_kv_heads, tp)
+    return k[:, first : first + count].contiguous(), v[:, first : first + count].contiguous()

@@ -31,8 +31,10 @@ def _write_kv_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
         if scale is None:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
         else:  # as bytes: torch has no fp8 index_copy on the CPU
-            rows = fp8_quantize_ref(x, scale, cache.dtype).view(torch.uint8)
-            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+            stored = fp8_quantize_ref(x, scale, cache.dtype)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, stored.view(torch.uint8))
+            # x becomes what the cache holds, as the Triton kernels' write leaves it (kernels/kv_write.py)
+            x.copy_(fp8_dequantize_ref(stored, scale).to(x.dtype))
 
 
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

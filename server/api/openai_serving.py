@@ -140,15 +140,20 @@ def begin(body: SamplingRequest, request: Request) -> tuple[object, ServerLimits
     engine and limits."""
     engine = request.app.state.engine.engine
     limits = getattr(request.app.state, "limits", None) or ServerLimits()
-    if extra := unknown_fields(body):
-        if limits.unknown_fields == "reject":
-            raise validation_error(refusal(extra))
-        warn_ignored(request.url.path, extra, request.app.state.ignored_fields)
+    check_unknown(body, request, limits)
     if body.model != engine.model_name:
         raise OpenAIError(404, f"The model '{body.model}' does not exist; this server serves '{engine.model_name}'",
                           param="model", code="model_not_found")
     check_request(body)
     return engine, limits
+
+
+def check_unknown(body, request: Request, limits: ServerLimits) -> None:
+    """The body's top-level fields no route knows: refused or warned about (--unknown-fields)."""
+    if extra := unknown_fields(body):
+        if limits.unknown_fields == "reject":
+            raise validation_error(refusal(extra))
+        warn_ignored(request.url.path, extra, request.app.state.ignored_fields)
 
 
 def _admit(aengine: AsyncEngine, count: int) -> None:
@@ -182,7 +187,7 @@ async def check_structured_output(request: Request, engine, body: SamplingReques
         await check_structured(request.app.state, engine, body.structured())
     except RequestError as e:
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
-        raise OpenAIError(400, str(e), param=param) from None
+        raise OpenAIError(400, str(e), param="tools" if getattr(body, "tools", None) else param) from None
 
 
 def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,
@@ -211,8 +216,9 @@ def request_id(request: Request) -> str:
 
 
 async def respond(request: Request, route: Route, body: SamplingRequest, choices: list[ChoiceBase],
-                  prompt_tokens: int):
-    """Run every choice on the engine and answer: a JSON response, or an SSE stream."""
+                  prompt_tokens: int, extra: dict | None = None):
+    """Run every choice on the engine and answer: a JSON response, or an SSE stream. `extra`: fields
+    of the whole response, and of a stream's first chunk (vLLM's prompt_token_ids)."""
     aengine = request.app.state.engine
     rid = request_id(request)
     head = {"id": route.id_prefix + rid, "object": route.chunk_object if body.stream else route.object,
@@ -267,7 +273,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
             await close()
             raise from_engine_error(first[1])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close)
+        gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close, extra)
         return EventStream(gen, headers={"Cache-Control": "no-cache"})
 
     done = 0
@@ -291,11 +297,12 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
     completion_tokens = sum(c.completion_tokens for c in choices)
     log.info("%s done: prompt_tokens=%d, completion_tokens=%d, finish_reason=%s", route.name, prompt_tokens,
              completion_tokens, ",".join(sorted({str(c.finish_reason) for c in choices})))
-    return {**head, "choices": [c.result() for c in choices], "usage": usage_dict(prompt_tokens, completion_tokens)}
+    return {**head, "choices": [c.result() for c in choices], "usage": usage_dict(prompt_tokens, completion_tokens),
+            **(extra or {})}
 
 
 async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], choices: list[ChoiceBase], head: dict,
-                  include_usage: bool, prompt_tokens: int, close: Callable[[], Awaitable]):
+                  include_usage: bool, prompt_tokens: int, close: Callable[[], Awaitable], extra: dict | None = None):
     """SSE chunks as bytes, one per choice object of each engine output (an output's chunks go out
     in one write; the last ones with the usage chunk and [DONE]); closing the stream aborts what
     still runs. The fixed part of a chunk (id, object, created, model) is encoded once per request:
@@ -309,7 +316,11 @@ async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], cho
             if isinstance(out, BaseException):
                 tail = sse(from_engine_error(out).body())
                 break
-            events = [prefix + encode_json(piece) + suffix for piece in c.chunks(out)]
+            pieces = c.chunks(out)
+            events = [prefix + encode_json(piece) + suffix for piece in pieces]
+            if extra and events:  # the first chunk carries them
+                events[0] = sse({**head, "choices": pieces[:1], **({"usage": None} if include_usage else {}), **extra})
+                extra = None
             done += out.finished
             if done == len(choices):
                 completion_tokens = sum(ch.completion_tokens for ch in choices)

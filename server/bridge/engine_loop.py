@@ -204,7 +204,8 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
     engine.stats = recorder = StatsRecorder()
     gc.collect()
     gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/api/lifecycle.py)
-    ready = encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot()))
+    ready = encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot(),
+                               engine.quantization, engine.weight_bytes))
     for ch in channels:
         ch.out.send_bytes(ready)
     router = _Router(engine, channels)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -59,3 +59,9 @@ class EngineSnapshot:
     kv_cache_dtype: str = ""
     kv_block_size: int = 0
     kv_bytes_per_token: int = 0
+    # speculative decoding (server/engine/spec/speculator.py SpecCounters), when on: verifications,
+    # proposals, accepted proposals, and accepted proposals by position (empty when off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

@@ -10,6 +10,11 @@
 fp8_e5m2 keeps scales of 1.0 (its range is fp16's; vLLM stores it unscaled). The log line says which
 source gave the scales and their spread. vLLM's --calculate-kv-scales computes scales from the first
 requests instead; a fixed text at start-up gives every run of a server the same scales.
+
+Under tensor parallelism each rank decides its own KV heads' scales: the checkpoint's sliced to them,
+or calibrated by a pass every rank runs together (its collectives meet as the profile run's do).
+--load-format dummy never reads checkpoint scales (they belong to other weights): it calibrates.
+The draft model of speculative decoding keeps its own cache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from kvcache import KVScales, allocate_kv_cache, dtype_name
 from kvcache.fp8 import scaled
-from models import checkpoint_kv_scales
+from models import ModelSpec, checkpoint_kv_scales, load_config
 from server.worker.runner import ModelRunner
 from server.worker.warmup import prefill_rows
 
@@ -69,13 +74,18 @@ plain it had slowed, widened, and begun to wander, leaving oxbow lakes and wide 
 
 
 def decide_kv_scales(runner: ModelRunner, cache_dtype: torch.dtype, model_dtype: torch.dtype, path: Path,
-                     calculate: bool, calibration_ids: list[int], max_model_len: int) -> KVScales:
-    """The scales an fp8 cache of `cache_dtype` starts with (see the module docstring)."""
+                     calculate: bool, calibration_ids: list[int], max_model_len: int,
+                     from_checkpoint: bool = True) -> KVScales:
+    """The scales an fp8 cache of `cache_dtype` starts with (see the module docstring). Not
+    `from_checkpoint` (--load-format dummy: random weights), the checkpoint's scales would not fit
+    the weights, and are not read."""
     spec = runner.model.spec
     layers, heads, device = spec.num_layers, spec.num_kv_heads, runner.device
     if not scaled(cache_dtype):
         return KVScales.filled(layers, heads, device, f"1.0 ({dtype_name(cache_dtype)} is stored unscaled)")
-    found = checkpoint_kv_scales(path, layers, heads)
+    # read for the whole model's KV heads; this rank's come back (`heads` of them: its shard's)
+    found = (checkpoint_kv_scales(path, layers, ModelSpec.from_hf_config(load_config(path)).num_kv_heads)
+             if from_checkpoint else None)
     if found is not None:
         return KVScales.filled(layers, heads, device, "from the checkpoint", *found)
     if calculate:

@@ -3,6 +3,11 @@
 `start_worker(config)` returns a `Worker`: the runner the engine steps, and the numbers the engine
 and request validation need (the model's spec, the context limit, the cache's block count), read
 only from the model contract.
+
+With --tensor-parallel-size N it first starts ranks 1..N-1 (server/worker/parallel/), then brings
+this process up as rank 0; every rank runs `bring_up`, whose forwards (the profile run, warm-up,
+graph captures) meet in the same collectives, and the KV cache's block count is the smallest any
+rank's memory allows.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
-from models import DTYPES, ModelSpec, checkpoint_dtype, load_model, load_tokenizer
+from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model,
+                    load_tokenizer, shard_spec, tensor_parallel, weights_info)
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -32,7 +39,9 @@ class Worker:
     num_blocks: int
     max_model_len: int
     device: torch.device
-    kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py)
+    weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
+    draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
+    kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py), this rank's KV heads
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -40,9 +49,30 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
-    """`tokenizer` (the checkpoint's; loaded here if needed and not given) encodes the calibration
+    """`tokenizer` (the checkpoint's; loaded where needed when not given) encodes the calibration
     text of an fp8 cache without checkpoint scales."""
-    device = resolve_device(config)
+    if config.tensor_parallel_size == 1:
+        return bring_up(config, path, resolve_device(config), tokenizer=tokenizer)
+    from server.worker.parallel.peers import rank_device, start_peers
+
+    # what does not divide, or does not combine yet, stops the start here, before any process starts
+    hf_config = load_config(path)
+    shard_spec(ModelSpec.from_hf_config(hf_config), TensorParallel(0, config.tensor_parallel_size))
+    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
+        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
+    if config.quantization is not None or getattr(hf_config, "quantization_config", None):
+        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
+                         "(a quantized linear's scales are not split by rank)")
+    peers = start_peers(config, path)
+    try:
+        return bring_up(config, path, rank_device(config, 0), peers, tokenizer)
+    except BaseException:
+        peers.close(graceful=False)
+        raise
+
+
+def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
+    """This process's worker (under tensor parallelism, its rank's; `peers`: rank 0's other ranks)."""
     on_cuda = device.type == "cuda"
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
     attention = config.attention or ("triton" if on_cuda else "sdpa")
@@ -53,9 +83,20 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
         raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a GPU with fp8 conversions (compute "
                          f"capability 8.9 or later: Ada, Hopper); this one is "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-    log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
-             ", deterministic" if config.deterministic else "")
-    model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
+    tp = tensor_parallel()
+    if tp.size != config.tensor_parallel_size:  # models are built for the process's group
+        raise RuntimeError(f"this process runs a tensor-parallel group of {tp.size}: an engine of "
+                           f"--tensor-parallel-size {config.tensor_parallel_size} cannot start beside it (close that one first)")
+    log.info("loading weights from %s (%s, attention=%s, device=%s%s%s%s)", path, dtype, attention, device,
+             ", deterministic" if config.deterministic else "", f", tensor-parallel rank {tp.rank} of {tp.size}"
+             if tp.size > 1 else "", ", random weights (--load-format dummy)" if config.load_format == "dummy" else "")
+    model = load_model(path, dtype, device, attention, deterministic=config.deterministic,
+                       quantization=config.quantization, load_format=config.load_format)
+    weights = weights_info(model)
+    # The bytes the weights take on the device, which the KV budget below is measured after: a
+    # quantized checkpoint's real size (its 16-bit size on the CPU and with --deterministic, where
+    # the weights are dequantized at load).
+    log.info("weights: %.2f GiB (%s)", weights.bytes / 2**30, weights.quantization or f"{dtype}, not quantized")
     if config.deterministic and on_cuda:
         from kernels.invariant_matmul import check_configs
 
@@ -79,23 +120,36 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
     cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, dtype)
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, cache_dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    runner.peers = peers
     scales = None
     if is_fp8_cache(cache_dtype):
+        # under tensor parallelism every rank decides its own heads' scales (a calibration pass's
+        # forwards meet in the same collectives on every rank)
         tokenizer = tokenizer or load_tokenizer(path)
         scales = decide_kv_scales(runner, cache_dtype, dtype, path, config.calculate_kv_scales,
-                                  tokenizer(CALIBRATION_TEXT)["input_ids"], max_model_len)
-        log.info("KV cache %s: scales %s", dtype_name(cache_dtype), scales.describe())
-    num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+                                  tokenizer(CALIBRATION_TEXT)["input_ids"], max_model_len,
+                                  from_checkpoint=config.load_format != "dummy")
+        log.info("KV cache %s: scales %s%s", dtype_name(cache_dtype), scales.describe(),
+                 f" (rank {tp.rank}'s {spec.num_kv_heads} KV heads)" if tp.size > 1 else "")
+    draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+    num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
+    if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
+        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
     log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
     runner.allocate_cache(num_blocks, scales)
+    if draft is not None:
+        draft.allocate_cache(num_blocks)
     if on_cuda:
         t0 = time.monotonic()
         warmup(runner)
+        if draft is not None:
+            warmup(draft)
         log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, scales)
+            capture_spec_graphs(config.speculative_config, runner, draft)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights, draft, scales)
 
 
 def log_cache_size(cache_spec: CacheSpec, num_blocks: int, max_model_len: int, model_dtype: torch.dtype) -> None:
@@ -125,6 +179,8 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
     """KV blocks to allocate: --num-blocks, else --kv-cache-memory, else (CUDA) what is left under
     --gpu-memory-utilization after the weights and the largest step's activations, else (CPU)
     --cpu-kv-cache-memory."""
+    # What the budget is left after is measured, not computed: torch's allocator holds the weights in
+    # their real (quantized) bytes when the largest step is profiled.
     if config.num_blocks is not None:
         return _at_least_one(config.num_blocks, cache_spec, "--num-blocks")
     if config.kv_cache_memory is not None:

@@ -2,8 +2,9 @@
 asynchronous scheduling, chunked prefill, prefix hits and an fp8 cache gives the greedy tokens of the
 eager backend run eagerly over an fp8 cache (the same bytes: both store through the same quantizer
 and read what it stored), at grouped-query shapes with head sizes 64 and 128; the deterministic mode
-over an fp8 cache gives a request the same bits alone and in a batch; the same memory budget holds
-twice the blocks. The kernels' own fp8 tests (tests/kernels) also run on the GPU in the device session,
+over an fp8 cache gives a request the same bits alone and in a batch; n-gram speculation in graphs
+over an fp8 cache gives its greedy tokens without speculation; the same memory budget holds twice
+the blocks. (Two GPUs: tests/gpu/test_gpu_tp.py.) The kernels' own fp8 tests (tests/kernels) also run on the GPU in the device session,
 where Triton casts with the hardware."""
 
 import pytest
@@ -40,6 +41,20 @@ def test_deterministic_fp8_is_batch_invariant(ckpt):
     batch = eng.generate(prompts, params)[0]
     assert alone.token_ids == batch.token_ids
     assert [lp[0] for lp in alone.new_logprobs] == [lp[0] for lp in batch.new_logprobs]
+
+
+def test_ngram_speculation_over_an_fp8_cache(ckpt):
+    """Verifications are prefill chunks over the fp8 cache, in the verification graphs: the write
+    leaves a chunk's own K/V as the cache holds them, so they score what decoding over the same cache
+    would (equal greedy tokens up to bf16 near-ties)."""
+    from tests.gpu.test_gpu_spec import _run as spec_run
+
+    prompts = [p + p[: len(p) // 2] for p in _prompts(13, 1, 300, seed=21)]  # repeats: n-grams to find
+    ref, _ = spec_run(ckpt, prompts, dtype="bfloat16", kv_cache_dtype="fp8")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    got, eng = spec_run(ckpt, prompts, spec, dtype="bfloat16", kv_cache_dtype="fp8")
+    _assert_same_greedy(ckpt, prompts, got, ref, "bfloat16", min_exact=0.5)
+    assert eng.speculator.counters.drafts > 0 and eng.runner.verify_graphs.graphs
 
 
 def test_fp8_holds_twice_the_blocks(ckpt):

@@ -83,7 +83,8 @@ def test_kv_write_strided_input_and_cast() -> None:
 def test_kv_write_fp8_matches_reference_quantizer(fp8: str) -> None:
     """An fp8 cache: each written row holds exactly the reference quantizer's bytes with its head's
     scale, padding rows and every other slot (NaN bytes included) are untouched; bf16 rows and
-    rows of fp32 as a strided view of a fused projection."""
+    rows of fp32 as a strided view of a fused projection. The written rows of k and v become what
+    the cache holds (dequantized, in their dtype), the padding rows stay as they were."""
     fp8_dtype = getattr(torch, fp8)
     g = torch.Generator().manual_seed(3)
     num_blocks, block_size, kv_heads, head_dim, n = 5, 16, 3, 64, 21
@@ -95,12 +96,17 @@ def test_kv_write_fp8_matches_reference_quantizer(fp8: str) -> None:
     qkv = (torch.randn(n, 3, kv_heads, head_dim, generator=g) * 30).to(DEVICE)
     for k, v in ((qkv[:, 1].to(torch.bfloat16), qkv[:, 2].to(torch.bfloat16)), (qkv[:, 1], qkv[:, 2])):
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        kv_write_ref(k, v, k_ref, v_ref, slots, k_scale, v_scale)
+        k_in, v_in = k.clone(), v.clone()
+        kv_write_ref(k_in.clone(), v_in.clone(), k_ref, v_ref, slots, k_scale, v_scale)
         kv_write(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8)), f"{fp8}: k cache differs"
         assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8)), f"{fp8}: v cache differs"
         keep = slots >= 0
-        back = fp8_dequantize_ref(k_cache.view(-1, kv_heads, head_dim)[slots[keep]], k_scale)
-        assert ((back - k[keep].float()).abs() <= k[keep].float().abs() / 8 + k_scale[:, None] * 2**-6).all()
+        for x, x_in, cache, scale in ((k, k_in, k_cache, k_scale), (v, v_in, v_cache, v_scale)):
+            back = fp8_dequantize_ref(cache.view(-1, kv_heads, head_dim)[slots[keep]], scale)
+            if x is k:  # (v's scales are those of a smaller cache: its rows saturate)
+                assert ((back - x_in[keep].float()).abs() <= x_in[keep].float().abs() / 8 + scale[:, None] * 2**-6).all()
+            assert torch.equal(x[keep], back.to(x.dtype)), f"{fp8}: a written row is not what the cache holds"
+            assert torch.equal(x[~keep], x_in[~keep]), f"{fp8}: a padding row changed"
     with pytest.raises(ValueError, match="needs k_scale"):
         kv_write(k, v, k_cache, v_cache, slots)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.reference import rope_kv_write_ref, rope_ref
+from kernels.reference import fp8_dequantize_ref, rope_kv_write_ref, rope_ref
 from kernels.rope import rope, rope_kv_write
 from models.llama import Rotary
 
@@ -168,3 +168,7 @@ def test_rope_kv_write_fp8_cache(dtype, fp8):
     assert torch.equal(_bits(qkv), _bits(ref_qkv)), "rotated q/k differ"
     assert torch.equal(k_cache.view(torch.uint8), ref_kc.view(torch.uint8)), "k cache differs"
     assert torch.equal(v_cache.view(torch.uint8), ref_vc.view(torch.uint8)), "v cache differs"
+    keep = slots >= 0  # the written rows of k and v are what the cache holds (the qkv check: padding too)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        held = fp8_dequantize_ref(cache.view(-1, kv_heads, d)[slots[keep]], scale).to(dtype)
+        assert torch.equal(_bits(x[keep]), _bits(held))

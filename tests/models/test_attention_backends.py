@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import (fp8_dequantize_ref, fp8_quantize_ref, kv_write_ref, paged_decode_ref,
-                               prefill_attention_ref, rope_ref)
+from kernels.reference import kv_write_ref, paged_decode_ref, prefill_attention_ref, rope_ref
 from kvcache.fp8 import with_scale
 from models.attention import BACKENDS, Rope, StepRows, make_backend
 
@@ -87,8 +86,8 @@ def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale, rope: R
     k_cache, v_cache = storage[1, 0], storage[1, 1]
     if kv_scales is not None:  # an fp8 cache's views carry their scales, as kvcache allocates them
         k_cache, v_cache = with_scale(k_cache, dev(kv_scales[0])), with_scale(v_cache, dev(kv_scales[1]))
-    # Copies: a backend may rotate q and k in place.
-    out = backend.forward(dev(q).clone(), dev(k).clone(), dev(v), k_cache, v_cache,
+    # Copies: a backend may rotate q and k in place, and an fp8 cache's write changes k and v.
+    out = backend.forward(dev(q).clone(), dev(k).clone(), dev(v).clone(), k_cache, v_cache,
                           metadata(backend, rows), scale, rope)
     return out.cpu(), storage.cpu()
 
@@ -299,9 +298,9 @@ def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, 
 def test_fp8_cache_step(kind, dtype, fp8):
     """Every backend over an fp8 cache (per-head scales, NaN bytes in every unowned slot): a mixed
     step with padding rows stores the reference quantizer's bytes, and attends as the kernels'
-    references do over the cache after the step: prefill chunks read their prefix dequantized and
-    their own K/V as computed (the deterministic mode reads those back from the cache too), decodes
-    read every token dequantized, their own included."""
+    references do over the cache after the step: every key and value as the cache holds it (the
+    write leaves a prefill chunk's own K/V so, which kv_write_ref does to step.k and step.v here),
+    the prefix and decodes' tokens dequantized."""
     step = _build(4, 2, 64, dtype, pad=2, seed=3)
     storage = torch.empty(step.storage.shape, dtype=getattr(torch, fp8))
     scales = {}
@@ -314,8 +313,6 @@ def test_fp8_cache_step(kind, dtype, fp8):
                         step.scale, kv_scales=(ks, vs))
     r, p = step.rows, step.rows.num_prefill_tokens
     k, v = step.k[:p], step.v[:p]
-    if kind == "triton-deterministic":  # every key from the cache
-        k, v = (fp8_dequantize_ref(fp8_quantize_ref(x, sc, storage.dtype), sc) for x, sc in ((k, ks), (v, vs)))
     ref = torch.cat([
         prefill_attention_ref(step.q[:p], k, v, r.cu_seqlens, step.scale, want[1, 0], want[1, 1],
                               r.prefill_block_tables, r.prefix_lens, ks, vs),

@@ -21,16 +21,10 @@ from tests.server.api.structured_schemas import SCHEMAS
 MSGS = [{"role": "user", "content": "Give me the data as JSON."}]
 
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: {% endif %}")
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(TEMPLATE)
-    srv = ServerProcess.python_server(["--num-blocks", "256", "--max-model-len", "512", "--chat-template",
-                                       str(template)]).wait_healthy(120)
+def server():
+    # the embedded model's own chat template (models/embedded/chat_template.jinja): no flag needed
+    srv = ServerProcess.python_server(["--num-blocks", "256", "--max-model-len", "512"]).wait_healthy(120)
     yield srv.url
     srv.stop(30, must_exit=True)
 

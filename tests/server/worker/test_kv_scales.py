@@ -8,12 +8,11 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.worker.kv_scales import CALIBRATION_TEXT, K_DIVISOR, V_DIVISOR
-from tests.helpers import make_llama_checkpoint
+from tests.helpers import make_llama_checkpoint, with_tensors
 
 LAYERS, KV_HEADS = 2, 2
 
@@ -22,15 +21,6 @@ LAYERS, KV_HEADS = 2, 2
 def plain(tmp_path_factory):
     return make_llama_checkpoint(tmp_path_factory.mktemp("plain"), "llama", num_hidden_layers=LAYERS,
                                  num_key_value_heads=KV_HEADS)
-
-
-def _with_tensors(src, dst, tensors: dict[str, torch.Tensor]):
-    import shutil
-
-    shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
-    save_file({**weights, **tensors}, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -55,14 +45,14 @@ def test_checkpoint_scales_are_used(plain, tmp_path, names):
             tensors |= {f"{base}.k_proj.k_scale": k[i], f"{base}.v_proj.v_scale": v[i]}
         else:
             tensors |= {f"{base}.kv_scale": v[i], f"{base}.q_scale": torch.tensor(9.0)}  # q_scale: not used
-    engine = _engine(_with_tensors(plain, tmp_path / "ckpt", tensors))  # the loader must skip them as weights
+    engine = _engine(with_tensors(plain, tmp_path / "ckpt", tensors))  # the loader must skip them as weights
     got_k, got_v = _scales(engine)
     want_v = v[:, None].expand(LAYERS, KV_HEADS)
     assert torch.equal(got_k, want_v if names == "kv_scale" else k) and torch.equal(got_v, want_v)
 
 
 def test_scales_missing_for_some_layers_stop_the_start(plain, tmp_path):
-    path = _with_tensors(plain, tmp_path / "ckpt", {"model.layers.0.self_attn.k_scale": torch.tensor(1.0)})
+    path = with_tensors(plain, tmp_path / "ckpt", {"model.layers.0.self_attn.k_scale": torch.tensor(1.0)})
     with pytest.raises(ValueError, match="not for"):
         _engine(path)
 
@@ -100,3 +90,56 @@ def test_e5m2_is_stored_unscaled(plain, caplog):
     assert all(bool((s == 1).all()) for s in _scales(engine))
     assert engine.runner.kv_caches[0][0].dtype == torch.float8_e5m2
     assert "unscaled" in caplog.text and "4x the tokens a float32 cache holds" in caplog.text
+
+
+def _scale_tensors(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """llm-compressor's names: k_scale and v_scale per layer ([heads]: its "attn_head" strategy)."""
+    return {f"model.layers.{i}.self_attn.{name}_scale": t[i] for i in range(LAYERS) for name, t in (("k", k), ("v", v))}
+
+
+def test_quantized_weights_with_an_fp8_cache(plain, tmp_path):
+    """An llm-compressor FP8 checkpoint with an FP8 KV cache (kv_cache_scheme, per-head k_scale and
+    v_scale) serves with --kv-cache-dtype fp8 on the checkpoint's scales, and gives the greedy tokens
+    of its dequantized weights as a 16-bit checkpoint with the same scales (on the CPU quantized
+    linears compute on dequantized weights: the same numbers, so any difference is the cache's);
+    --quantization fp8 of a 16-bit checkpoint calibrates its scales through the quantized model."""
+    import json
+
+    from benchmarks.quant_checkpoint import quantize_checkpoint
+    from server.sampling_params import SamplingParams
+
+    k, v = torch.tensor([[0.02, 0.03], [0.04, 0.025]]), torch.tensor([[0.01, 0.015], [0.02, 0.012]])
+    deq = quantize_checkpoint(plain, tmp_path / "q", "fp8-dynamic")
+    quantized = with_tensors(tmp_path / "q", tmp_path / "ct", _scale_tensors(k, v))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "attn_head",
+                                                        "dynamic": False, "symmetric": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    dense = with_tensors(plain, tmp_path / "dense", {**deq, **_scale_tensors(k, v)})
+    prompts = [[5, 17, 99, 3, 250, 7, 42, 300, 11, 64, 128, 9, 77, 1, 2, 180, 33] * 2, [400, 12, 8, 250]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for name, path in (("ct", quantized), ("dense", dense)):
+        engine = _engine(path)
+        assert (engine.quantization is not None) == (name == "ct")
+        got_k, got_v = _scales(engine)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), name
+        tokens[name] = [o.token_ids for o in engine.generate(prompts, greedy)]
+    assert tokens["ct"] == tokens["dense"]
+    online = _engine(plain, quantization="fp8")
+    assert online.quantization is not None and online.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    got_k, _ = _scales(online)
+    assert bool((got_k != 1).all() and got_k.isfinite().all())  # calibrated
+    assert [len(o.token_ids) for o in online.generate(prompts, greedy)] == [12, 12]
+
+
+def test_dummy_weights_calibrate_rather_than_read_the_checkpoints_scales(plain, tmp_path, caplog):
+    """--load-format dummy: random weights, so the checkpoint's scales (made for its own weights) are
+    not read; the scales are calibrated on the random model."""
+    path = with_tensors(plain, tmp_path / "ckpt", _scale_tensors(torch.full((LAYERS, KV_HEADS), 0.5),
+                                                                 torch.full((LAYERS, KV_HEADS), 0.5)))
+    with caplog.at_level(logging.INFO, logger="flashpage.worker"):
+        engine = _engine(path, load_format="dummy")
+    got_k, got_v = _scales(engine)
+    assert bool((got_k != 0.5).all() and (got_v != 0.5).all())
+    assert "calibrated at start-up" in caplog.text
