@@ -13,7 +13,8 @@ Contract (semantics = ``kernels.reference.rope_kv_write_ref``, built on ``rope_r
   v_cache       [num_blocks(+1), block_size, num_kv_heads, head_dim], last dim contiguous (any block
                 size). Rows are converted to the cache dtype (round-to-nearest-even), or for an fp8
                 cache quantized with k_scale / v_scale (fp32 [num_kv_heads]), as kv_write does
-                (kernels/fp8.py).
+                (kernels/fp8.py); then the written rows of k (rotated) and v are replaced by what
+                the fp8 cache holds, dequantized to their dtype (kernels/kv_write.py says why).
   slot_mapping  [num_tokens] int32 / int64: flat slot = block * block_size + offset; a negative slot
                 (-1, padding) writes nothing for that token.
   write_cache   True: rotate, then write rotated k and (unrotated) v into the cache at slot_mapping.

@@ -97,6 +97,21 @@ def _scale_tensors(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.{name}_scale": t[i] for i in range(LAYERS) for name, t in (("k", k), ("v", v))}
 
 
+def test_per_head_scales_are_sliced_to_each_ranks_kv_heads(plain, tmp_path):
+    """Under tensor parallelism a rank reads its own K/V heads' scales: split while there are enough
+    heads (2 ranks: one each), shared by the ranks whose query heads use one (4 ranks: two a head).
+    The two-rank server's own bring-up: tests/models/test_parallel.py."""
+    from models import TensorParallel, checkpoint_kv_scales
+
+    k, v = torch.tensor([[0.02, 0.03], [0.04, 0.025]]), torch.tensor([[0.01, 0.015], [0.02, 0.012]])
+    path = with_tensors(plain, tmp_path / "ckpt", _scale_tensors(k, v))
+    for size in (2, 4):
+        for rank in range(size):
+            head = rank * KV_HEADS // size
+            got_k, got_v = checkpoint_kv_scales(path, LAYERS, KV_HEADS, TensorParallel(rank, size))
+            assert torch.equal(got_k, k[:, head : head + 1]) and torch.equal(got_v, v[:, head : head + 1])
+
+
 def test_quantized_weights_with_an_fp8_cache(plain, tmp_path):
     """An llm-compressor FP8 checkpoint with an FP8 KV cache (kv_cache_scheme, per-head k_scale and
     v_scale) serves with --kv-cache-dtype fp8 on the checkpoint's scales, and gives the greedy tokens
