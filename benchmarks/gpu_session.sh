@@ -82,7 +82,7 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv)
         timeout 300 python3 -m pytest -q tests/gpu/test_gpu_fp8.py tests/kernels -k "fp8 or float8" -p no:cacheprovider \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
-        timeout 270 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 60 --tag decode \
+        timeout 240 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 45 --tag decode \
           --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;
       fp8kv-engine)
         timeout 570 python3 benchmarks/bench_fp8_kv.py --sections engine --tag engine --out-dir "$OUT" 2>&1 \
