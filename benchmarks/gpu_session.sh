@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|fp8kv|fp8kv-engine]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
+#                                   fp8kv|fp8kv-engine|quant|quanttests]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
 # orjson), fetched here once:
@@ -64,6 +65,20 @@ for step in "${@:-tests throughput prefix}"; do
         python3 -m pytest -q tests/gpu/test_gpu_spec.py -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
         python3 benchmarks/bench_spec.py --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
         grep -v '^{' "$OUT/spec.log" | tail -35 ;;
+      # Issue 47: quantized weights, one device call each. quant: bench_quant on the Llama-3.1-8B shape
+      # (the GEMMs at 1/16/256/2048 rows as CUDA graphs, the GEMV tile sweep, then bf16, FP8_DYNAMIC,
+      # AWQ and 128x128-block engines side by side: batch-1 TPOT and offline throughput; engines past
+      # its time budget are skipped, each in a child process); quanttests: the quantization GPU tests
+      # (every path at 1/13/200 tokens, graph replay against eager bit for bit, the engine's graphs,
+      # speculation on a quantized target, the staging race) and the quantized kernels' tests on the GPU.
+      quant)
+        timeout 575 python3 benchmarks/bench_quant.py --time-budget 500 --out-dir "$OUT" > "$OUT/quant.log" 2>&1 || status=1
+        grep -v '^{' "$OUT/quant.log" | tail -40 ;;
+      quanttests)
+        timeout 570 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_staging.py \
+          tests/kernels/test_gemv.py tests/kernels/test_dequant.py tests/kernels/test_fp8_quant.py \
+          tests/kernels/test_fp8_matmul.py tests/kernels/test_wo_matmul.py tests/models/test_quant_gemms.py 2>&1 \
+          | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
       # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
       # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
       # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
@@ -80,7 +95,9 @@ for step in "${@:-tests throughput prefix}"; do
       # sweep; fp8kv-engine: the Llama-3.1-8B shape (dummy weights), 8k-token prompts, as many at once
       # as each cache holds, and batch-1 TPOT at 32k, per cache dtype (each step fits one call).
       fp8kv)
-        timeout 300 python3 -m pytest -q tests/gpu/test_gpu_fp8.py tests/kernels -k "fp8 or float8" -p no:cacheprovider \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/kernels/test_fp8.py \
+          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
+          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
         timeout 240 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 45 --tag decode \
           --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;

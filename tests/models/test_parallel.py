@@ -188,3 +188,15 @@ def test_dummy_weights_need_no_weight_files_and_repeat(tmp_path):
     assert torch.all(a.embed_tokens.weight[a.vocab_size:] == 0)  # the padding rows
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_model(path, torch.float32, "cpu", "sdpa")
+
+
+def test_a_rank_refuses_quantized_weights(tmp_path, monkeypatch):
+    """A model built inside a tensor-parallel group (a rank's process) refuses a quantized scheme by
+    name before building anything: the linears' shards cut 16-bit weights only."""
+    import models.loader
+    from models import load_model
+
+    path = make_llama_checkpoint(tmp_path, "llama")
+    monkeypatch.setattr(models.loader, "tensor_parallel", lambda: TensorParallel(1, 2))
+    with pytest.raises(ValueError, match=r"quantized weights \(fp8 \(quantized at load.*tensor parallelism"):
+        load_model(path, torch.float32, "cpu", "sdpa", quantization="fp8")

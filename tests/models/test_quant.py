@@ -49,6 +49,13 @@ def quantized(src, tmp_path_factory):
     return {fmt: (root / fmt, quantize_checkpoint(src, root / fmt, fmt)) for fmt in FORMATS}
 
 
+# what the start-up log and /v1/models call each format (weights_info(...).quantization)
+NAMES = {"fp8-dynamic": "compressed-tensors FP8_DYNAMIC", "fp8-static": "compressed-tensors FP8 (static)",
+         "w4a16": "compressed-tensors W4A16 (symmetric)", "w4a16-asym": "compressed-tensors W4A16 (asymmetric)",
+         "fp8-block": "fp8 (128x128 blocks)", "awq": "AWQ", "gptq": "GPTQ", "gptq-desc-act": "GPTQ",
+         "online-fp8": "fp8 (quantized at load"}
+
+
 def reference(src, deq) -> torch.nn.Module:
     """transformers' model of the source checkpoint with the dequantized weights in place."""
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -68,6 +75,9 @@ def ref_logits(model, ids=IDS) -> torch.Tensor:
 def test_logits_equal_the_dequantized_reference(src, quantized, fmt):
     path, deq = quantized[fmt]
     ours = load_model(path, torch.float32, "cpu", "sdpa")
+    assert weights_info(ours).quantization.startswith(NAMES[fmt])
+    if fmt.startswith("gptq"):
+        assert ("no desc_act" in weights_info(ours).quantization) == (fmt == "gptq")
     want = ref_logits(reference(src, deq))
     torch.testing.assert_close(prefill_logits(ours, IDS), want, atol=2e-4, rtol=2e-4)
     # and the quantization did something: the 16-bit model's logits are elsewhere
@@ -194,6 +204,7 @@ def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fm
 
 def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
     ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8")
+    assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])
     _, deq = quantized["fp8-dynamic"]  # the writer's per-channel FP8: what --quantization fp8 computes
     torch.testing.assert_close(prefill_logits(ours, IDS), ref_logits(reference(src, deq)), atol=2e-4, rtol=2e-4)
     assert detect(src, "fp8").online and detect(src) is None
@@ -275,3 +286,30 @@ def test_quantization_flag_must_agree_with_the_checkpoint(src, quantized):
     with pytest.raises(ValueError, match="this one is 16-bit"):
         detect(src, "gptq")
     assert detect(quantized["awq"][0], "awq").method == "awq"
+
+
+def test_speculative_decoding_with_a_quantized_target(quantized):
+    """An AWQ target verifying the proposals of a draft model that is itself quantized (the same AWQ
+    checkpoint, so nearly every proposal stands): the greedy tokens of decoding without
+    speculation, no block lost. (The n-gram method verifies through the same target step.)"""
+    from server.config import EngineConfig, SpeculativeConfig
+    from server.engine import LLMEngine
+    from server.sampling_params import SamplingParams
+
+    path, _ = quantized["awq"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(spec=None):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", num_blocks=64, speculative_config=spec))
+        outs = [o.token_ids for o in engine.generate(prompts, params)]
+        assert engine.block_manager.check_all_free()
+        return outs, engine
+
+    spec = SpeculativeConfig.parse(f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 3}}')
+    got, engine = run(spec)
+    assert got == run()[0]
+    assert engine.speculator.proposer.runner.model.quant_scheme.method == "awq"
+    c = engine.speculator.counters
+    assert c.drafts > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens  # the draft is the target

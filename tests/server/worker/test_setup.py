@@ -1,6 +1,7 @@
 """Worker start-up decisions that need no device: --dtype auto, and the sliding-window refusal."""
 
 import json
+import shutil
 
 import torch
 
@@ -59,3 +60,10 @@ def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_ran
         start_worker(EngineConfig(**tp, speculative_config=spec), tiny_ckpt)
     with pytest.raises(ValueError, match="quantized"):
         start_worker(EngineConfig(**tp, quantization="fp8"), tiny_ckpt)
+    quantized = tmp_path / "fp8-blocks"  # a quantized checkpoint, no flag: its config.json says so
+    shutil.copytree(tiny_ckpt, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized"):
+        start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
