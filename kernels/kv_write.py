@@ -15,7 +15,7 @@ Contract (semantics = ``kernels.reference.kv_write_ref``):
 
 An fp8 cache's rows are also written back over k and v (`held`: the stored value times its scale,
 rounded to their dtype), so that attention over this step's own K/V (a prefill chunk's) reads what
-later steps read from the cache: a token's result then does not depend on whether its keys came
+later steps read from the cache: a token then attends over the same values whether its keys came
 from the same chunk, an earlier chunk, a prefix hit or a recomputation after preemption (vLLM's
 attention reads every key from the cache). Padding rows (slot -1) are left as they are.
 

@@ -99,8 +99,8 @@ class AttentionBackend(Protocol):
         given (bit-identical to kernels.reference.rope_ref), write k/v at `slot_mapping`, attend,
         return [num_tokens, heads, d]. q, k and v may be modified in place. An fp8 cache carries its
         scales (kvcache.cache_scales): K/V are stored quantized and every key and value attended
-        over is read as the cache holds it, a prefill chunk's own included (so that a token's
-        result does not depend on how its sequence was chunked, cached or recomputed)."""
+        over is read as the cache holds it, a prefill chunk's own included (so that a token
+        attends over the same values however its sequence was chunked, cached or recomputed)."""
 
     def warmup(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
                dtype: torch.dtype | None = None) -> None:
