@@ -10,6 +10,7 @@ from models.loader import (DTYPES, EMBEDDED_MODEL, LOAD_FORMATS, checkpoint_dtyp
 from models.parallel import TensorParallel, close_tensor_parallel, init_tensor_parallel, shard_spec, tensor_parallel
 from models.quant import METHODS as QUANTIZATION_METHODS
 from models.quant import WeightsInfo, weights_info
+from models.quant import detect as quantization_scheme
 from models.registry import MODEL_FAMILIES, check_served, model_class
 from models.spec import ModelSpec
 
@@ -19,4 +20,4 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "Cau
            "tensor_parallel",
            "load_config", "load_model",
            "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served",
-           "model_class", "ModelSpec", "QUANTIZATION_METHODS", "WeightsInfo", "weights_info"]
+           "model_class", "ModelSpec", "QUANTIZATION_METHODS", "quantization_scheme", "WeightsInfo", "weights_info"]

@@ -21,7 +21,7 @@ import torch
 
 from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
 from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model,
-                    load_tokenizer, shard_spec, tensor_parallel, weights_info)
+                    load_tokenizer, quantization_scheme, shard_spec, tensor_parallel, weights_info)
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
@@ -55,20 +55,26 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
         return bring_up(config, path, resolve_device(config), tokenizer=tokenizer)
     from server.worker.parallel.peers import rank_device, start_peers
 
-    # what does not divide, or does not combine yet, stops the start here, before any process starts
-    hf_config = load_config(path)
-    shard_spec(ModelSpec.from_hf_config(hf_config), TensorParallel(0, config.tensor_parallel_size))
-    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
-        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
-    if config.quantization is not None or getattr(hf_config, "quantization_config", None):
-        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
-                         "(a quantized linear's scales are not split by rank)")
+    check_tensor_parallel(config, path)
     peers = start_peers(config, path)
     try:
         return bring_up(config, path, rank_device(config, 0), peers, tokenizer)
     except BaseException:
         peers.close(graceful=False)
         raise
+
+
+def check_tensor_parallel(config: EngineConfig, path: Path) -> None:
+    """What does not divide, or does not combine with tensor parallelism yet, stops the start here,
+    before any process starts (ValueError)."""
+    shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
+    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
+        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
+    # quantized weights only: a checkpoint whose quantization_config carries an FP8 KV cache's scales
+    # alone has 16-bit weights, and its per-head scales are cut by rank like the heads
+    if quantization_scheme(path, config.quantization) is not None:
+        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
+                         "(a quantized linear's scales are not split by rank)")
 
 
 def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
