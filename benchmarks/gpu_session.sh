@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
-#                                   quant|quanttests]...
+#                                   fp8kv|fp8kv-engine|quant|quanttests]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
 # orjson), fetched here once:
@@ -94,6 +94,20 @@ for step in "${@:-tests throughput prefix}"; do
       tp4)
         timeout 540 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
+      # Issue 46: the FP8 KV cache. fp8kv: its GPU tests and the kernels' fp8 tests (Triton's casts on
+      # the hardware), then the decode kernel against the 16-bit one on the same shapes and a tile
+      # sweep; fp8kv-engine: the Llama-3.1-8B shape (dummy weights), 8k-token prompts, as many at once
+      # as each cache holds, and batch-1 TPOT at 32k, per cache dtype (each step fits one call).
+      fp8kv)
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/kernels/test_fp8.py \
+          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
+          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
+          2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+        timeout 240 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 45 --tag decode \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;
+      fp8kv-engine)
+        timeout 570 python3 benchmarks/bench_fp8_kv.py --sections engine --tag engine --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
       profile)
         for n in 1 4; do
           python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from models import quant
 from models.base import CausalLM
+from models.kv_scales import is_attention_scale
 from models.linear import storage_later
 from models.parallel.group import tensor_parallel
 from models.registry import check_served, model_class
@@ -152,6 +153,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
                          f"({scheme.name}): leave quantization_config out of config.json")
     source = nullcontext(dummy_tensors(config, dtype, device)) if load_format == "dummy" else _read_tensors(path)
     with source as tensors:
+        # KV-cache scales are not weights: the worker reads them (models/kv_scales.py) for an fp8 cache
+        tensors = LazyTensors([k for k in tensors if not is_attention_scale(k)], tensors.__getitem__)
         if scheme is not None:
             quant.attach(model, scheme, device, dtype, deterministic)
             tensors = quant.convert(tensors, scheme, device)

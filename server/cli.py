@@ -15,8 +15,8 @@ from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key,
 from server.api.reasoning import REASONING_PARSERS
 from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE, QUANTIZATION_METHODS,
-                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE,
+                           QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
 
 
 def device(text: str) -> str:
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks to allocate (default: as many as the memory budget holds)")
     p.add_argument("--kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.kv_cache_memory,
                    help="KV cache budget, e.g. 512MiB or 2GiB")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_NAMES,
+                   help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3, scaled) or fp8_e5m2 "
+                        "(unscaled) hold twice the tokens in the same memory")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=d.calculate_kv_scales,
+                   help="fp8_e4m3 cache and no k_scale/v_scale in the checkpoint: calibrate them on a short "
+                        "text at start-up (--no-calculate-kv-scales: 1.0, with a warning); checkpoint scales "
+                        "are always used where present")
     p.add_argument("--cpu-kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.cpu_kv_cache_memory,
                    help="on the CPU, the KV cache's size in bytes unless --num-blocks or --kv-cache-memory say otherwise")
     p.add_argument("--gpu-memory-utilization", type=Bound(float, above=0, high=1), default=d.gpu_memory_utilization,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; fp8 = fp8_e4m3 (kvcache/fp8.py)
 LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
 MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
 # --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
@@ -39,6 +40,12 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of GPU memory for weights, activations, KV
     cpu_kv_cache_memory: int = 512 * 2**20  # the KV cache's size on the CPU unless set otherwise
+    # The KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 hold twice the
+    # tokens in the same memory (kvcache/fp8.py).
+    kv_cache_dtype: str = "auto"
+    # fp8_e4m3 without scales in the checkpoint: calibrate them at start-up (server/worker/kv_scales.py);
+    # False = scales of 1.0, with a warning
+    calculate_kv_scales: bool = True
     max_num_seqs: int = 256  # most sequences in one step
     max_num_batched_tokens: int = 8192  # token budget of one step (offline; the server's: SERVE_MAX_NUM_BATCHED_TOKENS)
     max_model_len: int | None = None  # context limit; None = the model's

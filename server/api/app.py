@@ -189,6 +189,9 @@ class ErrorResponse(BaseModel):
 class KVDebug(BaseModel):
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_cache_dtype: str  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2 (--kv-cache-dtype)
+    kv_tokens_total: int  # tokens the cache holds (blocks x block size): twice as many with fp8
+    kv_bytes_per_token: int  # every layer's K and V of one token
     requests_active: int
     requests_running: int
     requests_waiting: int
@@ -260,6 +263,8 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
         s = engine.engine.snapshot()
         return {"kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+                "kv_cache_dtype": s.kv_cache_dtype, "kv_tokens_total": s.kv_blocks_total * s.kv_block_size,
+                "kv_bytes_per_token": s.kv_bytes_per_token,
                 "requests_active": engine.num_active, "requests_running": s.running,
                 "requests_waiting": s.waiting, "engine_sequences": s.sequences,
                 "preemptions": s.preemptions, "generated_tokens": s.generation_tokens}

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvcache import BlockManager
+from kvcache import BlockManager, dtype_name
 from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
@@ -55,7 +55,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
         self.tokenizer = load_tokenizer(path)
-        worker = start_worker(config, path)
+        worker = start_worker(config, path, self.tokenizer)
+        self.cache_spec = worker.cache_spec  # what the cache stores (its dtype) and a block's bytes
         self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
         self.runner = worker.runner
         # what /v1/models reports of the weights: their format (None: 16-bit) and bytes on the device
@@ -123,6 +124,8 @@ class LLMEngine:
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
                               prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
                               generation_tokens=self.num_generated_tokens,
+                              kv_cache_dtype=dtype_name(self.cache_spec.dtype), kv_block_size=bm.block_size,
+                              kv_bytes_per_token=self.cache_spec.bytes_per_block // bm.block_size,
                               **(self.speculator.snapshot() if self.speculator is not None else {}))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

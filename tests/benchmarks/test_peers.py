@@ -5,12 +5,13 @@ runner end to end on flashpage's engine. The GPU runs themselves are benchmarks,
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks.peers import engines, report, run, vllm_bench, workloads
-from benchmarks.peers.engines import SERVED_NAME, Flags
+from benchmarks.peers.engines import SERVED_NAME, Flags, llm_kwargs, serve_cmd
 from server.cli import build_parser, config_from_args
 
 DATA = Path(__file__).parent / "data"
@@ -98,6 +99,11 @@ def test_workloads_selected_together_share_an_engine_start():
     assert len({tuple(p) for p in batch1["prompts"]}) == 9 and max(max(p) for p in batch1["prompts"]) < 1000
     assert not jobs[0].flags.enable_prefix_caching  # repeated offline runs must not hit the cache
     assert 5 < workloads.estimate_minutes(sel) < 40
+    fp8 = workloads.jobs_for("long-fp8", "llama-3.1-8b", vocab=1000)[0]  # the long workload, fp8 caches
+    assert fp8.flags == replace(jobs[2].flags, kv_cache_dtype="fp8") and fp8.tasks[0]["workload"] == "long-fp8"
+    assert fp8.tasks[0]["prompts"] == jobs[2].tasks[0]["prompts"]
+    assert "--kv-cache-dtype" in serve_cmd("vllm", "/m", 1, fp8.flags) and llm_kwargs("flashpage", "/m", fp8.flags)[
+        "kv_cache_dtype"] == "fp8"
     with pytest.raises(SystemExit):
         run.parse_selection(["offline:gpt-5"])
 

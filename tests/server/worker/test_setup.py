@@ -9,6 +9,7 @@ from server.worker.setup import auto_dtype
 
 
 def _config(tmp_path, **fields):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
     return tmp_path
 
@@ -67,3 +68,27 @@ def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_ran
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized"):
         start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
+
+
+def test_tensor_parallel_refuses_quantized_weights_but_not_kv_cache_scales_alone(tmp_path):
+    """A compressed-tensors config whose quantization_config carries only an FP8 KV cache's scheme has
+    16-bit weights: tensor parallelism takes it (the scales are cut by rank like the heads); quantized
+    weights, --quantization fp8 and speculative decoding are refused before any rank starts."""
+    import pytest
+
+    from server.config import EngineConfig
+    from server.worker.setup import check_tensor_parallel
+
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 num_hidden_layers=2, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-6)
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    kv_only = _config(tmp_path / "kv", **shape, quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}, "kv_cache_scheme": kv})
+    check_tensor_parallel(EngineConfig(tensor_parallel_size=2), kv_only)
+    with pytest.raises(ValueError, match="quantized weights"):
+        check_tensor_parallel(EngineConfig(tensor_parallel_size=2, quantization="fp8"), _config(tmp_path / "p", **shape))
+    fp8 = _config(tmp_path / "w", **shape, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                                "activation_scheme": "dynamic",
+                                                                "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="quantized weights"):
+        check_tensor_parallel(EngineConfig(tensor_parallel_size=2), fp8)
