@@ -70,12 +70,9 @@ def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_ran
         start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
 
 
-def test_tensor_parallel_refuses_quantized_weights_but_not_kv_cache_scales_alone(tmp_path):
+def test_tensor_parallelism_takes_a_quantization_config_of_kv_cache_scales_alone(tmp_path):
     """A compressed-tensors config whose quantization_config carries only an FP8 KV cache's scheme has
-    16-bit weights: tensor parallelism takes it (the scales are cut by rank like the heads); quantized
-    weights, --quantization fp8 and speculative decoding are refused before any rank starts."""
-    import pytest
-
+    16-bit weights: tensor parallelism takes it (the scales are cut by rank like the heads)."""
     from server.config import EngineConfig
     from server.worker.setup import check_tensor_parallel
 
@@ -84,11 +81,4 @@ def test_tensor_parallel_refuses_quantized_weights_but_not_kv_cache_scales_alone
     kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
     kv_only = _config(tmp_path / "kv", **shape, quantization_config={
         "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}, "kv_cache_scheme": kv})
-    check_tensor_parallel(EngineConfig(tensor_parallel_size=2), kv_only)
-    with pytest.raises(ValueError, match="quantized weights"):
-        check_tensor_parallel(EngineConfig(tensor_parallel_size=2, quantization="fp8"), _config(tmp_path / "p", **shape))
-    fp8 = _config(tmp_path / "w", **shape, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                                                "activation_scheme": "dynamic",
-                                                                "weight_block_size": [128, 128]})
-    with pytest.raises(ValueError, match="quantized weights"):
-        check_tensor_parallel(EngineConfig(tensor_parallel_size=2), fp8)
+    check_tensor_parallel(EngineConfig(tensor_parallel_size=2), kv_only)  # no ValueError
