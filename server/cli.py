@@ -13,7 +13,7 @@ from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, StructuredLimits
 
 
 def device(text: str) -> str:
@@ -97,13 +97,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who encodes prompts: 'auto' uses fastokens (~20x faster) where it encodes a probe set "
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
+    add_structured_arguments(p, d.structured)
     add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)
     return p
 
 
+def add_structured_arguments(p: argparse.ArgumentParser, d: StructuredLimits) -> None:
+    """The bounds on structured-output specs (server/engine/grammar_bounds.py) and their compile
+    (server/engine/grammar_compile.py): over one, a request is a 400 that names its flag."""
+    g = p.add_argument_group("structured outputs (every spec is bounded, then compiled in a sacrificial process)")
+    g.add_argument("--max-structured-spec-bytes", type=Bound(parse_bytes, 1, what=SIZE),
+                   default=d.max_structured_spec_bytes,
+                   help="largest JSON schema (as JSON), regular expression, EBNF grammar or choice list")
+    g.add_argument("--max-structured-depth", type=Bound(int, 1), default=d.max_structured_depth,
+                   help="deepest nesting of objects and arrays in a JSON schema, counting what its $refs name")
+    g.add_argument("--structured-compile-timeout", type=Bound(float, above=0), default=d.structured_compile_timeout,
+                   help="seconds a new spec may take to compile; past them its request is a 400 and the compile "
+                        "process is replaced")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = EngineConfig.__dataclass_fields__
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    fields, given = EngineConfig.__dataclass_fields__, vars(args)
+    structured = StructuredLimits(**{k: v for k, v in given.items() if k in StructuredLimits.__dataclass_fields__})
+    return EngineConfig(**{k: v for k, v in given.items() if k in fields}, structured=structured)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -233,6 +233,8 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         engine.start()
         yield
         await engine.stop()
+        if (compiler := getattr(app.state, "spec_compiler", None)) is not None:
+            compiler.close()  # its compile processes (server/api/controls.py)
 
     app = FastAPI(title="flashpage", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine

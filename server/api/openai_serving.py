@@ -183,6 +183,8 @@ async def check_structured_output(request: Request, engine, body: SamplingReques
     except RequestError as e:
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         raise OpenAIError(400, str(e), param=param) from None
+    except ServiceUnavailableError as e:  # too many compiles wait already: 503 with Retry-After
+        raise from_engine_error(e) from None
 
 
 def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,

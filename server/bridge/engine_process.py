@@ -67,7 +67,8 @@ class EngineClient:
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
         self.bounds: RequestBounds = info.bounds
         self._snapshot: EngineSnapshot = info.snapshot
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model))
+        self.model_path = resolve_model_path(config.model)  # what compile workers load (server/api/controls.py)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.stats = None  # server/metrics.EngineStats: replays the engine process's hook calls
         self._text: dict[str, tuple[str, list[int]]] = {}  # text and ids so far, per request in flight
         self._commands: list[Command] = []

@@ -174,6 +174,11 @@ def _json_schema_rewritten(spec: str) -> str | None:
     return None if rewritten == text else rewritten
 
 
+def spec_name(kind: str) -> str:
+    """What a kind of structured-output spec is called in messages."""
+    return _NAMES.get(kind, f"{kind} spec")
+
+
 def _word(bits: int) -> int:
     """An unsigned 32-bit pattern as the int32 it is stored as."""
     return bits - (1 << 32) if bits >= 1 << 31 else bits

@@ -23,7 +23,7 @@ from server.engine.outputs import EngineSnapshot, RequestOutput
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
-from server.engine.grammar import Grammars
+from server.engine.grammar_compile import CompileSetup, SpecCompiler
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
 from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
@@ -63,7 +63,7 @@ class LLMEngine:
         self._grammars: GrammarProcess | None = None  # started when the first structured request comes
         self._mask_fd = -1  # the memory it fills masks into (a memfd), made with it, kept for a restart
         self._grammar_keys = 0  # each constrained sequence's matcher is a key in the process
-        self._compiler: Grammars | None = None  # compiles the specs of requests no front end checked
+        self._compiler: SpecCompiler | None = None  # checks the specs of requests no front end checked
         self.compiling: list[Sequence] = []  # waiting requests whose grammar compiles
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
@@ -125,12 +125,15 @@ class LLMEngine:
             self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
         if params.structured is not None:
-            # The front end compiles it before queueing; offline callers get the error here (a spec
-            # the grammar process compiled is valid: not again, ~10 us a request).
+            # The front end checks it before queueing; offline callers get the error here (a spec
+            # the grammar process compiled is valid: not again, ~10 us a request). Either way it is
+            # bounded and compiled first in a sacrificial process (server/engine/grammar_compile.py):
+            # the grammar process only ever compiles specs that compiled there within the deadline.
             if not validated and params.structured not in self.grammars.ready:
                 if self._compiler is None:
-                    self._compiler = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
-                self._compiler.compile(params.structured)  # RequestError if invalid (cached per spec)
+                    self._compiler = SpecCompiler(CompileSetup(self.model_path, self.spec.vocab_size,
+                                                               tuple(sorted(self.eos_token_ids))), self.config.structured)
+                self._compiler.check(params.structured)  # RequestError if over a bound or invalid (remembered)
             self._grammar_keys += 1
             seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # admitted once made
             if seq.compiling is None:  # a spec the process compiled before: admitted now
@@ -170,6 +173,9 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
+        if self._compiler is not None:
+            self._compiler.close()
+            self._compiler = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
