@@ -13,6 +13,7 @@ that a crash there costs only its own request) with a short compile deadline.
 import json
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -97,36 +98,38 @@ _BYSTANDER = r"""
 import json, sys, threading, time
 import httpx
 url, plain, stop = sys.argv[1], json.loads(sys.argv[2]), time.monotonic() + 600
-health, done_plain = [], []
-def probe():
-    with httpx.Client(base_url=url, timeout=30) as c:
-        while time.monotonic() < stop:
-            t = time.perf_counter()
-            ok = c.get("/health").status_code == 200
-            health.append(time.perf_counter() - t if ok else None)
-            time.sleep(0.02)
-def complete():
-    with httpx.Client(base_url=url, timeout=60) as c:
-        while time.monotonic() < stop:
-            t = time.perf_counter()
-            ok = c.post("/generate", json=plain).status_code == 200
-            done_plain.append(time.perf_counter() - t if ok else None)
-for f in (probe, complete):
-    threading.Thread(target=f, daemon=True).start()
+seen = {"health": [], "plain": [], "lost": 0}
+def timed(name, call):
+    c = httpx.Client(base_url=url, timeout=60)
+    while time.monotonic() < stop:
+        t = time.perf_counter()
+        try:
+            ok = call(c).status_code == 200
+        except httpx.TransportError:  # its connection's process was killed (case 2): a new connection
+            seen["lost"] += 1
+            c.close()
+            c = httpx.Client(base_url=url, timeout=60)
+            continue
+        seen[name].append(time.perf_counter() - t if ok else None)
+        time.sleep(0.02 if name == "health" else 0)
+    c.close()
+threading.Thread(target=timed, args=("health", lambda c: c.get("/health")), daemon=True).start()
+threading.Thread(target=timed, args=("plain", lambda c: c.post("/generate", json=plain)), daemon=True).start()
 print("started", flush=True)
 sys.stdin.readline()  # until the test is done with the case
 stop = 0
 time.sleep(0.05)
-print(json.dumps({"health": health, "plain": done_plain}), flush=True)
+print(json.dumps(seen), flush=True)
 """
 
 
 @contextmanager
-def bystanders(url: str):
+def bystanders(url: str, connections_may_drop: bool = False):
     """While the block runs, in a process of their own (so that the test's own work never delays
     them): GET /health every 20 ms and plain completions one after another, each timed (None: not
     answered 200). After it: every /health within HEALTH_BOUND_S, every completion within
-    PLAIN_SLACK_S of its time alone."""
+    PLAIN_SLACK_S of its time alone, and no connection lost (unless `connections_may_drop`: a killed
+    API process takes its own connections with it; the bystander then connects again)."""
     normal = plain_time(url)
     proc = subprocess.Popen([sys.executable, "-c", _BYSTANDER, url, json.dumps(PLAIN)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -143,6 +146,7 @@ def bystanders(url: str):
     health, plain = seen["health"], seen["plain"]
     assert health and None not in health and max(health) < HEALTH_BOUND_S, sorted(health)[-5:]
     assert plain and None not in plain and max(plain) < normal + PLAIN_SLACK_S, (normal, plain)
+    assert connections_may_drop or not seen["lost"], seen["lost"]
 
 
 def structured(url: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:
@@ -172,3 +176,40 @@ def test_a_schema_that_crashes_the_compiler_fails_alone(srv, url, model):
                                            "structured_outputs": {"choice": ["yes", "no"]}})
         assert ok.status_code == 200 and ok.json()["text"] in ("yes", "no"), ok.text
     assert srv.proc.poll() is None and {p.pid for p in api_processes(srv)} == before  # no process died
+
+
+# -- 2: a dead API process is replaced; the engine and the other process serve on -----------------------
+def test_a_dead_api_process_is_replaced_and_nothing_else_is_lost(srv, url):
+    """Before: the engine's next write to the dead process's pipe raised BrokenPipeError, the engine
+    exited, and the other API process with it, its streams cut off."""
+    before = api_processes(srv)
+    body = {"prompt": "hi", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    results: list = []
+
+    def stream():
+        try:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            results.append(len(events))
+        except httpx.TransportError:  # on the killed process
+            results.append("cut")
+
+    with bystanders(url, connections_may_drop=True):
+        streams = [threading.Thread(target=stream) for _ in range(8)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/debug/kv").json()["requests_running"] < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        before[0].kill()
+        for t in streams:
+            t.join()
+        while {p.pid for p in api_processes(srv)} in ({p.pid for p in before[1:]}, {p.pid for p in before}):
+            assert time.monotonic() < deadline + 120, "no API process started in place of the dead one"
+            time.sleep(0.2)
+    # every stream on the live process ran to its end (60 tokens, the final event, [DONE]); those on
+    # the dead one were cut, and the engine aborted them (the autouse check: every block free)
+    assert set(results) <= {62, "cut"} and results.count(62) >= 1, results
+    after = api_processes(srv)
+    assert len(after) == 2 and srv.proc.poll() is None and before[1].pid in {p.pid for p in after}
