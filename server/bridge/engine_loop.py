@@ -8,9 +8,12 @@ stay unique server-wide whatever process a client reaches.
 
 - When a channel's pipe is full (its API process is behind) the engine keeps stepping and merges
   each request's outputs until the pipe drains: the engine never waits on HTTP, and a slow reader
-  gets fewer, larger messages (`_Outbox`).
-- Engine statistics (server/engine/stats.py) go to one channel only, the first still open, so that
-  metrics summed across API processes count each event once (server/api/metrics.py).
+  gets fewer, larger messages (`_Outbox`). Idle, it sleeps until a command comes or a full pipe
+  with messages waiting for it drains: it never blocks on one API process's pipe (one that is
+  restarting reads nothing for seconds: issue 44, where the engine then stalled every request).
+- Engine statistics (server/engine/stats.py) go to one channel only, the first still open whose API
+  process has spoken (one restarted reads nothing until it has started), so that metrics summed
+  across API processes count each event once (server/api/metrics.py).
 - Every channel hears from the engine at least every SNAPSHOT_EVERY_S while it is busy and once
   when it goes idle, so every API process's snapshot (/metrics gauges, /debug/kv, the waiting-queue
   bound) is fresh even when none of its requests produced output.
@@ -36,7 +39,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from server.bridge.messages import (AbortRequest, AddRequest, EngineFailed, EngineReady, RequestRefused, StepOutputs,
@@ -123,6 +126,7 @@ class _Router:
         self.control = control
         self.outboxes = [_Outbox() for _ in channels]
         self.open = list(range(len(channels)))  # channels whose API process has not stopped
+        self.heard = set(self.open)  # channels whose API process reads them (a reopened one: once it spoke)
         self.owner: dict[str, int] = {}
 
     def greet(self, i: int) -> None:
@@ -136,9 +140,14 @@ class _Router:
 
     def receive(self, block: bool) -> None:
         """Apply every command waiting on the open channels (and a new channel from the parent);
-        with `block`, wait for one first."""
+        with `block`, wait for one first, or for the pipe of a channel with messages waiting for it
+        to take them (then return: the caller flushes)."""
         conns = [self.channels[i].commands for i in self.open] + ([self.control] if self.control else [])
-        ready = wait(conns) if block else [c for c in conns if c.poll()]
+        if block:
+            waiting = [self.channels[i].out for i in self.open if self.outboxes[i].dirty]
+            ready = select.select(conns, waiting, [])[0]
+        else:
+            ready = [c for c in conns if c.poll()]
         for conn in ready:
             if conn is self.control:
                 self._reopen()
@@ -146,6 +155,7 @@ class _Router:
             i = next((i for i in self.open if self.channels[i].commands is conn), None)
             if i is None:  # closed by a reopen just now
                 continue
+            self.heard.add(i)
             try:
                 while conn.poll():
                     if self._apply(i, decode_down(conn.recv_bytes())):
@@ -167,6 +177,7 @@ class _Router:
         self.channels[i], self.outboxes[i] = EngineChannel(commands, out), _Outbox()
         grow_pipe(out)
         self.open = sorted(self.open + [i])
+        self.heard.discard(i)
         log.info("API process %d restarted: its channel is open again", i)
         self.greet(i)
 
@@ -219,7 +230,7 @@ class _Router:
         for i, outs in mine.items():
             boxes[i].add(outs, [], [])
         if events and self.open:
-            boxes[self.open[0]].add([], [], events)
+            boxes[next((i for i in self.open if i in self.heard), self.open[0])].add([], [], events)
 
     def flush(self, block: bool, fresh: bool) -> None:
         """Send each open channel what waits for it (see _Outbox.flush); `fresh`: every channel
@@ -233,6 +244,21 @@ class _Router:
             if not box.flush(self.channels[i].out, self.engine.snapshot, block):
                 log.warning("API process %d went away (its pipe broke): aborting its requests", i)
                 self.close(i)
+
+
+def turn(router: _Router, engine, recorder, stepped: bool) -> bool:
+    """One turn of the engine loop: take the commands (idle: sleep until one comes, or a full pipe
+    with messages waiting drains), step, send. `stepped`: the last turn stepped. Returns whether
+    this one did."""
+    busy = engine.has_unfinished()
+    if not busy:  # send what may go now (and, just gone idle, every channel the idle snapshot)
+        router.flush(block=False, fresh=stepped)
+    router.receive(block=not busy)
+    stepped = engine.has_unfinished()
+    outputs = engine.step() if stepped else []
+    router.route(outputs, recorder.take())
+    router.flush(block=False, fresh=False)
+    return stepped
 
 
 def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: str, log_format: str,
@@ -269,14 +295,7 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
     stepped = False
     try:
         while router.open:
-            busy = engine.has_unfinished()
-            if not busy:  # send what waits (and, just gone idle, every channel the idle snapshot)
-                router.flush(block=True, fresh=stepped)
-            router.receive(block=not busy)  # idle: sleep until there is something to do
-            stepped = engine.has_unfinished()
-            outputs = engine.step() if stepped else []
-            router.route(outputs, recorder.take())
-            router.flush(block=False, fresh=False)
+            stepped = turn(router, engine, recorder, stepped)
     except BaseException:
         log.exception("engine loop died")
         failed = encode(EngineFailed(traceback.format_exc()))

@@ -125,3 +125,35 @@ def test_a_dead_api_process_is_closed_on_a_broken_pipe_and_a_new_channel_takes_i
     run(router, engine)
     assert len(tokens(received(new.out), "x")) == 30 and len(tokens(received(api[1].out), "z")) == 30
     assert engine.block_manager.check_all_free()
+
+
+def test_an_api_process_that_reads_nothing_never_stalls_the_engine(engine):
+    """Issue 44: an API process restarted in place of a dead one reads nothing for the seconds it
+    takes to start; the engine's idle flush blocked on its full pipe, and every other API process's
+    requests waited. Now the engine sleeps on commands and on pipes that can take what waits."""
+    import select
+    import threading
+
+    from server.bridge.engine_loop import turn
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    ends, api = channels(2)
+    router = _Router(engine, ends)
+    while select.select([], [ends[0].out], [], 0)[1]:  # channel 0's reader is not reading: its pipe fills
+        ends[0].out.send_bytes(b"x" * 60)
+    done = []
+
+    def loop():
+        stepped = True  # just gone idle: every channel gets the idle snapshot (channel 0's cannot go)
+        for _ in range(50):
+            stepped = turn(router, engine, engine.stats, stepped)
+            if any(o.finished for m in received(api[1].out) for o in m.outputs):
+                done.append(True)
+                return
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    api[1].commands.send_bytes(encode([AddRequest("z", [5, 5], params)]))
+    worker.join(30)
+    assert done, "the engine stalled on a pipe nobody reads"
+    assert router.open == [0, 1] and engine.block_manager.check_all_free()
