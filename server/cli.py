@@ -111,6 +111,17 @@ def add_structured_arguments(p: argparse.ArgumentParser, d: StructuredLimits) ->
                    help="largest JSON schema (as JSON), regular expression, EBNF grammar or choice list")
     g.add_argument("--max-structured-depth", type=Bound(int, 1), default=d.max_structured_depth,
                    help="deepest nesting of objects and arrays in a JSON schema, counting what its $refs name")
+    g.add_argument("--max-structured-length", type=Bound(int, 1), default=d.max_structured_length,
+                   help="largest count a spec may ask for: a JSON schema's maxLength, minLength, maxItems, minItems, "
+                        "maxProperties, minProperties, and {m,n} in a regular expression or EBNF grammar")
+    g.add_argument("--max-structured-items", type=Bound(int, 1), default=d.max_structured_items,
+                   help="most entries of one list in a JSON schema (enum, anyOf, oneOf, required, ...) or of a choice")
+    g.add_argument("--max-structured-properties", type=Bound(int, 1), default=d.max_structured_properties,
+                   help="most properties of one object in a JSON schema")
+    g.add_argument("--max-structured-regex-chars", type=Bound(int, 1), default=d.max_structured_regex_chars,
+                   help="longest regular expression, as a spec or a JSON schema's pattern")
+    g.add_argument("--structured-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.structured_cache_memory,
+                   help="compiled grammars each process that compiles keeps (least recently used go first), e.g. 256MiB")
     g.add_argument("--structured-compile-timeout", type=Bound(float, above=0), default=d.structured_compile_timeout,
                    help="seconds a new spec may take to compile; past them its request is a 400 and the compile "
                         "process is replaced")

@@ -34,7 +34,16 @@ class StructuredLimits:
 
     max_structured_spec_bytes: int = 65536  # the spec's text (a schema as JSON)
     max_structured_depth: int = 128  # objects and arrays inside each other in a schema, $refs followed
+    # A count a spec asks for: maxLength, minLength, max/minItems, max/minProperties in a schema; {m,n}
+    # in a regular expression or EBNF grammar (maxLength 20,000,000 took XGrammar 1.6 GB)
+    max_structured_length: int = 16384
+    max_structured_items: int = 4096  # entries of one list in a schema (enum, anyOf, required, ...) or choice
+    max_structured_properties: int = 256  # properties of one object (400 optional ones compile for ~5 s)
+    max_structured_regex_chars: int = 4096  # a regular expression, or a schema's pattern ("." * 30000: ~30 s)
     structured_compile_timeout: float = 10.0  # seconds a spec may take to compile; then a 400
+    # Compiled grammars kept in each process that compiles (its compile processes, the grammar process),
+    # least recently used going first: ~20 distinct specs took one from 503 to 1,348 MB
+    structured_cache_memory: int = 256 << 20
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,6 +30,7 @@ MAX_SPEC_CHARS = 65_536  # a regular expression, grammar or choice; schemas are 
 MAX_CHOICES_LISTED = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 Spec = Annotated[str, Field(max_length=MAX_SPEC_CHARS)]
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # ASCII digits only ([0-9] is not \d)
 DEFAULTS = SamplingParams()
 
 
@@ -51,15 +53,15 @@ class ControlFields(BaseModel):
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's string keys as token ids, values clamped to +-100 as OpenAI does. Ids are checked
-    against the vocabulary by the engine's validation."""
+    """OpenAI's string keys as token ids, values clamped to +-100 as OpenAI does. A key is a token
+    id written as a plain decimal number (Python's int() also took " 5", "+5", "5_0" and "٣"). Ids
+    are checked against the vocabulary by the engine's validation."""
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise RequestError(f"logit_bias key {key[:32]!r} is not a token id") from None
-        out[tid] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
+        if not _TOKEN_ID.fullmatch(key):
+            raise RequestError(f"logit_bias key {key[:32]!r} is not a token id (a decimal number such as \"50256\")",
+                               "logit_bias")
+        out[int(key)] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
     return out
 
 
@@ -150,9 +152,10 @@ def spec_compiler(app_state, engine) -> SpecCompiler:
     """This process's SpecCompiler (made on first use; its workers start when a spec first needs one)."""
     compiler = getattr(app_state, "spec_compiler", None)
     if compiler is None:
-        bounds = engine.limits()
-        setup = CompileSetup(engine.model_path, bounds.vocab_size, tuple(bounds.eos_token_ids))
-        compiler = app_state.spec_compiler = SpecCompiler(setup, engine.config.structured)
+        bounds, limits = engine.limits(), engine.config.structured
+        setup = CompileSetup(engine.model_path, bounds.vocab_size, tuple(bounds.eos_token_ids),
+                             limits.structured_cache_memory)
+        compiler = app_state.spec_compiler = SpecCompiler(setup, limits)
     return compiler
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from server.api.guards import MAX_TOKENS_BOUND, LimitError, ServerLimits, check_prompt_chars, has_surrogates
-from server.api.openai_protocol import STRICT, ChoiceBase, OpenAIError, SamplingRequest, finite
+from server.api.openai_protocol import STRICT, ChoiceBase, OpenAIError, SamplingRequest, finite, token_text
 from server.sampling_params import SamplingParams
 
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)]
@@ -104,7 +104,7 @@ class ChatChoice(ChoiceBase):
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     def _token(self, tid: int, logprob: float) -> dict:
-        tok = self.tokenizer.decode([tid])  # one token alone: part of a multi-byte character is U+FFFD
+        tok = token_text(self.tokenizer, tid)  # one token alone: part of a multi-byte character is U+FFFD
         return {"token": tok, "logprob": finite(logprob), "bytes": list(tok.encode("utf-8"))}
 
     def _piece(self, delta: dict, logprobs: list[dict] | None = None) -> dict:

@@ -9,15 +9,23 @@ deadline (server/engine/grammar_compile.py): these bounds turn the known costly 
 clear message; the process and its deadline catch what they do not foresee.
 
 - Every kind: the spec's text, at most `max_structured_spec_bytes` (UTF-8).
-- A JSON spec (a schema, or any kind whose spec is a JSON object, as a structural tag's is):
-  objects and arrays nested at most `max_structured_depth` deep, each local `$ref` followed into
-  what it names (each target measured once; a `$ref` back into one being measured is recursion,
-  which XGrammar makes a rule reference, not a deeper frame).
+- A JSON spec (a schema, or any kind whose spec is JSON, as a choice list's and a structural tag's
+  are): objects and arrays nested at most `max_structured_depth` deep, each local `$ref` followed
+  into what it names (each target measured once; a `$ref` back into one being measured is
+  recursion, which XGrammar makes a rule reference, not a deeper frame); every count it asks for
+  (`maxLength`, `minLength`, `maxItems`, ...: XGrammar's memory grows with `maxLength`) at most
+  `max_structured_length`; every list (`enum`, `anyOf`, `required`, the choices, ...) at most
+  `max_structured_items` entries; every object's `properties` at most `max_structured_properties`
+  (the compile grows faster than their number); every `pattern` as a regular expression below.
+- A regular expression: at most `max_structured_regex_chars` characters (XGrammar's time grows
+  with them: `"." * 30000` compiled for ~30 s), and its `{m,n}` counts at most
+  `max_structured_length`; an EBNF grammar's `{m,n}` counts too (outside its strings and classes).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import unquote
 
 from server.config import StructuredLimits
@@ -25,6 +33,12 @@ from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
 
 _END = object()  # a frame's children are exhausted
+# A schema's counts; XGrammar unrolls or tracks each (its memory grew with maxLength: 1.6 GB at 20,000,000).
+COUNTS = ("maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties", "maxContains",
+          "minContains")
+PROPERTY_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {m}, {m,}, {m,n}
+_EBNF_TEXT = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')  # strings and classes: their braces are text
 
 
 class SpecLimitError(RequestError):
@@ -37,6 +51,10 @@ def check_spec(spec: StructuredOutput, limits: StructuredLimits) -> None:
     if size > limits.max_structured_spec_bytes:
         raise SpecLimitError(f"the structured-output spec is {size} bytes; at most {limits.max_structured_spec_bytes} "
                              "are allowed (--max-structured-spec-bytes)")
+    if spec.kind == "regex":
+        check_regex(spec.spec, limits, "the regular expression")
+    elif spec.kind == "grammar":
+        _check_repeats(_EBNF_TEXT.sub("", spec.spec), limits, "the EBNF grammar")
     doc = _json_doc(spec)
     if doc is None:
         return
@@ -44,6 +62,51 @@ def check_spec(spec: StructuredOutput, limits: StructuredLimits) -> None:
         raise SpecLimitError(f"the JSON schema nests objects and arrays more than {limits.max_structured_depth} levels "
                              "deep, counting what its $refs name; at most that many are allowed "
                              "(--max-structured-depth)")
+    _check_counts(doc, limits, "the choice list" if spec.kind == "choice" else "the JSON spec")
+
+
+def check_regex(text: str, limits: StructuredLimits, what: str) -> None:
+    if len(text) > limits.max_structured_regex_chars:
+        raise SpecLimitError(f"{what} has {len(text)} characters; at most {limits.max_structured_regex_chars} are "
+                             "allowed (--max-structured-regex-chars)")
+    _check_repeats(text, limits, what)
+
+
+def _check_repeats(text: str, limits: StructuredLimits, what: str) -> None:
+    for m in _REPEAT.finditer(text):
+        n = max(int(g) for g in m.groups() if g)
+        if n > limits.max_structured_length:
+            raise SpecLimitError(f"{what} repeats something {n} times ({m.group(0)}); at most "
+                                 f"{limits.max_structured_length} are allowed (--max-structured-length)")
+
+
+def _check_counts(doc, limits: StructuredLimits, root: str) -> None:
+    """Every count, list, property map and pattern in the document (each object and array once,
+    iteratively: its depth is bounded already, but not its breadth)."""
+    todo = [(root, doc)]  # (where it is, for the message; an object or a list)
+    while todo:
+        where, node = todo.pop()
+        if isinstance(node, list):
+            if len(node) > limits.max_structured_items:
+                raise SpecLimitError(f"{where} has {len(node)} entries; at most {limits.max_structured_items} are "
+                                     "allowed (--max-structured-items)")
+            todo.extend((where, v) for v in node if isinstance(v, (dict, list)))
+            continue
+        for key in COUNTS:
+            n = node.get(key)
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n > limits.max_structured_length:
+                raise SpecLimitError(f"the JSON schema's {key} is {n}; at most {limits.max_structured_length} is "
+                                     "allowed (--max-structured-length)")
+        for key in PROPERTY_MAPS:
+            props = node.get(key)
+            if isinstance(props, dict) and len(props) > limits.max_structured_properties:
+                raise SpecLimitError(f"an object of the JSON schema has {len(props)} {key}; at most "
+                                     f"{limits.max_structured_properties} are allowed (--max-structured-properties)")
+        patterns = node.get("patternProperties")
+        for pattern in [node.get("pattern")] + (list(patterns) if isinstance(patterns, dict) else []):
+            if isinstance(pattern, str):
+                check_regex(pattern, limits, "a pattern of the JSON schema")
+        todo.extend((f"the JSON schema's {k!r}", v) for k, v in node.items() if isinstance(v, (dict, list)))
 
 
 def _json_doc(spec: StructuredOutput):

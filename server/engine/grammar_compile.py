@@ -63,6 +63,7 @@ class CompileSetup:
     model_path: str
     vocab_size: int
     stop_token_ids: tuple[int, ...]
+    cache_bytes: int = -1  # XGrammar's cache of compiled grammars there (StructuredLimits.structured_cache_memory)
 
 
 class CompilerBusy(RuntimeError):
@@ -126,7 +127,7 @@ class CompileWorker:
         if not answered:
             log.warning("a %s ran past %g s in the compile process: killed it, started another", name, timeout)
             raise CompileTimeout(f"the {name} did not compile within {timeout:g} s (--structured-compile-timeout); "
-                               "a simpler one may")
+                                 "a simpler one may")
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         log.warning("a %s crashed the compile process (%s): started another", name, how)
         raise RequestError(f"the {name} crashed the grammar compiler ({how}); nothing else was affected, but it "
@@ -268,7 +269,8 @@ def serve(conn: Connection) -> None:
         from models import load_tokenizer
         from server.engine.grammar import Grammars
 
-        grammars = Grammars(load_tokenizer(setup.model_path), setup.vocab_size, frozenset(setup.stop_token_ids))
+        grammars = Grammars(load_tokenizer(setup.model_path), setup.vocab_size, frozenset(setup.stop_token_ids),
+                            setup.cache_bytes)
     except Exception as e:  # noqa: BLE001 - said to the parent, which reports it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -293,4 +295,6 @@ def worker_main(argv: list[str]) -> None:
     """The worker's entry (`ENTRY`): the socket's fd."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(os, "SCHED_BATCH"):  # Linux: CPU-bound, so a serving process that wakes runs first
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # (its share of the CPU is unchanged)
     serve(Connection(int(argv[0])))

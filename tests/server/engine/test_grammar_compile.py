@@ -21,9 +21,10 @@ OBJECT = StructuredOutput("json", json.dumps({"type": "object", "properties": {"
 @pytest.fixture(scope="module")
 def compiler(tiny_ckpt):
     tok = load_tokenizer(str(tiny_ckpt))
-    # bounds raised past the crasher's size and depth, so that the compiler sees it; a short deadline
+    # bounds raised past the crasher's size and depth and the runaway's length, so that the compiler
+    # sees them; a short deadline
     limits = StructuredLimits(max_structured_spec_bytes=1 << 22, max_structured_depth=10**6,
-                              structured_compile_timeout=1.0)
+                              max_structured_regex_chars=10**6, structured_compile_timeout=1.0)
     c = SpecCompiler(CompileSetup(str(tiny_ckpt), len(tok), (tok.eos_token_id,)), limits)
     yield c
     c.close()
