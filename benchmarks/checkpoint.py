@@ -20,6 +20,15 @@ SIZES = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def _copy_tokenizer(path: Path) -> None:
+    """The embedded model's tokenizer files into `path`."""
+    from models import EMBEDDED_MODEL
+
+    for name in _TOKENIZER_FILES:
+        if (EMBEDDED_MODEL / name).exists():
+            shutil.copy(EMBEDDED_MODEL / name, path / name)
+
+
 def make_random_gpt2(path: str | Path, size: str = "small", seed: int = 0, dtype=None) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -40,12 +49,13 @@ def make_random_gpt2(path: str | Path, size: str = "small", seed: int = 0, dtype
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(path, safe_serialization=True)
-    for name in _TOKENIZER_FILES:
-        if (EMBEDDED_MODEL / name).exists():
-            shutil.copy(EMBEDDED_MODEL / name, path / name)
+    _copy_tokenizer(path)
     return path
 
 
+_LLAMA_3_1 = dict(vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,  # 8B and 70B alike
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 # The published shapes (config.json of each model on the hub), bf16 as they are distributed.
 LLAMA_SHAPES = {
     "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
@@ -63,11 +73,10 @@ LLAMA_SHAPES = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # the size served on one GPU today (Mistral-7B and Qwen2.5-7B are within 10% of it)
     "llama-3.1-8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                         tie_word_embeddings=False, max_position_embeddings=131072,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, **_LLAMA_3_1),
+    # larger than one GPU: tensor parallelism over four (--load-format dummy: no 140 GB of files)
+    "llama-3.1-70b": dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, intermediate_size=28672, **_LLAMA_3_1),
 }
 
 
@@ -78,20 +87,33 @@ def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str =
     import torch
     import transformers
 
-    from models import EMBEDDED_MODEL
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    fields = dict(LLAMA_SHAPES[shape])
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
+    config = _llama_config(shape)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     del model  # its memory back before a server loads the checkpoint on the same device
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-    for name in _TOKENIZER_FILES:
-        if (EMBEDDED_MODEL / name).exists():
-            shutil.copy(EMBEDDED_MODEL / name, path / name)
+    _copy_tokenizer(path)
     return path
+
+
+def make_config_only_llama(path: str | Path, shape: str) -> Path:
+    """A checkpoint directory of one of LLAMA_SHAPES with config.json (bf16) and the tokenizer but no
+    weight files: what `--load-format dummy` serves (random weights made on the device)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _llama_config(shape).save_pretrained(path)
+    _copy_tokenizer(path)
+    return path
+
+
+def _llama_config(shape: str):
+    """transformers' config of one of LLAMA_SHAPES, bf16."""
+    import transformers
+
+    fields = dict(LLAMA_SHAPES[shape])
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
 # orjson), fetched here once:
@@ -59,6 +59,22 @@ for step in "${@:-tests throughput prefix}"; do
           done
         fi
         tail -n 12 "$OUT"/det_*.log ;;
+      # Issue 48: speculative decoding's GPU tests, then speed against acceptance on the Llama-3.1-8B shape
+      spec)
+        python3 -m pytest -q tests/gpu/test_gpu_spec.py -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
+        python3 benchmarks/bench_spec.py --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
+        grep -v '^{' "$OUT/spec.log" | tail -35 ;;
+      # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
+      # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
+      # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
+      tp2)
+        timeout 280 python3 benchmarks/bench_tp.py --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/tp2.log" || status=1
+        timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
+          | tail -8 || status=1 ;;
+      tp4)
+        timeout 540 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
+          --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
       profile)
         for n in 1 4; do
           python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \

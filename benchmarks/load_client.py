@@ -1,6 +1,8 @@
 """One client process of the load test (benchmarks/load_test.py): request shapes and prompts, one
-streaming `POST /generate` timed per token, and the closed-loop / Poisson driver that issues requests
-until a bound is hit, filling a `RequestRecord` (benchmarks/load_metrics.py) per request."""
+streaming `POST /generate` timed per token (or, with api="completions", one streamed OpenAI
+`POST /v1/completions`, which any OpenAI-compatible server answers: vLLM's too), and the
+closed-loop / Poisson driver that issues requests until a bound is hit, filling a `RequestRecord`
+(benchmarks/load_metrics.py) per request."""
 
 from __future__ import annotations
 
@@ -71,18 +73,13 @@ class PromptSource:
         return RequestSpec(i, max_tokens, prompt_token_ids=ids)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
-                       body_extra: dict) -> RequestRecord:
-    """POST one streaming request and fill `rec` in place (so a cancelled request keeps what it got)."""
-    body = {"max_tokens": spec.max_tokens, "stream": True, **body_extra}
-    if spec.prompt_token_ids is not None:
-        body["prompt_token_ids"] = spec.prompt_token_ids
-    else:
-        body["prompt"] = spec.prompt
+async def _stream_events(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, on_event) -> RequestRecord:
+    """POST `body` to `url` with streaming and call `on_event(event, t)` for each SSE JSON event until
+    `data: [DONE]` (t: seconds since the request was sent), filling `rec`'s status, errors, end to
+    end time and cancellation in place (so a cancelled request keeps what it got)."""
     rec.start = start = time.perf_counter()
-    last = None
     try:
-        async with client.stream("POST", url.rstrip("/") + "/generate", json=body) as resp:
+        async with client.stream("POST", url, json=body) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
@@ -105,20 +102,7 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
                 if "error" in event:
                     rec.error, rec.error_detail = "StreamError", json.dumps(event["error"])[:300]
                     return rec
-                tokens = event.get("token_ids") or []
-                if tokens:
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    rec.itl.extend([0.0] * (len(tokens) - 1))
-                    last = now
-                    rec.n_out += len(tokens)
-                if event.get("finished"):
-                    rec.finish_reason = event.get("finish_reason")
-                    usage = event.get("usage") or {}
-                    rec.usage_completion_tokens = usage.get("completion_tokens")
-                    rec.prompt_tokens = usage.get("prompt_tokens")
+                on_event(event, now - start)
             rec.e2e = time.perf_counter() - start
             if not rec.done:
                 rec.error = "IncompleteStream"
@@ -134,6 +118,65 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, r
         if rec.e2e is None:  # an error answer or event: its time still counts in the run's elapsed
             rec.e2e = time.perf_counter() - start
     return rec
+
+
+async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
+                       body_extra: dict) -> RequestRecord:
+    """POST one streaming request to /generate and fill `rec` in place."""
+    body = {"max_tokens": spec.max_tokens, "stream": True, **body_extra}
+    if spec.prompt_token_ids is not None:
+        body["prompt_token_ids"] = spec.prompt_token_ids
+    else:
+        body["prompt"] = spec.prompt
+    last = [0.0]  # the time of the last event that carried tokens
+
+    def on_event(event: dict, t: float) -> None:
+        tokens = event.get("token_ids") or []
+        if tokens:
+            if rec.ttft is None:
+                rec.ttft = t
+            else:
+                rec.itl.append(t - last[0])
+            rec.itl.extend([0.0] * (len(tokens) - 1))
+            last[0] = t
+            rec.n_out += len(tokens)
+        if event.get("finished"):
+            rec.finish_reason = event.get("finish_reason")
+            usage = event.get("usage") or {}
+            rec.usage_completion_tokens = usage.get("completion_tokens")
+            rec.prompt_tokens = usage.get("prompt_tokens")
+
+    return await _stream_events(client, url.rstrip("/") + "/generate", body, rec, on_event)
+
+
+async def send_completion(client: httpx.AsyncClient, url: str, spec: RequestSpec, rec: RequestRecord,
+                          body_extra: dict) -> RequestRecord:
+    """`send_request` for OpenAI's streamed /v1/completions (body_extra carries "model"). Its chunks
+    carry text, not token ids, so each chunk with a choice counts as one token's arrival (the ITL
+    values are the gaps between chunks, as `vllm bench serve` takes them) and `n_out` is the final
+    chunk's usage.completion_tokens (stream_options.include_usage), the chunk count without it."""
+    body = {"max_tokens": spec.max_tokens, "stream": True, "stream_options": {"include_usage": True}, **body_extra,
+            "prompt": spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt}
+    last = [0.0]
+
+    def on_event(event: dict, t: float) -> None:
+        if event.get("choices"):
+            if rec.ttft is None:
+                rec.ttft = t
+            else:
+                rec.itl.append(t - last[0])
+            last[0] = t
+            rec.n_out += 1
+            rec.finish_reason = event["choices"][0].get("finish_reason") or rec.finish_reason
+        if event.get("usage"):  # the last chunk: the server's count replaces the chunks'
+            rec.usage_completion_tokens = event["usage"].get("completion_tokens")
+            rec.prompt_tokens = event["usage"].get("prompt_tokens")
+            rec.n_out = rec.usage_completion_tokens if rec.usage_completion_tokens is not None else rec.n_out
+
+    return await _stream_events(client, url.rstrip("/") + "/v1/completions", body, rec, on_event)
+
+
+SENDERS = {"generate": send_request, "completions": send_completion}
 
 
 # ------------------------------------------------------------------------------- progress
@@ -178,8 +221,9 @@ class Progress:
 
 # ------------------------------------------------------------------------------- the run
 async def _drive(client, url, source, body_extra, *, concurrency, request_rate, max_concurrency, num_requests,
-                 duration, grace, rate_seed, progress) -> tuple[list[RequestRecord], float, float]:
+                 duration, grace, rate_seed, progress, api="generate") -> tuple[list[RequestRecord], float, float]:
     """Issue requests until a bound is hit; return (records, t0, t_end) in perf_counter seconds."""
+    send = SENDERS[api]
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     stop_at = t0 + duration if duration is not None else math.inf
@@ -196,7 +240,7 @@ async def _drive(client, url, source, body_extra, *, concurrency, request_rate, 
 
     async def one(spec, rec):
         try:
-            await send_request(client, url, spec, rec, body_extra)
+            await send(client, url, spec, rec, body_extra)
         finally:
             progress.update()
 
@@ -289,7 +333,8 @@ def raise_fd_limit(need: int, warn: bool = True) -> int:
 
 
 async def measure(url: str, *, concurrency, request_rate, max_concurrency, num_requests, duration, grace, shape,
-                  body_extra, seed, timeout, progress, transport=None) -> tuple[list[RequestRecord], float, float, float]:
+                  body_extra, seed, timeout, progress, transport=None,
+                  api="generate") -> tuple[list[RequestRecord], float, float, float]:
     """One process's share of a level: (records, t0, t_end, client CPU seconds)."""
     pool = (concurrency or max_concurrency or 0) + 16
     if transport is None:
@@ -302,12 +347,13 @@ async def measure(url: str, *, concurrency, request_rate, max_concurrency, num_r
         records, t0, t_end = await _drive(client, url, PromptSource(**shape, seed=seed), body_extra,
                                           concurrency=concurrency, request_rate=request_rate,
                                           max_concurrency=max_concurrency, num_requests=num_requests,
-                                          duration=duration, grace=grace, rate_seed=seed + 1, progress=progress)
+                                          duration=duration, grace=grace, rate_seed=seed + 1, progress=progress,
+                                          api=api)
         return records, t0, t_end, time.process_time() - cpu
 
 
 async def prepare(url: str, *, vocab_size, prompts, warmup, warmup_concurrency, shape, body_extra, seed, timeout,
-                  progress, label, transport=None) -> tuple[int | None, int]:
+                  progress, label, transport=None, api="generate") -> tuple[int | None, int]:
     """Resolve the vocab size (asking the server if needed) and send the warm-up; (vocab, warm-up errors)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                  limits=httpx.Limits(max_connections=None), transport=transport) as client:
@@ -321,7 +367,7 @@ async def prepare(url: str, *, vocab_size, prompts, warmup, warmup_concurrency, 
         recs, _, _ = await _drive(client, url, PromptSource(**{**shape, "vocab_size": vocab_size}, seed=seed + 7919),
                                   body_extra, concurrency=max(1, min(warmup, warmup_concurrency)), request_rate=None,
                                   max_concurrency=None, num_requests=warmup, duration=None, grace=0.0, rate_seed=0,
-                                  progress=bar)
+                                  progress=bar, api=api)
         bar.close()
         return vocab_size, sum(not r.ok for r in recs)
 

@@ -165,7 +165,8 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
              prompts_file: str | None = None, prompts_split: str = "line", warmup: int = 0, seed: int = 0,
              temperature: float = 0.0, ignore_eos: bool = True, timeout: float = 600.0, progress: bool = True,
              label: str = "server", keep_requests: bool = False, extra_body: dict | None = None,
-             workers: int | None = None, transport: httpx.AsyncBaseTransport | None = None) -> dict:
+             workers: int | None = None, transport: httpx.AsyncBaseTransport | None = None,
+             api: str = "generate") -> dict:
     """Run one load level against `url`; return its result row (metrics: see the module docstring).
 
     Closed loop with `concurrency`, or open loop with `request_rate` (Poisson); bounded by
@@ -173,7 +174,8 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
     `auto_workers`; their Poisson streams add up to `request_rate`, each sends its share of
     `num_requests`); `warmup` requests go first, from this process. `keep_requests` adds the
     per-request records under "requests"; `transport` replaces the network (tests use
-    httpx.MockTransport; it implies one process)."""
+    httpx.MockTransport; it implies one process). `api`: "generate" (flashpage's POST /generate) or
+    "completions" (OpenAI's streamed /v1/completions; `extra_body` names the "model")."""
     if (concurrency is None) == (request_rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or request_rate (open loop)")
     if concurrency is not None and concurrency < 1:
@@ -195,11 +197,11 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
     vocab_size, warm_errors = asyncio.run(prepare(
         url, vocab_size=vocab_size, prompts=prompts, warmup=warmup, warmup_concurrency=concurrency or max_concurrency or 8,
         shape=shape, body_extra=body_extra, seed=seed, timeout=timeout, progress=progress, label=label,
-        transport=transport))
+        transport=transport, api=api))
     shape["vocab_size"] = vocab_size
     level = dict(concurrency=concurrency, request_rate=request_rate, max_concurrency=max_concurrency,
                  num_requests=num_requests, duration=duration, grace=grace, shape=shape, body_extra=body_extra,
-                 seed=seed, timeout=timeout)
+                 seed=seed, timeout=timeout, api=api)
     if workers == 1:
         what = f"c={concurrency}" if request_rate is None else f"rate={request_rate}/s"
         bar = Progress(num_requests, f"{label} {what}", progress)
@@ -208,7 +210,7 @@ def run_load(url: str, *, concurrency: int | None = None, request_rate: float | 
     else:
         records, t0, t_end, cpu = _measure_in_processes(url, workers, label=label, progress=progress, **level)
     elapsed = t_end - t0
-    row = {"impl": label, "mode": "closed" if request_rate is None else "poisson", "concurrency": concurrency,
+    row = {"impl": label, "api": api, "mode": "closed" if request_rate is None else "poisson", "concurrency": concurrency,
            "request_rate": request_rate, "max_concurrency": max_concurrency,
            "input_len": input_len if prompts is None else None, "input_jitter": input_jitter,
            "output_len": output_len, "output_jitter": output_jitter, "vocab_size": vocab_size,

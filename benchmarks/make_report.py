@@ -31,6 +31,9 @@ SECTIONS = [
     ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
     ("determinism_", "benchmarks.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
     ("invariant_kernels_", "benchmarks.bench_invariant_kernels", "Batch-invariant kernels"),
+    ("tp_", "benchmarks.bench_tp", "Tensor parallelism"),
+    ("peers_", "benchmarks.peers.report", "Side by side with vLLM"),
+    ("spec_", "benchmarks.bench_spec", "Speculative decoding against its acceptance"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

@@ -11,6 +11,8 @@
 #   FLASHPAGE_EXTRA_ARGS      -> split on whitespace and appended as they are
 #   FLASHPAGE_API_KEY         -> left in the environment for the server, never put on the command
 #                                line (where `ps` would show it)
+#   FLASHPAGE_TENSOR_PARALLEL_SIZE=all -> --tensor-parallel-size N, N the GPUs the container sees
+#                                (nvidia-smi -L; compose's --profile tp)
 #   FLASHPAGE_DRY_RUN=1       -> print the command instead of running it
 #   arguments (docker run IMAGE --flag ...) are appended last, so they win over the environment;
 #   a first argument that is not a flag is run as a command instead (docker run IMAGE bash).
@@ -18,6 +20,15 @@ set -euo pipefail
 
 if [[ $# -gt 0 && $1 != -* ]]; then
   exec "$@"
+fi
+
+if [[ ${FLASHPAGE_TENSOR_PARALLEL_SIZE:-} == all ]]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  if [[ ${gpus:-0} -lt 1 ]]; then
+    echo "FLASHPAGE_TENSOR_PARALLEL_SIZE=all: no GPU visible to this container (nvidia-smi -L)" >&2
+    exit 1
+  fi
+  export FLASHPAGE_TENSOR_PARALLEL_SIZE=$gpus
 fi
 
 # Not flags of the server (or not to be passed as flags).

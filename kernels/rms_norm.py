@@ -49,13 +49,19 @@ MAX_ROW = 32768
 
 
 @triton.jit
-def _rms_store(s, mask, cols, n, eps, w_ptr, h_row_ptr):
-    """h_row = weight * round(s * rsqrt(mean(s^2) + eps)); s a [BLOCK] fp32 row (0 past n)."""
-    dt = h_row_ptr.dtype.element_ty
+def rms_row(s, mask, cols, n, eps, w_ptr, dt: tl.constexpr):
+    """weight * round(s * rsqrt(mean(s^2) + eps)) rounded to dt; s a [BLOCK] fp32 row (0 past n).
+    Also the norm of kernels/fp8_quant.py's fused norm-and-quantize kernels."""
     rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / n + eps)
     hn = round_to(s * rstd, dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_row_ptr + cols, round_to(w * hn, dt), mask=mask)
+    return round_to(w * hn, dt)
+
+
+@triton.jit
+def _rms_store(s, mask, cols, n, eps, w_ptr, h_row_ptr):
+    """h_row = weight * round(s * rsqrt(mean(s^2) + eps)); s a [BLOCK] fp32 row (0 past n)."""
+    tl.store(h_row_ptr + cols, rms_row(s, mask, cols, n, eps, w_ptr, h_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

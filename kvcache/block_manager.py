@@ -200,6 +200,19 @@ class BlockManager:
             seq.block_table.append(self.allocator.allocate())
         seq.version = next(_versions)
 
+    def trim(self, seq: SeqBlocks, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (the slots a speculative step
+        wrote for proposals that were rejected). They hold no published block: only full blocks of
+        computed tokens are published, and these lie past the sequence's computed tokens."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        assert len(seq.hashes) <= keep, "a published block would be given back"
+        for bid in reversed(seq.block_table[keep:]):
+            self.allocator.free(bid)
+        del seq.block_table[keep:]
+        seq.version = next(_versions)
+
     def cache_computed(self, seq: SeqBlocks, token_ids: list[int], num_computed: int) -> None:
         """Register the full blocks among the first `num_computed` tokens, now that their KV exists."""
         if not self.allocator.enable_prefix_caching:

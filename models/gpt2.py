@@ -4,6 +4,10 @@ Learned absolute positions, pre-LayerNorm blocks, the MLP's activation from the 
 for GPT-2), LM head tied to the token embedding. Activations are `[num_tokens, hidden]`: the batch
 is packed, with no padding and no per-sequence dimension; where each token's K/V go and what it
 attends to is in the `AttentionMetadata`.
+
+Under tensor parallelism (models/parallel/) a rank holds its share of the heads (c_attn
+column-parallel, each of Q, K and V split; the attention's c_proj row-parallel) and of the MLP
+(c_fc column-, c_proj row-parallel), and its rows of the token table, which is also the LM head.
 """
 
 from __future__ import annotations
@@ -17,18 +21,20 @@ from transformers import GPT2Config
 
 from kernels.fused_norm import add_layernorm, embed_layernorm
 from models.attention import AttentionBackend, AttentionMetadata, make_backend
-from models.base import resolve_placeholders
-from models.linear import Linear, head_matmul
+from models.parallel.group import shard_spec, tensor_parallel
+from models.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, load_shard,
+                                    parallel_logits, split_parts)
 from models.spec import ModelSpec
 
 
 class GPT2Attention(nn.Module):
     def __init__(self, config: GPT2Config, layer_idx: int, backend: AttentionBackend, invariant: bool = False) -> None:
         super().__init__()
-        self.num_heads = config.n_head
+        self.num_heads = tensor_parallel().split(config.n_head, "attention heads")  # this rank's
         self.head_dim = config.n_embd // config.n_head
-        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, invariant=invariant)
-        self.c_proj = Linear(config.n_embd, config.n_embd, invariant=invariant)
+        self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, split_parts([config.n_embd] * 3, "width"),
+                                           invariant=invariant)
+        self.c_proj = RowParallelLinear(config.n_embd, config.n_embd, invariant=invariant, what="attention heads")
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
@@ -60,15 +66,15 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: GPT2Config, invariant: bool = False) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = Linear(config.n_embd, inner, invariant=invariant)
-        self.c_proj = Linear(inner, config.n_embd, invariant=invariant)
+        self.c_fc = ColumnParallelLinear(config.n_embd, inner, split_parts([inner], "MLP width"), invariant=invariant)
+        self.c_proj = RowParallelLinear(inner, config.n_embd, invariant=invariant, what="MLP width")
         self.act = _activation(config.activation_function)
         self.gelu_tanh = config.activation_function in _GELU_TANH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gelu_tanh and self.c_fc.invariant:  # the GEMM's own GELU epilogue
             return self.c_proj(self.c_fc(x, gelu=True))
-        if self.gelu_tanh and x.is_cuda and x.dim() == 2:
+        if self.gelu_tanh and x.is_cuda and x.dim() == 2 and self.c_fc.quant is None:
             # One kernel instead of two: cuBLASLt's GELU epilogue is the same tanh approximation
             # (computed in fp32 before rounding); a decode step at small batch is launch-bound.
             h = torch._addmm_activation(self.c_fc.bias, x, self.c_fc.weight.t(), use_gelu=True)
@@ -106,14 +112,14 @@ class GPT2LMHeadModel(nn.Module):
         if config.add_cross_attention:
             raise ValueError("GPT-2 checkpoints with cross-attention are not supported")
         self.config = config
-        self.spec = ModelSpec.from_hf_config(config)
+        self.spec = shard_spec(ModelSpec.from_hf_config(config))  # this rank's heads
         self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads,
                                       deterministic)
         self.deterministic = deterministic
         # The table has rows up to a multiple of 64 (zeros past the vocabulary): the tied LM head's
         # GEMM then has an aligned N, which on an H100 is 2.7x faster at batch 256 than N = 50257.
         self.vocab_size = config.vocab_size
-        self.wte = nn.Embedding(-(-config.vocab_size // 64) * 64, config.n_embd)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config, i, self.attention, deterministic) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -133,12 +139,11 @@ class GPT2LMHeadModel(nn.Module):
         elsewhere as plain torch ops."""
         fused = input_ids.is_cuda
         ln = self.h[0].ln_1
-        if fused:
+        if fused and self.wte.tp.size == 1:  # (the kernel looks up the whole table)
             x, h = embed_layernorm(input_ids, positions, self.wte.weight, self.wpe.weight, ln.weight, ln.bias, ln.eps,
                                    sampled_ids)
         else:
-            x = self.wte(resolve_placeholders(input_ids, sampled_ids)) + self.wpe(positions)
-            h = ln(x)
+            x, h = _add_norm(self.wte(input_ids, sampled_ids), self.wpe(positions), ln, fused)
         norms = [b.ln_1 for b in self.h[1:]] + [self.ln_f]
         for block, kv_cache, norm in zip(self.h, kv_caches, norms):
             x, h = block(x, h, kv_cache, meta, norm, fused)
@@ -146,7 +151,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in the model dtype, [n, padded vocab]: columns past vocab_size are padding."""
-        return head_matmul(hidden, self.wte.weight, self.deterministic)
+        return parallel_logits(hidden, self.wte.weight, self.deterministic, self.wte.tp)
 
     # Checkpoint names follow Hugging Face's; GPT-2's Conv1D stores weights as [in, out].
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -160,12 +165,9 @@ class GPT2LMHeadModel(nn.Module):
                 continue  # causal-mask buffers of old checkpoints; the head is tied to wte
             if name not in own:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if name.endswith(self._CONV1D):
+            if name.endswith(self._CONV1D) and t.element_size() > 1:  # quantized formats store [out, in]
                 t = t.t()
-            if name == "wte.weight":  # into the first vocab_size rows; the padding rows are zero
-                own[name] = own[name][: self.vocab_size]
-                with torch.no_grad():
-                    self.wte.weight[self.vocab_size :].zero_()
+            t = load_shard(self, name, t)  # this rank's part (the token table's rows padded with zeros)
             if own[name].shape != t.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(own[name].shape)}")
             with torch.no_grad():

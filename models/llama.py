@@ -15,6 +15,11 @@ kernel with the next RMSNorm (kernels/rms_norm.py) and the MLP's SiLU-and-multip
 bit-identical, RMSNorm within 2 ulp of torch's summation order). The rotation of Q and K is handed
 to the attention backend (models/attention/base.py `Rope`), which does it in the launch that writes
 K/V on the Triton backend (kernels/rope.py) and as torch ops on the others (bit-identical).
+
+Under tensor parallelism (models/parallel/) a rank holds its share of the heads and of the MLP:
+Q/K/V and gate/up column-parallel (each rank's slice of each part, still one GEMM), o_proj and
+down_proj row-parallel (an all-reduce each), the token table and the LM head split by vocabulary.
+`spec` is the rank's shard (its heads); the layers are built from the whole model's.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.rms_norm import add_rmsnorm, rmsnorm
+from kernels.rms_norm import rmsnorm
 from kernels.silu_mul import silu_mul
 from models.attention import AttentionBackend, AttentionMetadata, Rope, make_backend
-from models.base import resolve_placeholders
-from models.linear import Linear, head_matmul
+from models.linear import Linear
+from models.parallel.group import shard_spec
+from models.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, load_shard,
+                                    parallel_logits, qkv_parts, split_parts)
+from models.quant import add_rmsnorm_for, merge_parts
 from models.spec import ModelSpec
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
@@ -80,14 +88,17 @@ class Rotary:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, spec: ModelSpec, backend: AttentionBackend, invariant: bool = False) -> None:
+        """spec: the whole model's; this rank's heads are shard_spec(spec)'s."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        local = shard_spec(spec)
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, spec.head_dim
         # attention_bias puts biases on all four projections; Qwen2 always has them on Q/K/V only.
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2"
-        self.qkv_proj = Linear(spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
-                               bias=qkv_bias, invariant=invariant)
-        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias, invariant=invariant)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+                                             qkv_parts(spec), bias=qkv_bias, invariant=invariant)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias, invariant=invariant,
+                                        what="attention heads")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
@@ -96,11 +107,12 @@ class LlamaAttention(nn.Module):
         self.attn = backend
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        n, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        qkv = self.qkv_proj(x)  # x may be the FP8 form of the input a quantized qkv_proj asked for
+        n, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
         if self.qk_norm:
-            if x.is_cuda:  # in place, on views of the QKV output
+            if qkv.is_cuda:  # in place, on views of the QKV output
                 rmsnorm(q, self.q_norm.weight, self.q_norm.eps, out=q)
                 rmsnorm(k, self.k_norm.weight, self.k_norm.eps, out=k)
             else:
@@ -113,15 +125,17 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, invariant: bool = False) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=bias, invariant=invariant)
-        self.down_proj = Linear(self.inter, config.hidden_size, bias=bias, invariant=invariant)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, split_parts([inter, inter], "MLP width"),
+                                                 bias=bias, invariant=invariant)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, invariant=invariant, what="MLP width")
+        self.inter = self.down_proj.in_features  # this rank's share
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type} (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if x.is_cuda:
+        if gate_up.is_cuda:
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -136,22 +150,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, invariant)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, next_linear: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; h = input_layernorm(x). Returns the new residual stream and
-        next_norm of it (the next layer's input norm, or the final norm)."""
-        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm)
-        return _add_norm(x, self.mlp(h), next_norm)
+        next_norm of it (the next layer's input norm, or the final norm), in the form next_linear
+        (the next layer's qkv_proj, or None before the LM head) reads."""
+        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm,
+                         self.mlp.gate_up_proj)
+        return _add_norm(x, self.mlp(h), next_norm, next_linear)
 
 
-def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda:
-        return add_rmsnorm(x, y, norm.weight, norm.eps)  # x + y written into x
+def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm, consumer: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:  # x + y written into x; the norm quantized to FP8 there if the consumer's weights are
+        return add_rmsnorm_for(consumer, x, y, norm.weight, norm.eps)
     x = x + y
     return x, norm(x)
-
-
-def _pad64(n: int) -> int:
-    return -(-n // 64) * 64
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,43 +172,50 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, attention: str = "sdpa", deterministic: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.spec = ModelSpec.from_hf_config(config)
+        whole = ModelSpec.from_hf_config(config)
+        self.spec = shard_spec(whole)  # this rank's heads (all of them without tensor parallelism)
         rope_parameters(config)  # refuse an unsupported rope_type before any weight is read
         self.attention = make_backend(attention, self.spec.head_dim, self.spec.num_heads // self.spec.num_kv_heads,
                                       deterministic)
         self.deterministic = deterministic
         self.vocab_size = config.vocab_size
         # Rows up to a multiple of 64 (zero past the vocabulary): the LM head's GEMM gets an aligned N.
-        self.embed_tokens = nn.Embedding(_pad64(config.vocab_size), config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.spec, self.attention, deterministic)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, whole, self.attention, deterministic)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.rotary: Rotary | None = None  # cos/sin tables, shared by every layer; set at load (needs the device)
-        if not self.tied:
-            self.lm_head_weight = nn.Parameter(torch.empty(_pad64(config.vocab_size), config.hidden_size))
+        if not self.tied:  # the same vocabulary rows as the token table
+            self.lm_head_weight = nn.Parameter(torch.empty(self.embed_tokens.rows, config.hidden_size))
+            self.tp_shards = {"lm_head_weight": self.embed_tokens.tp_shards["weight"]}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
                 sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden] (after the
         last norm). Placeholder ids are resolved by the shared rule (models/base.py)."""
         rope = Rope(positions.long(), self.rotary.cos, self.rotary.sin)  # one per step, shared by the layers
-        x = self.embed_tokens(resolve_placeholders(input_ids, sampled_ids))
+        x = self.embed_tokens(input_ids, sampled_ids)
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, norm in zip(self.layers, kv_caches, norms):
-            x, h = layer(x, h, rope, kv_cache, meta, norm)
+        consumers = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
+        for layer, kv_cache, norm, consumer in zip(self.layers, kv_caches, norms, consumers):
+            x, h = layer(x, h, rope, kv_cache, meta, norm, consumer)
         return h
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, padded vocab] in the model dtype: columns past vocab_size are padding."""
-        return head_matmul(hidden, self.embed_tokens.weight if self.tied else self.lm_head_weight, self.deterministic)
+        weight = self.embed_tokens.weight if self.tied else self.lm_head_weight
+        return parallel_logits(hidden, weight, self.deterministic, self.embed_tokens.tp)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Hugging Face names in; q/k/v and gate/up concatenated into the merged projections."""
+        """Hugging Face names in; q/k/v and gate/up concatenated into the merged projections (each
+        copied as soon as its parts are in: `tensors` may be read one at a time), then cut to this
+        rank's shard (models/parallel)."""
         own = dict(self.named_parameters())
         merged = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        count = {"qkv_proj": 3, "gate_up_proj": 2}
         parts: dict[str, dict[int, torch.Tensor]] = {}
         seen = set()
         for name, t in tensors.items():
@@ -211,12 +230,14 @@ class LlamaForCausalLM(nn.Module):
             holder, _, proj = module.rpartition(".")
             if proj in merged:
                 target, index = merged[proj]
-                parts.setdefault(f"{holder}.{target}.{leaf}", {})[index] = t
-                continue
+                name = f"{holder}.{target}.{leaf}"
+                pieces = parts.setdefault(name, {})
+                pieces[index] = t
+                if len(pieces) < count[target]:
+                    continue
+                t = merge_parts(leaf, [pieces[i] for i in sorted(pieces)])
+                del parts[name]
             self._copy(own, name, t)
-            seen.add(name)
-        for name, pieces in parts.items():
-            self._copy(own, name, torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
             seen.add(name)
         missing = set(own) - seen
         if missing:
@@ -229,9 +250,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         p = own[name]
         with torch.no_grad():
-            if name in ("embed_tokens.weight", "lm_head_weight"):  # into the first vocab_size rows
-                p[self.vocab_size :].zero_()
-                p = p[: self.vocab_size]
+            t = load_shard(self, name, t)  # this rank's part (the token table's rows padded with zeros)
             if p.shape != t.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
             p.copy_(t)

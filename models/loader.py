@@ -3,20 +3,29 @@
 A directory holds `config.json`, weights as `model.safetensors` (optionally sharded with an index)
 or `pytorch_model.bin`, and tokenizer files. A hub id is fetched into huggingface_hub's cache when
 the network allows. With no model named, the checkpoint embedded in this package is used.
+
+Safetensors are read one tensor at a time as the model takes them, so that loading holds one tensor
+(not the checkpoint) in host memory beside the model; under tensor parallelism every rank reads
+each tensor and keeps its part (models/parallel). `load_format="dummy"` (vLLM's name) reads no
+weight files: random tensors at the checkpoint's names and shapes (from config.json alone), made on
+the device, go through the same `load_weights` (`dummy_tensors`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from models import quant
 from models.base import CausalLM
+from models.linear import storage_later
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
@@ -50,21 +59,51 @@ def load_config(path: Path) -> PretrainedConfig:
     return config
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weight files; dummy: random weights, no files
+
+
+class LazyTensors(Mapping):
+    """A checkpoint's tensors by name, each read when it is asked for (`read(name)` reads tensor
+    `name`); iterating yields the names in `names`' order. Mapping's own `get` (None for a missing
+    name) stays: the quantization formats probe optional tensors with it."""
+
+    def __init__(self, names: list[str], read) -> None:
+        self.names, self._read, self._known = names, read, set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@contextmanager
+def _read_tensors(path: Path) -> Iterator[Mapping[str, torch.Tensor]]:
+    """The checkpoint's tensors (safetensors read lazily, while the context lasts)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     elif (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        yield torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors or pytorch_model.bin")
-    tensors = {}
-    for name in files:
-        with safe_open(path / name, framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    return tensors
+    with ExitStack() as stack:
+        handles = {}
+        for name in files:
+            f = stack.enter_context(safe_open(path / name, framework="pt"))
+            handles.update(dict.fromkeys(f.keys(), f))
+        yield LazyTensors(list(handles), lambda k: handles[k].get_tensor(k))
 
 
 # What nn.Linear, nn.Embedding and nn.LayerNorm call to initialise their parameters.
@@ -87,22 +126,63 @@ def _no_init() -> Iterator[None]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, attention: str,
-               deterministic: bool = False) -> CausalLM:
-    """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag)."""
+               deterministic: bool = False, quantization: str | None = None, load_format: str = "auto") -> CausalLM:
+    """`deterministic`: batch-invariant GEMMs and attention (every family takes the flag).
+    `quantization`: --quantization (models/quant: a quantized checkpoint's format is read from its
+    config.json; "fp8" also quantizes a 16-bit checkpoint at load). `load_format`: one of
+    LOAD_FORMATS. Under tensor parallelism (models/parallel) the model is this rank's shard."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     config = load_config(path)
+    scheme = quant.detect(path, quantization)
     # Built on the device with its parameters left uninitialised, as on the meta device followed by
     # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
     # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
-    # load_weights overwrites.
-    with torch.device(device), _no_init():
+    # load_weights overwrites. Quantized linears get their storage from their method instead.
+    later = storage_later() if scheme is not None and not scheme.online else nullcontext()
+    with torch.device(device), _no_init(), later:
         model = model_class(config.model_type)(config, attention, deterministic=deterministic)
     model = model.to(dtype)
-    model.load_weights(_read_tensors(path))
+    if load_format == "dummy" and scheme is not None and not scheme.online:
+        raise ValueError("--load-format dummy makes a 16-bit checkpoint's tensors, not a quantized one's "
+                         f"({scheme.name}): leave quantization_config out of config.json")
+    source = nullcontext(dummy_tensors(config, dtype, device)) if load_format == "dummy" else _read_tensors(path)
+    with source as tensors:
+        if scheme is not None:
+            quant.attach(model, scheme, device, dtype, deterministic)
+            tensors = quant.convert(tensors, scheme, device)
+        model.load_weights(tensors)
+    if scheme is not None:
+        quant.finish(model)
     return model.eval().requires_grad_(False)
 
 
+def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> LazyTensors:
+    """A random checkpoint of `config`'s model, each tensor made on `device` when it is read: the
+    names and shapes of transformers' own model class (built on the meta device: no memory), values
+    as a fresh model has them (matrices normal(0, initializer_range), biases zero, norm weights one),
+    each drawn from a generator seeded by its name, so every rank (and every tensor-parallel size)
+    makes the same checkpoint and cuts its own part of it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    std = getattr(config, "initializer_range", 0.02)
+
+    def make(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        if len(shape) == 1:
+            fill = torch.zeros if name.endswith("bias") else torch.ones
+            return fill(shape, dtype=dtype, device=device)
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
+
+    return LazyTensors(list(shapes), make)
+
+
 def checkpoint_dtype(path: Path) -> torch.dtype | None:
-    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), if it is one we serve."""
+    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), if it is one we serve
+    (a quantized checkpoint's: that of its activations and unquantized tensors)."""
     config = json.loads((path / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
     return DTYPES.get(name) if isinstance(name, str) else None

@@ -12,8 +12,12 @@ import time
 from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
 from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
+from server.api.reasoning import REASONING_PARSERS
+from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, StructuredLimits
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE, QUANTIZATION_METHODS,
+                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig,
+                           StructuredLimits)
 
 
 def device(text: str) -> str:
@@ -28,6 +32,14 @@ def name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (leave the flag out for the default)")
     return text
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config: vLLM's JSON object (server/config.py SpeculativeConfig.parse)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
                    help="auto = on CUDA the checkpoint's float16/bfloat16 (else float16), on CPU float32")
     p.add_argument("--device", type=device, default=d.device, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATION_METHODS,
+                   help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per channel; "
+                        "activations per token); a quantized checkpoint's format is read from its config.json")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: triton on CUDA, sdpa on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=Bound(int, 1, MAX_TENSOR_PARALLEL_SIZE),
+                   default=d.tensor_parallel_size,
+                   help="GPUs (cuda:0..N-1, or from --device's index) that split the model, each holding 1/N of "
+                        "its attention heads and MLP, one process each (on the CPU: N processes over gloo)")
+    p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                   help="auto: the checkpoint's weight files; dummy: random weights at the checkpoint's shape, "
+                        "from its config.json alone (benchmarks without the weight files)")
     p.add_argument("--block-size", type=Bound(int, 1, 256, power_of_two=True), default=d.block_size,
                    help="tokens per KV block")
     p.add_argument("--num-blocks", type=Bound(int, 1), default=d.num_blocks,
@@ -85,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant kernels: each request's tokens and logprobs are bitwise the same whatever "
                         "else is in the batch (sampled ones for the same seed); costs speed, see the README "
                         "(also FLASHPAGE_DETERMINISTIC=1; needs --attention triton)")
+    p.add_argument("--speculative-config", type=speculative_config, default=d.speculative_config, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}; '
+                        'optional "disable_by_batch_size" (no speculation above that many running sequences) and '
+                        '"min_acceptance" (a sequence backs off below it)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object per line (with request_id where known)")
@@ -98,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
     add_structured_arguments(p, d.structured)
+    tools = ServerLimits().tools
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=tools.parser,
+                   help="the format the model writes tool calls in (vLLM's names: hermes for Qwen2.5 and Qwen3, "
+                        "llama3_json or pythonic for Llama 3.x, and Mistral's); required and named tool choices "
+                        "are written in it (without it: plain JSON)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=tools.auto,
+                   help="let the model decide whether to call tools (tool_choice 'auto', the default with tools); "
+                        "needs --tool-call-parser")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=tools.reasoning,
+                   help="split the model's <think>...</think> reasoning into reasoning_content (chat) and "
+                        "reasoning items (Responses)")
     add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)
     return p
 
@@ -142,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
             api_key(env_key)
         except argparse.ArgumentTypeError as e:
             parser.error(f"FLASHPAGE_API_KEY {e}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format to read the calls in)")
     limits = ServerLimits.from_args(args)
     if args.api_server_count > 1 and not args.engine_process:
         parser.error("--api-server-count above 1 needs the engine in its own process: drop --no-engine-process")

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
+MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
+# --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 # The server's step token budget (the CLI's default), smaller than an offline engine's: every prefill
 # step then fits the largest captured prefill graph (server/worker/cuda_graphs.py), so a step that
@@ -75,3 +79,92 @@ class EngineConfig:
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
     structured: StructuredLimits = field(default_factory=StructuredLimits)  # bounds on structured-output specs
+    # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
+    # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)
+    # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its
+    # quantization_config); "fp8" also quantizes a 16-bit checkpoint at load (--quantization)
+    quantization: str | None = None
+    # Speculative decoding (--speculative-config; server/engine/spec/): None = off
+    speculative_config: SpeculativeConfig | None = None
+
+
+# Speculative decoding's back-off (server/engine/spec/policy.py), when the JSON does not set them;
+# measured on an H100 at the Llama-3.1-8B shape, k = 4 (benchmarks/results/spec_h100.json).
+# No sequence speculates while more than SPEC_DISABLE_BY_BATCH_SIZE run (vLLM's `disable_by_batch_size`):
+# at 64 clients and a mean accepted length of 3.3, speculating anyway gave 1.15x (n-gram) but 0.79x
+# (a 1B draft), and a verify step of k+1 tokens a row costs ever more once the step is compute
+# bound; at 8 clients both gain from 2.7 on (n-gram 1.58x, the draft 0.97x at 2.7, 1.31x at 3.3).
+# A sequence whose acceptance rate (a moving average over its verifications) falls below the
+# method's floor stops proposing for 1, 2, 4, ... up to SPEC_MAX_BACKOFF steps, then tries again:
+# n-gram proposals cost a lookup, and verifying them broke even near a quarter accepted (8 clients:
+# 1.00x at p = 0.5, where 23% of proposals stood); a draft model's round costs k of its forwards, and
+# broke even only near 45% at 8 clients (0.97x at 2.7 tokens a verification), 30% at 1 client.
+SPEC_DISABLE_BY_BATCH_SIZE = 32
+SPEC_MIN_ACCEPTANCE = 0.25  # ngram
+SPEC_MIN_ACCEPTANCE_DRAFT = 0.4  # draft_model
+SPEC_MAX_BACKOFF = 64
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config keys (a JSON object), checked by `parse`."""
+
+    method: str  # ngram | draft_model
+    num_speculative_tokens: int  # proposals verified per step and sequence (k: up to k + 1 tokens a step)
+    model: str | None = None  # draft_model: the draft checkpoint (a registered family, the target's tokenizer)
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix looked up
+    prompt_lookup_max: int | None = None  # ngram: longest
+    disable_by_batch_size: int = SPEC_DISABLE_BY_BATCH_SIZE
+    min_acceptance: float = SPEC_MIN_ACCEPTANCE  # flashpage's: the per-sequence back-off's floor (by method)
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The JSON object, as vLLM reads it: `method` may be left out when `model` names a draft
+        ("ngram" or "[ngram]" as the model name the n-gram method); ngram's lookup bounds default
+        to each other, or to 5 both. ValueError says what is wrong."""
+        import json
+
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("must be a JSON object, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; known: {sorted(known)}")
+        method, model = d.get("method"), d.get("model")
+        if model in ("ngram", "[ngram]"):
+            method, model = method or "ngram", None
+        if method is None:
+            method = "draft_model" if model is not None else None
+        if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp"):
+            raise ValueError(f"method {method!r} is not supported; supported: {list(SPEC_METHODS)}")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {list(SPEC_METHODS)} (or give a draft `model`), got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
+        if method == "draft_model" and not (isinstance(model, str) and model.strip()):
+            raise ValueError("draft_model needs `model`: the draft checkpoint's directory or hub id")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if method == "ngram":
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(f"prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+        elif lo is not None or hi is not None:
+            raise ValueError("prompt_lookup_min/max belong to the ngram method")
+        batch = d.get("disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE)
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {batch!r}")
+        floor = d.get("min_acceptance", SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
+        if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not 0 <= floor <= 1:
+            raise ValueError(f"min_acceptance must be a number from 0 to 1, got {floor!r}")
+        return cls(method, k, model, lo, hi, batch, float(floor))

@@ -15,15 +15,17 @@ from dataclasses import dataclass, field
 GREEDY_BELOW = 1e-5
 LOGIT_BIAS_BOUND = 100.0  # OpenAI clamps logit_bias values to [-100, 100]
 
-# The kinds of structured output (server/engine/grammar.py compiles each with XGrammar).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The kinds of structured output (server/engine/grammar.py compiles each with XGrammar); a
+# structural tag is what tool calls compile from (server/api/tools/).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """Output constrained to a grammar. `spec`: a JSON schema as JSON text (json), a regular
-    expression (regex), a JSON list of strings (choice), an EBNF grammar (grammar), or "" (json_object:
-    any JSON object). Frozen and hashable: compiled grammars are cached by it."""
+    expression (regex), a JSON list of strings (choice), an EBNF grammar (grammar), XGrammar's
+    structural tag as JSON (structural_tag), or "" (json_object: any JSON object). Frozen and
+    hashable: compiled grammars are cached by it."""
 
     kind: str
     spec: str = ""

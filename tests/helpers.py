@@ -171,8 +171,8 @@ def with_chat_template(src, path, template: str):
     return path
 
 
-def openai_client(url: str):
+def openai_client(url: str, timeout: float = 120):
     """The official `openai` client on a server at `url`: no retries, a generous timeout."""
     import openai
 
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout)

@@ -4,13 +4,17 @@ models package serves."""
 import subprocess
 import sys
 
-from models import BACKENDS, DTYPES
+from models import BACKENDS, DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS
 from server.config import ATTENTION_BACKENDS, DTYPE_NAMES
+from server.config import LOAD_FORMATS as CLI_LOAD_FORMATS
+from server.config import QUANTIZATION_METHODS as QUANTIZATION_NAMES
 
 
 def test_cli_choices_match_the_models_package():
     assert tuple(ATTENTION_BACKENDS) == tuple(BACKENDS)
     assert DTYPE_NAMES[0] == "auto" and all(name in DTYPES for name in DTYPE_NAMES[1:])
+    assert tuple(CLI_LOAD_FORMATS) == tuple(LOAD_FORMATS)
+    assert tuple(QUANTIZATION_NAMES) == tuple(QUANTIZATION_METHODS)
 
 
 def test_help_does_not_import_torch():

@@ -1,4 +1,4 @@
-"""HTTP API (FastAPI): POST /generate, GET /health.
+"""HTTP API (FastAPI): POST /generate, GET /health, GET /get_load.
 
 Bodies are validated by pydantic before anything reaches the engine (422 names the field);
 requests the model cannot serve as asked get a 400 that says the numbers. With `stream: true` the
@@ -36,6 +36,7 @@ from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
 from server.api.render import router as render_router
+from server.api.responses.serving import router as responses_router
 from server.api.openai_serving import DONE, EventStream, encode_json, sse
 from server.api.tokens import install_tokens
 from server.api.tokenize import encode, use_backend
@@ -252,6 +253,11 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
             return error(503, "shutting down", "draining")
         return {"status": "ok"}
 
+    @app.get("/get_load")
+    async def get_load():
+        """Requests in flight (running or waiting), what vllm-router's power_of_two policy polls."""
+        return {"load": engine.load}
+
     @app.get("/debug/kv", response_model=KVDebug)
     async def debug_kv():
         """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
@@ -319,6 +325,7 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
     install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors
     install_tokens(app, limits)  # POST /tokenize, /detokenize (vLLM's shapes), OpenAI errors
     app.include_router(render_router)  # POST /v1/completions/render, /v1/chat/completions/render (vLLM's)
+    app.include_router(responses_router)  # POST /v1/responses (stateless)
     install_metrics(app, engine.engine)  # GET /metrics
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: X-Request-ID on every response
     return app

@@ -38,26 +38,30 @@ def read_chat_template(path: str) -> str:
     return text
 
 
-def render_chat(tokenizer, messages: list[dict], template: str | None) -> tuple[str, list[int]]:
+def render_chat(tokenizer, messages: list[dict], template: str | None, tools: list[dict] | None = None,
+                kwargs: dict | None = None) -> tuple[str, list[int]]:
     """The conversation rendered with `template` (None: the tokenizer's own) and the generation
-    prompt, and its token ids. Blocking: run it off the event loop."""
+    prompt, and its token ids. `tools` (OpenAI's shape) go to the template's own tool support and
+    `kwargs` (chat_template_kwargs) are the template's variables. Blocking: run it off the event loop."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model's tokenizer has no chat template: start the server with "
                                 "--chat-template FILE (a Jinja chat template) to use /v1/chat/completions")
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+                                             add_generation_prompt=True, **(kwargs or {}))
     except Exception as e:  # jinja2.TemplateError (raise_exception(...) included), or what the template hit
         raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
     return text, encode_now(tokenizer, [text], add_special_tokens=False)[0]
 
 
-async def chat_prompt_ids(tokenizer, messages: list[dict], template: str | None) -> list[int]:
+async def chat_prompt_ids(tokenizer, messages: list[dict], template: str | None, tools: list[dict] | None = None,
+                          kwargs: dict | None = None) -> list[int]:
     """render_chat's token ids, off the event loop, or this process's memory of them."""
-    text = json.dumps(messages, ensure_ascii=False)  # as conversation() built them: one order of keys
+    # as conversation() built them: one order of keys
+    text = json.dumps([messages, tools, kwargs] if tools or kwargs else messages, ensure_ascii=False)
     memo = memo_of(tokenizer, "chat")
     ids = memo.get((text, template))
     if ids is None:
-        _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, template)
+        _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, template, tools, kwargs)
         memo.put((text, template), ids, len(text))
     return ids

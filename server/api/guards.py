@@ -32,11 +32,12 @@ import math
 import os
 import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from server.api.fields import UNKNOWN_FIELDS
+from server.api.tools.request import ToolSettings
 
 # Fixed bounds, part of the OpenAPI schema (server/api/app.py).
 MAX_STOP_STRINGS = 16
@@ -132,6 +133,8 @@ class ServerLimits:
     chat_template: str | None = None  # --chat-template's text, in place of the tokenizer's own template
     unknown_fields: str = "ignore"  # top-level body fields no route knows: "ignore" (warned once) or "reject"
     tokenizer_backend: str = "auto"  # prompts encoded by fastokens where it agrees with the tokenizer (fast_encoder.py)
+    # --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser (server/api/tools/request.py)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     # Connections (server/api/connections.py). uvicorn bounds none of these with its httptools parser.
     max_connections: int = 2048  # at the cap a new connection closes the longest-idle one
     keep_alive_timeout: float = 5.0  # no byte of a request yet (new, or between requests): closed (uvicorn's default)
@@ -151,7 +154,10 @@ class ServerLimits:
                    keep_alive_timeout=args.keep_alive_timeout, header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, max_header_bytes=args.max_header_bytes,
                    unknown_fields=args.unknown_fields,
-                   tokenizer_backend=getattr(args, "tokenizer_backend", cls.tokenizer_backend))
+                   tokenizer_backend=getattr(args, "tokenizer_backend", cls.tokenizer_backend),
+                   tools=ToolSettings(getattr(args, "tool_call_parser", None),
+                                      getattr(args, "enable_auto_tool_choice", False),
+                                      getattr(args, "reasoning_parser", None)))
 
 
 SIZE = "a size in bytes (e.g. 64KiB)"

@@ -60,10 +60,13 @@ class _EngineCollector:
             g.add_metric(m, value)
             return g
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=["model"])
+        def counter(name, doc, value, label="model"):
+            c = CounterMetricFamily(name, doc, labels=[label])
             c.add_metric(m, value)
             return c
+
+        def counter_(name, doc, value):  # vLLM's label
+            return counter(name, doc, value, "model_name")
 
         yield gauge("flashpage_requests_running", "Requests admitted to the running batch.", s.running)
         yield gauge("flashpage_requests_waiting", "Requests queued (new or preempted).", s.waiting)
@@ -81,12 +84,33 @@ class _EngineCollector:
         # The Gateway API Inference Extension's model-server protocol (TotalQueuedRequests,
         # TotalRunningRequests, KVCacheUtilization) under the vLLM names its endpoint picker reads by
         # default, with vLLM's label: the same three values again, so a gateway needs no mapping.
+        if s.spec_accepted_per_pos:  # speculative decoding is on: vLLM's counters, under its names
+            yield counter_("vllm:spec_decode_num_drafts", "Verifications of proposals (one a speculating "
+                           "sequence and step).", s.spec_drafts)
+            yield counter_("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", s.spec_draft_tokens)
+            yield counter_("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                           s.spec_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                                          "accepted, by their position among a verification's proposals.",
+                                          labels=["model_name", "position"])
+            for i, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([self.model, str(i)], n)
+            yield per_pos
         yield gauge("vllm:num_requests_waiting", "Alias of flashpage_requests_waiting (Gateway API Inference "
                     "Extension: TotalQueuedRequests).", s.waiting, "model_name")
         yield gauge("vllm:num_requests_running", "Alias of flashpage_requests_running (TotalRunningRequests).",
                     s.running, "model_name")
         yield gauge("vllm:kv_cache_usage_perc", "Alias of flashpage_kv_cache_usage_ratio, 0..1 (KVCacheUtilization).",
                     used / total if total else 0.0, "model_name")
+
+
+def _spec_summary(s, drafts: int, proposed: int, accepted: int) -> dict:
+    """The window's speculative decoding (with it on): tokens a verification gave (vLLM's mean
+    acceptance length, 1 + accepted / verifications) and the share of proposals accepted."""
+    if not s.spec_accepted_per_pos:
+        return {}
+    return {"spec_drafts": drafts, "spec_mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+            "spec_acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0}
 
 
 def _hit_rate(s: dict) -> float:
@@ -168,6 +192,7 @@ class EngineStats:
     def _mark(self, now: float) -> None:
         s = self.engine.snapshot()
         self._t, self._prompt, self._gen = now, s.prompt_tokens, s.generation_tokens
+        self._drafts, self._proposed, self._accepted = s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens
         self._steps = self._prefill_steps = self._seqs = 0
 
     def summary(self, now: float) -> dict:
@@ -180,7 +205,9 @@ class EngineStats:
                 "kv_cache_usage": round((total - s.kv_blocks_free) / total, 4) if total else 0.0,
                 "prefix_cache_hit_rate": round(_hit_rate(s), 4), "preemptions": s.preemptions,
                 "steps_per_s": round(self._steps / dt, 1), "mean_batch": round(self._seqs / max(self._steps, 1), 1),
-                "prefill_step_share": round(self._prefill_steps / max(self._steps, 1), 3)}
+                "prefill_step_share": round(self._prefill_steps / max(self._steps, 1), 3),
+                **_spec_summary(s, s.spec_drafts - self._drafts, s.spec_draft_tokens - self._proposed,
+                                s.spec_accepted_tokens - self._accepted)}
 
     def log_summary(self, now: float) -> None:
         d = self.summary(now)
@@ -189,6 +216,9 @@ class EngineStats:
                  "%.1f)", d["prompt_tokens_per_s"], d["generation_tokens_per_s"], d["running"], d["waiting"],
                  100 * d["kv_cache_usage"], 100 * d["prefix_cache_hit_rate"], d["preemptions"], d["steps_per_s"],
                  100 * d["prefill_step_share"], d["mean_batch"], extra={"stats": d})
+        if "spec_mean_accepted_length" in d:
+            log.info("speculative decoding: mean accepted length %.2f over %d verifications (acceptance %.1f%%)",
+                     d["spec_mean_accepted_length"], d["spec_drafts"], 100 * d["spec_acceptance_rate"])
         self._mark(now)
 
 

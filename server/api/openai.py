@@ -85,7 +85,8 @@ async def completion_choices(engine, limits: ServerLimits, body: CompletionReque
     choices: list[Choice] = []
     for text, ids in prompts:
         for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt", scored):
-            choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer))
+            choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer,
+                                  bool(body.return_token_ids)))
     cap_request_tokens(limits, choices)
     return choices
 
@@ -110,8 +111,10 @@ async def get_model(model_id: str, request: Request):
 def _model_card(request: Request) -> dict:
     engine = request.app.state.engine.engine
     created = getattr(request.app.state, "created", None) or int(time.time())
+    # quantization: the weights' format (null for 16-bit), weight_bytes: their size on the device
     return {"id": engine.model_name, "object": "model", "created": created, "owned_by": "flashpage",
-            "max_model_len": engine.max_model_len}
+            "max_model_len": engine.max_model_len, "quantization": engine.quantization,
+            "weight_bytes": engine.weight_bytes}
 
 
 def install_openai(app: FastAPI, limits: ServerLimits | None = None) -> None:

@@ -89,6 +89,7 @@ class CompletionRequest(SamplingRequest):
                                    description="0 only with echo: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    return_token_ids: bool | None = None  # vLLM's: each choice's prompt_token_ids and token_ids
     suffix: str | None = None
     best_of: int | None = None
 
@@ -254,11 +255,14 @@ class ChoiceBase:
 
 
 class Choice(ChoiceBase):
-    """A completions choice: text (the first piece carries the echoed prompt) and legacy logprobs."""
+    """A completions choice: text (the first piece carries the echoed prompt) and legacy logprobs;
+    with `token_ids`, vLLM's prompt_token_ids (the first piece) and token_ids (each piece's own)."""
 
-    def __init__(self, index: int, text: str | None, ids: list[int], params: SamplingParams, echo: bool, tokenizer):
+    def __init__(self, index: int, text: str | None, ids: list[int], params: SamplingParams, echo: bool, tokenizer,
+                 token_ids: bool = False):
         super().__init__(index, ids, params)
         self.echo = echo
+        self.token_ids: list[int] | None = [] if token_ids else None
         self.prompt_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
         self.lp = _Logprobs(tokenizer) if params.logprobs is not None else None
         self.logprobs: dict | None = None
@@ -270,14 +274,23 @@ class Choice(ChoiceBase):
             logprobs = _merge(head, self.lp.sampled(out.new_logprobs))
         if self.echo and not self.started:
             text = self.prompt_text + text
+        piece = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        if self.token_ids is not None:
+            if not self.started:
+                piece["prompt_token_ids"] = self.ids
+            piece["token_ids"] = out.new_token_ids
+            self.token_ids.extend(out.new_token_ids)
         self.started = True
         self.texts.append(text)
         self.logprobs = _merge(self.logprobs, logprobs)
-        return [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}]
+        return [piece]
 
     def result(self) -> dict:
-        return {"index": self.index, "text": "".join(self.texts), "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason}
+        out = {"index": self.index, "text": "".join(self.texts), "logprobs": self.logprobs,
+               "finish_reason": self.finish_reason}
+        if self.token_ids is not None:
+            out.update(prompt_token_ids=self.ids, token_ids=self.token_ids)
+        return out
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:

@@ -144,15 +144,20 @@ def begin(body: SamplingRequest, request: Request) -> tuple[object, ServerLimits
     engine and limits."""
     engine = request.app.state.engine.engine
     limits = getattr(request.app.state, "limits", None) or ServerLimits()
-    if extra := unknown_fields(body):
-        if limits.unknown_fields == "reject":
-            raise validation_error(refusal(extra))
-        warn_ignored(request.url.path, extra, request.app.state.ignored_fields)
+    check_unknown(body, request, limits)
     if body.model != engine.model_name:
         raise OpenAIError(404, f"The model '{body.model}' does not exist; this server serves '{engine.model_name}'",
                           param="model", code="model_not_found")
     check_request(body)
     return engine, limits
+
+
+def check_unknown(body, request: Request, limits: ServerLimits) -> None:
+    """The body's top-level fields no route knows: refused or warned about (--unknown-fields)."""
+    if extra := unknown_fields(body):
+        if limits.unknown_fields == "reject":
+            raise validation_error(refusal(extra))
+        warn_ignored(request.url.path, extra, request.app.state.ignored_fields)
 
 
 def _admit(aengine: AsyncEngine, count: int) -> None:
@@ -186,7 +191,7 @@ async def check_structured_output(request: Request, engine, body: SamplingReques
         await check_structured(request.app.state, engine, body.structured())
     except RequestError as e:
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
-        raise OpenAIError(400, str(e), param=param) from None
+        raise OpenAIError(400, str(e), param="tools" if getattr(body, "tools", None) else param) from None
     except ServiceUnavailableError as e:  # too many compiles wait already: 503 with Retry-After
         raise from_engine_error(e) from None
 
@@ -231,8 +236,9 @@ def request_id(request: Request) -> str:
 
 
 async def respond(request: Request, route: Route, body: SamplingRequest, choices: list[ChoiceBase],
-                  prompt_tokens: int):
-    """Run every choice on the engine and answer: a JSON response, or an SSE stream."""
+                  prompt_tokens: int, extra: dict | None = None):
+    """Run every choice on the engine and answer: a JSON response, or an SSE stream. `extra`: fields
+    of the whole response, and of a stream's first chunk (vLLM's prompt_token_ids)."""
     aengine = request.app.state.engine
     rid = request_id(request)
     head = {"id": route.id_prefix + rid, "object": route.chunk_object if body.stream else route.object,
@@ -287,7 +293,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
             await close()
             raise from_engine_error(first[1])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close)
+        gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close, extra)
         return EventStream(gen, headers={"Cache-Control": "no-cache"})
 
     done, arrived = 0, []
@@ -309,12 +315,12 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
         watcher.cancel()
         await close()
 
-    def build() -> bytes:  # the choices' text and logprobs, then the JSON of {**head, choices, usage},
+    def build() -> bytes:  # the choices' text and logprobs, then the JSON of {**head, choices, usage, **extra},
         for c, out in arrived:  # a choice at a time (each encode holds the GIL throughout)
             c.chunks(out)
-        usage = usage_dict(prompt_tokens, sum(c.completion_tokens for c in choices))
+        tail = {"usage": usage_dict(prompt_tokens, sum(c.completion_tokens for c in choices)), **(extra or {})}
         return b"".join((encode_json(head)[:-1], b',"choices":[', b",".join(encode_json(c.result()) for c in choices),
-                         b'],"usage":', encode_json(usage), b"}"))
+                         b"],", encode_json(tail)[1:]))
 
     size = sum(request_tokens(c.params.max_tokens, c.params.logprobs, len(c.ids), c.params.prompt_logprobs)
                for c in choices)
@@ -327,7 +333,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
 
 
 async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], choices: list[ChoiceBase], head: dict,
-                  include_usage: bool, prompt_tokens: int, close: Callable[[], Awaitable]):
+                  include_usage: bool, prompt_tokens: int, close: Callable[[], Awaitable], extra: dict | None = None):
     """SSE chunks as bytes, one per choice object of each engine output (an output's chunks go out
     in one write; the last ones with the usage chunk and [DONE]); closing the stream aborts what
     still runs. The fixed part of a chunk (id, object, created, model) is encoded once per request:
@@ -341,7 +347,11 @@ async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], cho
             if isinstance(out, BaseException):
                 tail = sse(from_engine_error(out).body())
                 break
-            events = [prefix + encode_json(piece) + suffix for piece in c.chunks(out)]
+            pieces = c.chunks(out)
+            events = [prefix + encode_json(piece) + suffix for piece in pieces]
+            if extra and events:  # the first chunk carries them
+                events[0] = sse({**head, "choices": pieces[:1], **({"usage": None} if include_usage else {}), **extra})
+                extra = None
             done += out.finished
             if done == len(choices):
                 completion_tokens = sum(ch.completion_tokens for ch in choices)

@@ -3,10 +3,12 @@ count tokens (and see them) without generating anything.
 
 - /tokenize takes a completion body {model?, prompt, add_special_tokens (true), return_token_strs
   (false)} or a chat body {model?, messages, add_generation_prompt (true), continue_final_message
-  (false), add_special_tokens (false), return_token_strs (false)}, told apart by `messages`, and
+  (false), add_special_tokens (false), return_token_strs (false), and the chat route's tools and
+  chat_template_kwargs}, told apart by `messages`, and
   answers {count, max_model_len, tokens, token_strs (null unless asked for)}. A chat body's
   `messages` are read as /v1/chat/completions reads them and rendered by the same chat template
-  (server/api/chat_template.py), so with the defaults its tokens are exactly that route's prompt.
+  (server/api/chat_template.py), so with the defaults its tokens are exactly that route's prompt
+  (with tool_choice "none" the route shows the template no tools).
   `continue_final_message: true` leaves the generation prompt off (vLLM's rule: giving both as
   true is a 400). The count is not checked against the context: `max_model_len` is there for
   the client to compare.
@@ -37,6 +39,7 @@ from server.api.openai_chat_protocol import ChatCompletionRequest, ChatMessage
 from server.api.openai_protocol import BODY, OpenAIError, validation_error
 from server.api.openai_serving import answer, openai_errors
 from server.api.tokenize import decode, encode, encode_now, token_strings
+from server.api.tools.request import Tools, template_tools
 
 PATHS = frozenset({"/tokenize", "/detokenize"})
 ERRORS = {400: {"description": "Invalid request, or over a prompt limit"}, 404: {"description": "Unknown model"}}
@@ -63,10 +66,13 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens on top of what the "
                                                         "template writes (a second BOS, as a rule).")
     return_token_strs: bool | None = Field(False, description="Also return each token as the vocabulary spells it.")
+    tools: Tools | None = Field(None, description="The tools the template shows, as the chat route's.")
+    chat_template_kwargs: dict | None = None
 
     # The chat route's own reading of `messages` (text parts joined, surrogates refused, and
     # --max-prompt-chars over the contents), so that both count the same conversation.
     conversation = ChatCompletionRequest.conversation
+    template_kwargs = ChatCompletionRequest.template_kwargs
 
 
 def _body_kind(body: object) -> str:
@@ -127,16 +133,18 @@ async def _prompt_ids(body: TokenizeCompletionRequest, tokenizer, limits: Server
 
 
 def _render(tokenizer, messages: list[dict], template: str | None, generation_prompt: bool,
-            continue_final: bool, special: bool) -> list[int]:
+            continue_final: bool, special: bool, tools: list[dict] | None = None,
+            kwargs: dict | None = None) -> list[int]:
     """The conversation's ids. Blocking (Jinja and the tokenizer): run it off the event loop."""
     if generation_prompt or (template is None and not getattr(tokenizer, "chat_template", None)):
         # The chat route's own rendering: the same prompt, and the same 400 without a template.
-        text, ids = render_chat(tokenizer, messages, template)
+        text, ids = render_chat(tokenizer, messages, template, tools, kwargs)
     else:
         # render_chat always adds the generation prompt; this is its rendering without it.
         try:
-            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=False, continue_final_message=continue_final)
+            text = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+                                                 add_generation_prompt=False, continue_final_message=continue_final,
+                                                 **(kwargs or {}))
         except Exception as e:  # as render_chat: jinja2 errors, raise_exception(...), no final message to continue
             raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
         return encode_now(tokenizer, [text], add_special_tokens=special)[0]
@@ -151,7 +159,8 @@ async def _chat_ids(body: TokenizeChatRequest, tokenizer, limits: ServerLimits) 
     generation_prompt = body.add_generation_prompt and not body.continue_final_message
     try:
         ids = await asyncio.to_thread(_render, tokenizer, messages, limits.chat_template, generation_prompt,
-                                      body.continue_final_message, body.add_special_tokens)
+                                      body.continue_final_message, body.add_special_tokens,
+                                      template_tools(body.tools, None), body.template_kwargs())
         check_prompt_tokens(len(ids), limits, "messages")
     except (ChatTemplateError, LimitError) as e:
         raise OpenAIError(400, str(e), param="messages") from None

@@ -125,6 +125,13 @@ class AsyncEngine:
             return self.engine.snapshot().waiting + self.core.unseen_adds
         return max(0, len(self._streams) - self.engine.snapshot().running)
 
+    @property
+    def load(self) -> int:
+        """Engine requests in flight server-wide, running or waiting (GET /get_load)."""
+        if getattr(self.core, "shared", False):  # several API processes: the engine's count
+            return self.engine.snapshot().running + self.num_waiting
+        return len(self._streams)
+
     def in_use(self, request_id: str) -> bool:
         return request_id in self._streams  # an abort reaches the engine before any later add
 

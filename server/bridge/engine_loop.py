@@ -133,7 +133,8 @@ class _Router:
         """Send channel i EngineReady (its API process waits for it before it serves)."""
         e = self.engine
         try:
-            self.channels[i].out.send_bytes(encode(EngineReady(e.model_name, e.max_model_len, e.limits(), e.snapshot())))
+            self.channels[i].out.send_bytes(encode(EngineReady(e.model_name, e.max_model_len, e.limits(), e.snapshot(),
+                                                               e.quantization, e.weight_bytes)))
         except OSError:
             log.warning("API process %d went away before the engine was ready", i)
             self.close(i)

@@ -65,6 +65,7 @@ class EngineClient:
         info = self._wait_ready(startup_timeout)
         self.config = config
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
+        self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         self.bounds: RequestBounds = info.bounds
         self._snapshot: EngineSnapshot = info.snapshot
         self.model_path = resolve_model_path(config.model)  # what compile workers load (server/api/controls.py)

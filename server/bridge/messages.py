@@ -48,6 +48,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     bounds: RequestBounds
     snapshot: EngineSnapshot
+    quantization: str | None = None  # the weights' format (models/quant), None for 16-bit weights
+    weight_bytes: int = 0  # the weights' bytes on the device
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

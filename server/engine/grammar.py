@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.engine.grammar_rewrite import unroll_bounded_strings
+from server.engine.grammar_rewrite import json_string_characters, unroll_bounded_strings
+from server.engine.grammar_tags import expand_structural_tag
 from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
 
@@ -90,6 +91,8 @@ class Grammars:
                 return c.compile_grammar(choice_grammar(json.loads(s.spec)))
             if s.kind == "grammar":
                 return c.compile_grammar(s.spec)
+            if s.kind == "structural_tag":  # tool calls (server/api/tools/), their schemas as compact JSON
+                return c.compile_structural_tag(expand_structural_tag(s.spec, json_schema_ebnf))
         except (RuntimeError, ValueError, TypeError) as e:
             message = _SOURCE.sub("", str(e).strip()).strip()
             raise RequestError(f"invalid {_NAMES[s.kind]}: {message}") from None
@@ -168,12 +171,13 @@ def _raw_batch_accept(xgr):
 
 @functools.lru_cache(maxsize=64)  # the conversion is ~0.5 ms, and most requests reuse a few schemas
 def _json_schema_rewritten(spec: str) -> str | None:
-    """XGrammar's EBNF for a JSON schema with its bounded strings unrolled, or None when nothing
-    was (then the schema compiles directly, as XGrammar's cache expects)."""
+    """XGrammar's EBNF for a JSON schema with its bounded strings unrolled and kept free of control
+    characters (grammar_rewrite.py), or None when nothing changed (then the schema compiles
+    directly, as XGrammar's cache expects)."""
     import xgrammar as xgr
 
     text = str(xgr.Grammar.from_json_schema(spec, any_whitespace=False))
-    rewritten = unroll_bounded_strings(text)
+    rewritten = json_string_characters(unroll_bounded_strings(text))
     return None if rewritten == text else rewritten
 
 
@@ -182,10 +186,17 @@ def spec_name(kind: str) -> str:
     return _NAMES.get(kind, f"{kind} spec")
 
 
+def json_schema_ebnf(spec: str) -> str:
+    """The EBNF a JSON schema (as JSON text) compiles from here: compact, bounded strings unrolled."""
+    import xgrammar as xgr
+
+    return _json_schema_rewritten(spec) or str(xgr.Grammar.from_json_schema(spec, any_whitespace=False))
+
+
 def _word(bits: int) -> int:
     """An unsigned 32-bit pattern as the int32 it is stored as."""
     return bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-          "choice": "choice", "grammar": "EBNF grammar"}
+          "choice": "choice", "grammar": "EBNF grammar", "structural_tag": "tool-call grammar"}

@@ -28,6 +28,10 @@ a compile that stays short).
 
 `unroll_bounded_strings` rewrites the EBNF XGrammar prints for a schema and returns it unchanged
 when nothing matches; grammar.py compiles the rewritten text only when it differs.
+
+`json_string_characters` closes a hole in the same strings: their character class, `[^"\\\r\n]`,
+lets through the control characters U+0000-U+001F, which JSON forbids unescaped in a string
+(`json.loads` refuses them); XGrammar's unbounded strings exclude them, and so do these now.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ MAX_UNROLLED_RULES = 512  # chain rules a schema's strings may add together (~0.
 _RULE = re.compile(r"^(\w+) ::= (.*)$", re.M)
 _BOUNDED = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.M)
 _CHAR_CLASS = re.compile(r"\(\(\[(?:[^\]\\]|\\.)*\]\)\)")
+_LOOSE_CHARACTERS = r'(([^\"\\\r\n]))'  # a bounded string's characters, as XGrammar 0.2.8 prints them
+_JSON_CHARACTERS = r'(([^\0-\x1f\"\\\r\n]))'  # its unbounded strings' (no control character)
+
+
+def json_string_characters(ebnf: str) -> str:
+    """`ebnf` with bounded strings' characters as JSON allows them (no control characters)."""
+    return ebnf.replace(" ::= " + _LOOSE_CHARACTERS, " ::= " + _JSON_CHARACTERS)
 
 
 def unroll_bounded_strings(ebnf: str, max_unrolled: int = MAX_UNROLLED, max_rules: int = MAX_UNROLLED_RULES) -> str:

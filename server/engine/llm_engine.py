@@ -9,6 +9,7 @@ is async or knows about HTTP, and nothing here knows which model family runs.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -23,6 +24,7 @@ from server.engine.outputs import EngineSnapshot, RequestOutput
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
+from server.engine.spec import Speculator
 from server.engine.grammar_compile import CompileSetup, SpecCompiler
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
@@ -46,6 +48,9 @@ class LLMEngine:
     MAX_CONSECUTIVE_STEP_FAILURES = 3  # then step() raises EngineFatalError
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.speculative_config is not None and config.deterministic:  # (its bits not yet checked there)
+            log.warning("--deterministic turns speculative decoding off")
+            config = dataclasses.replace(config, speculative_config=None)
         self.config = config
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
@@ -53,8 +58,13 @@ class LLMEngine:
         worker = start_worker(config, path)
         self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
         self.runner = worker.runner
+        # what /v1/models reports of the weights: their format (None: 16-bit) and bytes on the device
+        self.quantization, self.weight_bytes = worker.weights.quantization, worker.weights.bytes
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config)
+        # speculative decoding (server/engine/spec/): None when off
+        self.speculator = (Speculator(config, self.block_manager, self.max_model_len, worker.draft)
+                           if config.speculative_config is not None else None)
         # The tokenizer's EOS and every one the checkpoint declares (generation_config.json).
         eos = eos_token_ids(path) + [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(i for i in eos if i is not None)
@@ -114,7 +124,8 @@ class LLMEngine:
                               preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
                               prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
-                              generation_tokens=self.num_generated_tokens)
+                              generation_tokens=self.num_generated_tokens,
+                              **(self.speculator.snapshot() if self.speculator is not None else {}))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     validated: bool = False, deadline: float | None = None) -> None:
@@ -126,6 +137,8 @@ class LLMEngine:
         if not validated:
             self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
+        if self.speculator is not None:
+            seq.spec = self.speculator.state(params)
         if params.structured is not None:
             # The front end checks it before queueing; offline callers get the error here (a spec
             # the grammar process compiled is valid: not again, ~10 us a request). Either way it is
@@ -238,6 +251,11 @@ class LLMEngine:
         expired = self._expire() if self.deadlines else []
         if self.compiling:
             expired += self._compiled(wait=not self.scheduler.running and self.inflight is None)
+        if self.speculator is not None and self.inflight is not None and (
+                self.inflight[0].verifies or self.speculator.wants(self.scheduler.running)):
+            # a speculative step continues its sequences' known tokens, and the step after one
+            # cannot stand placeholders for a run of unknown length: the step in flight first
+            expired += self._finish(self.inflight)
         launched = self._launch()
         if isinstance(launched, LaunchFailure):
             return expired + self._finish(self.inflight) + self._fail_step(launched.batch, launched.error)
@@ -258,12 +276,17 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.before_step(batch)
-            launched = (batch, self.runner.launch(batch.prefills, batch.decodes))
+            if self.speculator is not None:
+                self.speculator.extend(batch, len(self.scheduler.running))
+            launched = (batch, self.runner.launch(batch.prefills, batch.decodes, batch.verifies))
         except Exception as e:
+            if self.config.tensor_parallel_size > 1:  # the other ranks may wait in the step's collectives for good
+                raise EngineFatalError(f"a step failed under tensor parallelism, which cannot go on: {e!r}") from e
             return LaunchFailure(batch, e)
         self.scheduler.after_step(batch)
         max_len = self.max_model_len
-        for row, seq in enumerate(launched[1].rows):
+        rows = launched[1].rows
+        for row, seq in enumerate(rows) if not batch.verifies else self.speculator.placeholder_rows(batch, rows):
             seq.add_placeholder(row)
             n = len(seq.token_ids)  # sampled so far, in flight included: n - prompt length
             seq.capped = n - len(seq.prompt_token_ids) >= seq.params.max_tokens or n >= max_len
@@ -317,11 +340,13 @@ class LLMEngine:
                        for seq in handle.rows if seq.grammar in broken and seq.status is not Status.FINISHED]
         now = time.monotonic()
         advance = self._advance
-        top = result.logprobs
+        rows, ids, top = handle.rows, result.token_ids, result.logprobs
+        if batch.verifies:  # each verification's rows become its accepted run (server/engine/spec/)
+            rows, ids, top = self.speculator.settle(batch, rows, ids, top)
         for seq, first, entries in result.prompt_logprobs:
             have = len(seq.prompt_logprobs)  # a recompute after preemption scores positions again
             seq.prompt_logprobs += entries[have - first :] if first <= have else []
-        for j, (seq, tok) in enumerate(zip(handle.rows, result.token_ids)):
+        for j, (seq, tok) in enumerate(zip(rows, ids)):
             if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
                 continue
             if seq.params.max_tokens == 0:  # scored the prompt only: its sampled token is dropped
@@ -343,8 +368,9 @@ class LLMEngine:
             outputs.append(advance(seq, tok, logprob))
         self.num_generated_tokens += len(outputs)
         if self.stats is not None:  # decodes are one token each; only the (few) prefill chunks are summed
-            self.stats.step(len(batch.decodes) + len(batch.prefills),
-                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills), now)
+            self.stats.step(len(batch.decodes) + len(batch.prefills) + len(batch.verifies),
+                            len(batch.decodes) + sum(s.num_tokens for s in batch.prefills)
+                            + sum(v.num_tokens for v in batch.verifies), now)
         return outputs
 
     def _fail_step(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -355,7 +381,8 @@ class LLMEngine:
         log.error("engine step failed (%d in a row): %r; failing %d request(s)", n, exc, len(batch.scheduled),
                   exc_info=exc)
         message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
-        outputs = [self._fail(item.seq, message) for item in batch.scheduled if not item.seq.is_finished]
+        outputs = [self._fail(item.seq, message) for item in batch.scheduled + batch.verifies
+                   if not item.seq.is_finished]
         if n >= self.MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatalError(f"{n} consecutive engine steps failed; last: {exc!r}") from exc
         return outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -54,3 +54,9 @@ class EngineSnapshot:
     prefix_hits: int
     prompt_tokens: int
     generation_tokens: int
+    # speculative decoding (server/engine/spec/speculator.py SpecCounters), when on: verifications,
+    # proposals, accepted proposals, and accepted proposals by position (empty when off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvcache import BlockManager
 from server.config import EngineConfig
@@ -33,6 +34,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first token position processed this step (== seq.num_computed)
     num_tokens: int
+    draft: ClassVar[tuple[int, ...]] = ()  # proposals to verify: a speculative step's VerifySeq (spec/)
 
     @property
     def is_decode(self) -> bool:
@@ -49,6 +51,9 @@ class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # decodes that verify proposals this step (server/engine/spec/), moved out of `decodes`: their
+    # progress is settled when their ids are in, not by after_step
+    verifies: list = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

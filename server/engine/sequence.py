@@ -53,6 +53,7 @@ class Sequence:
     # scheduling once the placeholders reach max_tokens or the context limit.
     pending_row: int = -1
     capped: bool = False
+    spec: Any = None  # its speculative decoding state (server/engine/spec/policy.py); None: it never speculates
 
     token_ids: list[int] = field(init=False)  # prompt + output, kept as one list: read every step
     plain: bool = field(init=False)

@@ -25,6 +25,11 @@ large share of the engine's time. Padding tokens write no K/V and belong to no s
 attention backend may keep a per-step work map in the graph's inputs (the Triton backend's tile
 map, with idle tiles: models/attention/triton_backend.py); backends whose prefill reads host values
 (eager, sdpa) are not captured. Larger steps run eagerly: their GPU time dwarfs the launches.
+
+Under tensor parallelism every rank captures the same graphs (their all-reduces and gathers
+included), and before rank 0 replays one, `on_replay` sends the other ranks the inputs it filled
+(`exported`: the sections before the page tables, and the page tables' rows and columns in use),
+which each loads into its own buffers and replays (`replay_exported`; server/worker/parallel/).
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ def batch_ladder(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def export_rows(host: np.ndarray, head: int, tables: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """A graph's filled inputs: host[:head] (every section before the page tables), then the first
+    `width` entries of the first `rows` page-table rows."""
+    return np.concatenate([host[:head], tables[:rows, :width].reshape(-1)])
+
+
+def load_rows(host: np.ndarray, head: int, tables: np.ndarray, rows: int, width: int, words: np.ndarray) -> None:
+    """export_rows' words into another rank's host buffer of the same layout."""
+    host[:head] = words[:head]
+    tables[:rows, :width] = words[head:].reshape(rows, width)
 
 
 def capture_ladder(sizes: list[int], forward, device: torch.device, inputs=None) -> dict:
@@ -89,6 +106,9 @@ class DecodeGraphs:
         # Per host buffer: the version of the page table each row holds a copy of (kvcache.SeqBlocks:
         # a version names one page table's contents, whichever sequence it belongs to).
         self._copied = [[0] * b for _ in self.staging.hosts]
+        # Tensor parallelism, rank 0: called with (size, page-table rows, their width) before each
+        # replay, to send the other ranks the inputs (exported) (server/worker/parallel/)
+        self.on_replay = None
 
     def _views(self, buf):
         """(ids, positions, slots, context_lens, penalty slots, 1/temperature, noise keys, block
@@ -169,9 +189,27 @@ class DecodeGraphs:
         bt[n:size, 0] = 0
         copied[n:size] = [0] * (size - n)
         self.staging.upload()
+        if self.on_replay is not None:
+            self.on_replay(size, size, int(p.max()) // block_size + 1 if n else 1)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
+
+    def exported(self, rows: int, width: int) -> np.ndarray:
+        """The inputs run() filled last (host words), for replay_exported on another rank."""
+        host = self.staging.host_nps[self.staging.turn]
+        return export_rows(host, 10 * self._b, self._views(host)[7], rows, width)
+
+    def replay_exported(self, size: int, rows: int, width: int, words: np.ndarray) -> None:
+        """Another rank's run() (its exported inputs) here: fill, upload, replay the graph of `size`.
+        The choice in this rank's graph is greedy whatever rank 0's was: only rank 0 has the token
+        counts a penalized row reads (this rank's tables are empty), and only its choice is used."""
+        host = self.staging.next_host()
+        load_rows(host, 10 * self._b, self._views(host)[7], rows, width, words)
+        _, _, _, _, pslots, inv_t, _, _, _, _ = self._views(host)
+        pslots[:], inv_t[:] = -1, 0.0
+        self.staging.upload()
+        self.graphs[size][0].replay()
 
 
 PREFILL_GRAPH_SEQS = 16  # chunks one captured prefill step holds; a step with more runs eagerly
@@ -187,37 +225,49 @@ def prefill_ladder(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_tokens: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_chunks: int = PREFILL_GRAPH_SEQS, max_rows: int | None = None,
+                 sampled_ids: torch.Tensor | None = None) -> None:
+        """`max_chunks` chunks a step, and logits for `max_rows` of its tokens (default one a
+        chunk; a speculative step's verification samples every token: server/worker/spec/), its
+        input ids' placeholders resolved from `sampled_ids` (models/base.py)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.attention = model.attention
         self.sizes = prefill_ladder(max_tokens)
+        self.max_chunks, self.max_rows = max_chunks, max_rows or max_chunks
+        self.sampled_ids = sampled_ids
         # The backend's per-step work map (tile_seq | tile_start sections), if it keeps one.
-        self.num_tiles = {t: self.attention.graph_tiles(t, PREFILL_GRAPH_SEQS, device) for t in self.sizes}
-        t_max, n_max, s = self.sizes[-1], max(self.num_tiles.values()), PREFILL_GRAPH_SEQS
-        # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens | ends (s each) |
+        self.num_tiles = {t: self.attention.graph_tiles(t, max_chunks, device) for t in self.sizes}
+        t_max, n_max, s, r = self.sizes[-1], max(self.num_tiles.values()), max_chunks, self.max_rows
+        # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens (s) | ends (r) |
         # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.
-        lens = [align16(t_max)] * 3 + [align16(s + 1), align16(s), align16(s), align16(n_max), align16(n_max)]
+        lens = [align16(t_max)] * 3 + [align16(s + 1), align16(s), align16(r), align16(n_max), align16(n_max)]
         self.offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
         self.max_blocks = max_blocks
         size = self.offsets[-1] + s * max_blocks
         self.staging = Staging(size, device)
-        self.ids = torch.zeros(s, dtype=torch.int32, device=device)  # greedy id of each sampling chunk
+        self.ids = torch.zeros(r, dtype=torch.int32, device=device)  # greedy id of each sampled row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.on_replay = None  # as DecodeGraphs
 
     def _views(self, buf):
         o = self.offsets
         sec = [buf[o[i] : o[i + 1]] for i in range(8)]
-        s = PREFILL_GRAPH_SEQS
-        return (sec[0], sec[1], sec[2], sec[3][: s + 1], sec[4][:s], sec[5][:s], sec[6], sec[7],
+        s = self.max_chunks
+        return (sec[0], sec[1], sec[2], sec[3][: s + 1], sec[4][:s], sec[5][: self.max_rows], sec[6], sec[7],
                 buf[o[8] :].reshape(s, self.max_blocks))
+
+    def rows_for(self, t: int) -> int:
+        """Logit rows the graph of t tokens computes (never more rows than tokens)."""
+        return min(t, self.max_rows) if self.max_rows > self.max_chunks else self.max_rows
 
     def _forward(self, t: int) -> torch.Tensor:
         ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.staging.dev)
-        n = self.num_tiles[t]
+        n, r = self.num_tiles[t], self.rows_for(t)
         rows = StepRows(slots[:t], t, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=bt)
         meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None)
-        logits = self.model.lm_head(self.model.forward(ids[:t], pos[:t], self.kv_caches, meta)[ends])
-        argmax_rows(logits, self.model.vocab_size, out=self.ids)
+        hidden = self.model.forward(ids[:t], pos[:t], self.kv_caches, meta, sampled_ids=self.sampled_ids)
+        logits = self.model.lm_head(hidden[ends[:r]])
+        argmax_rows(logits, self.model.vocab_size, out=self.ids[:r])
         return logits
 
     def _fill(self, buf, t: int, ids, pos, slots, lens, prefix, tables, ends) -> None:
@@ -248,8 +298,11 @@ class PrefillGraphs:
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0],
                  self.sizes[-1], time.monotonic() - t0)
 
-    def fits(self, prefills: list[ScheduledChunk]) -> bool:
-        return len(prefills) <= PREFILL_GRAPH_SEQS and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
+    def fits(self, prefills: list[ScheduledChunk], rows: int = 0) -> bool:
+        """Do these chunks (sampling `rows` rows, where more than one a chunk) fit a graph?"""
+        # (rows <= tokens <= the graph's size: within its rows_for whenever within max_rows)
+        return (len(prefills) <= self.max_chunks and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
+                and rows <= self.max_rows)
 
     def run(self, prefills: list[ScheduledChunk], block_size: int) -> torch.Tensor | None:
         """Fill the static inputs for these chunks, replay; raw logits of the chunks that sample
@@ -259,6 +312,20 @@ class PrefillGraphs:
         self._fill(self.staging.next_host(), t, pf.ids, pf.positions, pf.slots, pf.lens, pf.prefix, pf.tables,
                    pf.ends)
         self.staging.upload()
+        if self.on_replay is not None:
+            self.on_replay(t, len(pf.tables), max(map(len, pf.tables)))
         graph, logits = self.graphs[t]
         graph.replay()
         return logits[: len(pf.ends)] if pf.ends else None
+
+    def exported(self, rows: int, width: int) -> np.ndarray:
+        """As DecodeGraphs.exported."""
+        host = self.staging.host_nps[self.staging.turn]
+        return export_rows(host, self.offsets[8], self._views(host)[8], rows, width)
+
+    def replay_exported(self, size: int, rows: int, width: int, words: np.ndarray) -> None:
+        """As DecodeGraphs.replay_exported (the prefill graph's choice is greedy on every rank)."""
+        host = self.staging.next_host()
+        load_rows(host, self.offsets[8], self._views(host)[8], rows, width, words)
+        self.staging.upload()
+        self.graphs[size][0].replay()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +47,10 @@ class ScheduledChunk(Protocol):
     start: int
     num_tokens: int
     samples: bool  # reaches the end of the sequence's tokens: its last logits are sampled
+    # A speculative step's proposals (server/engine/spec/): the chunk is the sequence's last token
+    # then these, and every one of its positions samples (verification). Empty (or absent) for any
+    # other chunk.
+    draft: Sequence[int]
 
 
 def align16(n: int) -> int:
@@ -77,9 +82,13 @@ class Staging:
             self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
 
 
+Spans = dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape) of each array a pack laid out
+
+
 class Packer:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.staging = Staging(capacity, device)
+        self.used, self.spans = 0, {}  # the last pack's words and where its arrays lie in them
 
     def pack(self, **arrays) -> dict[str, torch.Tensor]:
         """Lay out each array (list, numpy array, or 2-D numpy array) back to back; one copy; a
@@ -95,8 +104,23 @@ class Packer:
             spans[name] = (off, a.shape)
             off += align16(n)  # every array starts on a 16-byte boundary
         self.staging.upload(off)
+        self.used, self.spans = off, spans
+        return self._views(spans)
+
+    def _views(self, spans: Spans) -> dict[str, torch.Tensor]:
         dev = self.staging.dev
-        return {name: dev[o : o + int(np.prod(shape))].view(shape) for name, (o, shape) in spans.items()}
+        return {name: dev[o : o + int(np.prod(shape))].view(tuple(shape)) for name, (o, shape) in spans.items()}
+
+    def packed(self) -> tuple[np.ndarray, Spans]:
+        """The last pack's words (host) and spans: what the other ranks of a tensor-parallel group
+        load into their own packers (server/worker/parallel/)."""
+        return self.staging.host_nps[self.staging.turn][: self.used], self.spans
+
+    def load(self, words: np.ndarray, spans: Spans) -> dict[str, torch.Tensor]:
+        """Another packer's pack (`packed`) into this one: the same views, over this device's copy."""
+        self.staging.next_host()[: len(words)] = words
+        self.staging.upload(len(words))
+        return self._views(spans)
 
 
 def pad_rows(rows: list[list[int]], width: int) -> np.ndarray:
@@ -128,26 +152,29 @@ class PrefillArrays:
     lens: list[int]  # new tokens per chunk
     prefix: list[int]  # tokens of each sequence already in the cache (the chunk's start)
     tables: list[list[int]]  # page tables
-    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end)
+    ends: list[int]  # row of the last token of each chunk that samples (reaches its sequence's end);
+    # every row of a chunk with proposals (a speculative step's verification)
 
 
 def pack_prefills(prefills: list[ScheduledChunk], block_size: int) -> PrefillArrays:
     ids, pos, slots, lens, prefix, tables, ends = [], [], [], [], [], [], []
     offset = 0
     for item in prefills:
-        seq, lo, n = item.seq, item.start, item.num_tokens
-        if lo + n > len(seq.token_ids) - seq.num_pending:  # the scheduler never does this
+        seq, lo, n, draft = item.seq, item.start, item.num_tokens, getattr(item, "draft", ())
+        if lo + n - len(draft) > len(seq.token_ids) - seq.num_pending:  # the scheduler never does this
             raise RuntimeError(f"{seq.request_id}: a prefill chunk reaches a token not yet sampled")
         table = seq.blocks.block_table
         p = np.arange(lo, lo + n)
-        ids.append(seq.token_ids[lo : lo + n])
+        ids.append(seq.token_ids[lo : lo + n] if not draft else [seq.token_ids[lo], *draft])
         pos.append(p)
         slots.append(slots_of(table, p, block_size))
         lens.append(n)
         prefix.append(lo)
         tables.append(table)
         offset += n
-        if item.samples:
+        if draft:
+            ends.extend(range(offset - n, offset))
+        elif item.samples:
             ends.append(offset - 1)
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
     return PrefillArrays(cat(ids), cat(pos), cat(slots), lens, prefix, tables, ends)
@@ -192,9 +219,14 @@ def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[S
     if extra.keys() & arrays.keys():
         raise ValueError(f"backend arrays {sorted(extra.keys() & arrays.keys())} clash with the step's own")
     arrays.update(extra)
-    v = packer.pack(**arrays)
-    rows = StepRows(v["slot_mapping"], offset, cu_seqlens=v.get("cu_seqlens"), prefix_lens=v.get("prefix_lens"),
-                    prefill_block_tables=v.get("prefill_block_tables"), chunk_lens=pf.lens, chunk_prefix=pf.prefix,
-                    context_lens=v.get("context_lens"), decode_block_tables=v.get("decode_block_tables"),
-                    extra={name: v[name] for name in extra})
+    return step_inputs(packer.pack(**arrays), offset, pf.lens, pf.prefix, list(extra))
+
+
+def step_inputs(v: dict[str, torch.Tensor], num_prefill_tokens: int, chunk_lens: list[int], chunk_prefix: list[int],
+                extra: list[str]) -> StepInputs:
+    """A packed step's views (by name) as the model reads them; `extra`: the backend's own arrays."""
+    rows = StepRows(v["slot_mapping"], num_prefill_tokens, cu_seqlens=v.get("cu_seqlens"),
+                    prefix_lens=v.get("prefix_lens"), prefill_block_tables=v.get("prefill_block_tables"),
+                    chunk_lens=chunk_lens, chunk_prefix=chunk_prefix, context_lens=v.get("context_lens"),
+                    decode_block_tables=v.get("decode_block_tables"), extra={name: v[name] for name in extra})
     return StepInputs(v["input_ids"], v["positions"], rows, v["ends"])

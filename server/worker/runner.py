@@ -8,6 +8,10 @@ replays both. Anything else runs eagerly.
 
 The runner speaks only the model contract (models/base.py): `forward`, `lm_head`, `spec`, and the
 model's attention backend for metadata and warm-up.
+
+Under tensor parallelism this is rank 0's runner: `peers` (server/worker/parallel/) sends each
+forward's packed inputs to the other ranks, whose runners run the same forward on their shards
+(graph replays through the graphs' `on_replay`, eager steps here); this rank alone chooses tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from server.worker.grammar_rows import GrammarBuffers, GrammarFill, MaskMemory
 from server.worker.inputs import Packer, ScheduledChunk, SeqState, prepare_step
 from server.worker.logits import GrammarMask, StepControls, TokenCounts
 from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys, sample, top_logprobs
-from server.worker.scoring import PromptScores, score_chunks, unpack, wants_scores
+from server.worker.scoring import PromptScores, head_slices, score_chunks, unpack, wants_scores
+from server.worker.spec.verify import verify_parts, verify_rows
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
 
 
@@ -48,6 +53,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None
+        self.verify_graphs = None  # a speculative step's (server/worker/spec/verify.py), where speculation is on
         self.rng = random.Random()  # the noise keys of unseeded sampled rows (kernels/sampling_noise.py)
         self.on_cuda = device.type == "cuda"
         # The last step's sampled ids stay here, on the device, for the next step's placeholders.
@@ -63,6 +69,7 @@ class ModelRunner:
         self.grammar: GrammarBuffers | None = None  # made by the first constrained step
         self.choice_graphs: ChoiceGraphs | None = None  # likewise, where decode graphs run
         self.pending = None  # CPU: the constrained step whose choice waits for its fill (see complete)
+        self.peers = None  # tensor parallelism, rank 0: the other ranks (server/worker/parallel/peers.py)
 
     # -- start-up (the runs before serving: server/worker/warmup.py) ---------------------------
     def forward(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
@@ -75,8 +82,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
-        self.graphs = self.prefill_graphs = self.choice_graphs = None
+        self.graphs = self.prefill_graphs = self.choice_graphs = self.verify_graphs = None
         self.kv_caches = []
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         if self.grammar is not None:
             self.grammar.close()
             self.grammar = None
@@ -94,9 +104,14 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.max_tokens, self.max_blocks,
                                                 self.device)
             self.prefill_graphs.capture()
+        if self.peers is not None:  # the other ranks replay what this one does
+            self.graphs.on_replay = self.peers.replayer(self.graphs, prefill=False)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.on_replay = self.peers.replayer(self.prefill_graphs, prefill=True)
 
     # -- one step -----------------------------------------------------------------------------
-    def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepHandle:
+    def launch(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
+               verifies: list[ScheduledChunk] | None = None) -> StepHandle:
         """Enqueue one step on the device and return without waiting for it: the sampled ids (and
         logprobs) are on their way to pinned host memory; `collect()` waits for them. Sampled ids
         also stay on the device (`last_ids`), where the next step reads its placeholder tokens.
@@ -108,20 +123,29 @@ class ModelRunner:
         logprobs, or whose logits are edited otherwise (logit_bias, min_tokens: server/worker/logits.py),
         runs the general sampler. A step with a grammar-constrained row carries a `GrammarFill` and
         returns after the forward: the engine hands the fill to its grammar job, then calls
-        `complete` (server/worker/grammar_rows.py, server/worker/choice.py)."""
+        `complete` (server/worker/grammar_rows.py, server/worker/choice.py).
+
+        `verifies`: a speculative step's proposals, chunks whose every position samples; their rows
+        come after the decodes' (server/worker/spec/verify.py)."""
         self._resolve()  # on the CPU, the last step's constrained choice: this forward reads its ids
         with torch.inference_mode():
-            rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
+            positions = offsets = None
+            if verifies:
+                rows, positions, offsets = verify_rows(decodes, verifies, prefills)
+            else:
+                rows = [item.seq for item in decodes] + [item.seq for item in prefills if item.samples]
             n_dec = len(decodes)
             # Planned before the forward: a new penalized row's count slot is set up first, and
             # the decode graph makes the plan's choice itself where it can (plan.choice).
-            plan = None if all(s.plain for s in rows) else self._plan(rows)
+            plan = None if all(s.plain for s in rows) else self._plan(rows, offsets)
             # (not a constrained step's: its masks come after the forward, and a penalized row's
             # choice must not be counted before the grammar has had its say)
             choice = plan.choice if plan is not None and not plan.structured else None
             chosen = 0  # rows whose choice the decode graph made
             graph_size = 0
-            if self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
+            if verifies:
+                parts = verify_parts(self, decodes, verifies, prefills)
+            elif self.graphs is not None and decodes and n_dec <= self.graphs.max_batch:
                 # Decodes replay their graph; prefill chunks in the same step replay theirs (or run
                 # eagerly) after it. Under steady traffic nearly every step admits a prompt:
                 # running those steps wholly eager would give up the graphs exactly when the load
@@ -145,8 +169,8 @@ class ModelRunner:
             if plan is not None:
                 handle.controls = plan.controls
                 # each row's position: its last input token's (the sampler's noise counter)
-                handle.positions = ([it.start + it.num_tokens - 1 for it in decodes]
-                                    + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
+                handle.positions = positions or ([it.start + it.num_tokens - 1 for it in decodes]
+                                                 + [it.start + it.num_tokens - 1 for it in prefills if it.samples])
                 if plan.structured:
                     if self.grammar is None:
                         self.grammar = GrammarBuffers(self.grammar_memory, self.device)
@@ -164,7 +188,7 @@ class ModelRunner:
                     self._sample(handle, parts)
             return self._finish_launch(handle)
 
-    def _plan(self, rows: list[SeqState]) -> RowsPlan:
+    def _plan(self, rows: list[SeqState], offsets: list[int] | None = None) -> RowsPlan:
         """How the step's rows choose their tokens, and their logits controls (server/worker/logits.py).
         Decoding steps keep the same rows step after step, and a row's parameters, bias and penalty
         slot do not change while its sequence runs: the previous step's plan serves again when the
@@ -177,6 +201,8 @@ class ModelRunner:
         params = [s.params for s in rows]
         # Sampled so far, in-flight placeholders included (this step's is added after launch).
         sampled = [len(s.token_ids) - len(s.prompt_token_ids) for s in rows]
+        if offsets is not None:  # a verification's row i samples its sequence's i-th token from here
+            sampled = [n + i for n, i in zip(sampled, offsets)]
         pending = any(n < p.min_tokens for n, p in zip(sampled, params))
         controls = None
         if any(p.processes_logits for p in params):
@@ -291,14 +317,15 @@ class ModelRunner:
         else:
             out.copy_(raw[:, : self.model.vocab_size].argmax(dim=-1))
 
-    def _prefill(self, prefills: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
+    def _prefill(self, prefills: list[ScheduledChunk], row0: int, graphs=None, rows: int = 0) -> torch.Tensor | None:
         """Raw logits of the prefill chunks that sample (greedy ids into last_ids from row row0):
-        from a captured graph where one fits (and no chunk scores its prompt)."""
-        if (self.prefill_graphs is not None and self.prefill_graphs.fits(prefills)
-                and not any(map(wants_scores, prefills))):
-            logits = self.prefill_graphs.run(prefills, self.block_size)
+        from a captured graph where one fits (and no chunk scores its prompt). `graphs`, `rows`: a
+        speculative step's verification graphs and its rows (server/worker/spec/verify.py)."""
+        graphs = graphs or self.prefill_graphs
+        if graphs is not None and graphs.fits(prefills, rows) and not any(map(wants_scores, prefills)):
+            logits = graphs.run(prefills, self.block_size)
             if logits is not None:
-                self.last_ids[row0 : row0 + logits.shape[0]].copy_(self.prefill_graphs.ids[: logits.shape[0]])
+                self.last_ids[row0 : row0 + logits.shape[0]].copy_(graphs.ids[: logits.shape[0]])
             return logits
         return self._eager(prefills, [], row0)
 
@@ -306,8 +333,11 @@ class ModelRunner:
         """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
         step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
+        scored = any(map(wants_scores, prefills))
+        if self.peers is not None:  # the other ranks' same forward and LM-head calls
+            self.peers.eager(self.packer, step.rows, head_slices(prefills) if scored else [])
         hidden = self.forward(self.kv_caches, step.input_ids, step.positions, step.rows, sampled_ids=self.last_ids)
-        if any(map(wants_scores, prefills)):
+        if scored:
             self.scores += score_chunks(self.model.lm_head, hidden, prefills, self.model.vocab_size, self.on_cuda,
                                         self.model.deterministic)
         if not len(step.ends):

@@ -41,29 +41,41 @@ def wants_scores(chunk) -> bool:
     return seq.params.prompt_logprobs is not None and chunk.start < len(seq.prompt_token_ids) - 1
 
 
+def _scored(prefills: list):
+    """(chunk, its first row in the step, positions m it scores) of each chunk that scores."""
+    offset = 0
+    for chunk in prefills:
+        if wants_scores(chunk):  # positions whose next token is a prompt token
+            yield chunk, offset, min(chunk.start + chunk.num_tokens, len(chunk.seq.prompt_token_ids) - 1) - chunk.start
+        offset += chunk.num_tokens
+
+
+def head_slices(prefills: list) -> list[tuple[int, int]]:
+    """The rows of the step's hidden states score_chunks puts through the LM head, call by call:
+    the other ranks of a tensor-parallel group make the same calls (the head gathers over them)."""
+    return [(offset + a, offset + min(m, a + SLICE)) for _, offset, m in _scored(prefills) for a in range(0, m, SLICE)]
+
+
 def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int, pinned: bool,
                  invariant: bool = False) -> list[PromptScores]:
     """hidden: the step's hidden states, prefill chunks first (in `prefills` order)."""
-    out, offset = [], 0
-    for chunk in prefills:
-        seq, lo, n = chunk.seq, chunk.start, chunk.num_tokens
-        if wants_scores(chunk):
-            prompt = seq.prompt_token_ids
-            m = min(lo + n, len(prompt) - 1) - lo  # positions whose next token is a prompt token
-            k = seq.params.prompt_logprobs
-            targets = to_device(prompt[lo + 1 : lo + 1 + m], torch.long, hidden.device)
-            parts = []
-            for a in range(0, m, SLICE):
-                b = min(m, a + SLICE)
-                logprobs = log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), invariant)
-                chosen = logprobs.gather(1, targets[a:b, None])
-                top_v, top_i = top_logprobs(logprobs, max(k, 1), invariant)
-                parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))
-            packed = torch.cat(parts)
-            host = torch.empty(packed.shape, pin_memory=pinned)
-            host.copy_(packed, non_blocking=pinned)
-            out.append(PromptScores(seq, lo, host, max(k, 1)))
-        offset += n
+    out = []
+    for chunk, offset, m in _scored(prefills):
+        seq, lo = chunk.seq, chunk.start
+        prompt = seq.prompt_token_ids
+        k = seq.params.prompt_logprobs
+        targets = to_device(prompt[lo + 1 : lo + 1 + m], torch.long, hidden.device)
+        parts = []
+        for a in range(0, m, SLICE):
+            b = min(m, a + SLICE)
+            logprobs = log_softmax(lm_head(hidden[offset + a : offset + b])[:, :vocab_size].float(), invariant)
+            chosen = logprobs.gather(1, targets[a:b, None])
+            top_v, top_i = top_logprobs(logprobs, max(k, 1), invariant)
+            parts.append(torch.cat([chosen, top_i.float(), top_v], dim=1))
+        packed = torch.cat(parts)
+        host = torch.empty(packed.shape, pin_memory=pinned)
+        host.copy_(packed, non_blocking=pinned)
+        out.append(PromptScores(seq, lo, host, max(k, 1)))
     return out
 
 

@@ -3,6 +3,11 @@
 `start_worker(config)` returns a `Worker`: the runner the engine steps, and the numbers the engine
 and request validation need (the model's spec, the context limit, the cache's block count), read
 only from the model contract.
+
+With --tensor-parallel-size N it first starts ranks 1..N-1 (server/worker/parallel/), then brings
+this process up as rank 0; every rank runs `bring_up`, whose forwards (the profile run, warm-up,
+graph captures) meet in the same collectives, and the KV cache's block count is the smallest any
+rank's memory allows.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec
-from models import DTYPES, ModelSpec, checkpoint_dtype, load_model
+from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model, shard_spec,
+                    tensor_parallel, weights_info)
 from server.config import EngineConfig
 from server.worker.runner import ModelRunner
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -31,6 +38,8 @@ class Worker:
     num_blocks: int
     max_model_len: int
     device: torch.device
+    weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
+    draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -38,16 +47,48 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def start_worker(config: EngineConfig, path: Path) -> Worker:
-    device = resolve_device(config)
+    if config.tensor_parallel_size == 1:
+        return bring_up(config, path, resolve_device(config))
+    from server.worker.parallel.peers import rank_device, start_peers
+
+    # what does not divide, or does not combine yet, stops the start here, before any process starts
+    hf_config = load_config(path)
+    shard_spec(ModelSpec.from_hf_config(hf_config), TensorParallel(0, config.tensor_parallel_size))
+    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
+        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
+    if config.quantization is not None or getattr(hf_config, "quantization_config", None):
+        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
+                         "(a quantized linear's scales are not split by rank)")
+    peers = start_peers(config, path)
+    try:
+        return bring_up(config, path, rank_device(config, 0), peers)
+    except BaseException:
+        peers.close(graceful=False)
+        raise
+
+
+def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None) -> Worker:
+    """This process's worker (under tensor parallelism, its rank's; `peers`: rank 0's other ranks)."""
     on_cuda = device.type == "cuda"
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
     attention = config.attention or ("triton" if on_cuda else "sdpa")
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
-    log.info("loading weights from %s (%s, attention=%s, device=%s%s)", path, dtype, attention, device,
-             ", deterministic" if config.deterministic else "")
-    model = load_model(path, dtype, device, attention, deterministic=config.deterministic)
+    tp = tensor_parallel()
+    if tp.size != config.tensor_parallel_size:  # models are built for the process's group
+        raise RuntimeError(f"this process runs a tensor-parallel group of {tp.size}: an engine of "
+                           f"--tensor-parallel-size {config.tensor_parallel_size} cannot start beside it (close that one first)")
+    log.info("loading weights from %s (%s, attention=%s, device=%s%s%s%s)", path, dtype, attention, device,
+             ", deterministic" if config.deterministic else "", f", tensor-parallel rank {tp.rank} of {tp.size}"
+             if tp.size > 1 else "", ", random weights (--load-format dummy)" if config.load_format == "dummy" else "")
+    model = load_model(path, dtype, device, attention, deterministic=config.deterministic,
+                       quantization=config.quantization, load_format=config.load_format)
+    weights = weights_info(model)
+    # The bytes the weights take on the device, which the KV budget below is measured after: a
+    # quantized checkpoint's real size (its 16-bit size on the CPU and with --deterministic, where
+    # the weights are dequantized at load).
+    log.info("weights: %.2f GiB (%s)", weights.bytes / 2**30, weights.quantization or f"{dtype}, not quantized")
     if config.deterministic and on_cuda:
         from kernels.invariant_matmul import check_configs
 
@@ -70,19 +111,28 @@ def start_worker(config: EngineConfig, path: Path) -> Worker:
                          f"(the context would be {max_model_len})")
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+    runner.peers = peers
+    draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+    num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
+    if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
+        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
              num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
              num_blocks * cache_spec.block_size // max_model_len, max_model_len)
     runner.allocate_cache(num_blocks)
+    if draft is not None:
+        draft.allocate_cache(num_blocks)
     if on_cuda:
         t0 = time.monotonic()
         warmup(runner)
+        if draft is not None:
+            warmup(draft)
         log.info("compiled and warmed up the attention kernels in %.1f s", time.monotonic() - t0)
         if not config.enforce_eager:
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device)
+            capture_spec_graphs(config.speculative_config, runner, draft)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights, draft)
 
 
 def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:
@@ -98,6 +148,8 @@ def kv_cache_blocks(config: EngineConfig, cache_spec: CacheSpec, runner: ModelRu
     """KV blocks to allocate: --num-blocks, else --kv-cache-memory, else (CUDA) what is left under
     --gpu-memory-utilization after the weights and the largest step's activations, else (CPU)
     --cpu-kv-cache-memory."""
+    # What the budget is left after is measured, not computed: torch's allocator holds the weights in
+    # their real (quantized) bytes when the largest step is profiled.
     if config.num_blocks is not None:
         return _at_least_one(config.num_blocks, cache_spec, "--num-blocks")
     if config.kv_cache_memory is not None:

@@ -8,7 +8,7 @@ from benchmarks import checkpoint
 
 # Parameter counts of the published checkpoints (their config.json, as transformers builds them).
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,
-             "llama-3.1-8b": 8_030_261_248}
+             "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496}
 
 
 @pytest.mark.parametrize("shape", sorted(checkpoint.LLAMA_SHAPES))
@@ -37,3 +37,18 @@ def test_a_random_checkpoint_built_on_a_device_loads_and_matches_transformers(tm
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(prefill_logits(ours, ids), want, atol=2e-4, rtol=2e-4)
+
+
+def test_a_config_only_checkpoint_serves_dummy_weights_at_its_shape(tmp_path, monkeypatch):
+    """What the 70B benchmark starts from: config.json and a tokenizer, no weight files; the loader's
+    dummy format builds the model at that shape."""
+    from models import load_model
+
+    tiny = dict(checkpoint.LLAMA_SHAPES["llama-3.1-70b"], num_hidden_layers=2, hidden_size=64, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=8, intermediate_size=96, vocab_size=512)
+    monkeypatch.setitem(checkpoint.LLAMA_SHAPES, "tiny", tiny)
+    path = checkpoint.make_config_only_llama(tmp_path / "tiny", "tiny")
+    assert not list(path.glob("*.safetensors")) and (path / "tokenizer.json").exists()
+    model = load_model(path, torch.float32, "cpu", "sdpa", load_format="dummy")
+    assert (model.spec.num_layers, model.spec.num_heads, model.spec.num_kv_heads) == (2, 8, 2)
+    assert model.lm_head_weight.abs().sum() > 0  # the untied head, set

@@ -61,6 +61,22 @@ def test_counts_and_latencies_closed_loop(server):
     assert row["e2e_p50_ms"] >= row["ttft_p50_ms"]
 
 
+def test_openai_completions_route(server, tiny_ckpt):
+    """api="completions": the same load over streamed /v1/completions (what vLLM serves too); its
+    chunks carry text, so the output count is the final chunk's usage and each chunk one arrival."""
+    row = run_load(server, concurrency=2, num_requests=3, input_len=12, output_len=6, vocab_size=VOCAB, seed=1,
+                   progress=False, keep_requests=True, api="completions", extra_body={"model": str(tiny_ckpt)})
+    assert row["api"] == "completions" and row["completed"] == 3 and row["errors"] == 0
+    assert row["length_mismatches"] == 0 and row["output_tokens"] == 18 and row["input_tokens"] == 36
+    for r in row["requests"]:
+        assert r["ok"] and r["n_out"] == r["usage_completion_tokens"] == 6 and r["prompt_tokens"] == 12
+        assert r["finish_reason"] == "length" and 0 < r["ttft"] <= r["e2e"]
+        assert 1 <= len(r["itl"]) <= 5 and sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-6
+    bad = run_load(server, concurrency=1, num_requests=1, input_len=4, output_len=2, vocab_size=VOCAB,
+                   progress=False, api="completions", extra_body={"model": "no-such-model"})
+    assert bad["completed"] == 0 and bad["errors_by_status"] == {"404": 1}
+
+
 def test_client_processes_share_the_load(server):
     row = run_load(server, concurrency=4, num_requests=6, workers=2, input_len=10, input_jitter=2, output_len=6,
                    vocab_size=VOCAB, progress=False, keep_requests=True)

@@ -28,7 +28,8 @@ def compose(tool, tmp_path_factory, environment):
 
     def run(profiles=(), **variables):
         env = environment(**variables)
-        for name in ("MODEL", "PORT", "NGINX_PORT", "HF_TOKEN", "ROUTER_PORT", "ROUTER_POLICY", "ROUTER_METRICS_PORT"):
+        for name in ("MODEL", "PORT", "NGINX_PORT", "HF_TOKEN", "ROUTER_PORT", "ROUTER_POLICY", "ROUTER_METRICS_PORT",
+                     "TENSOR_PARALLEL_SIZE", "SHM_SIZE"):
             if name not in variables:
                 env.pop(name, None)
         cmd = [*base, "--env-file", str(empty), "--project-directory", str(REPO), "-f", str(COMPOSE)]
@@ -111,7 +112,8 @@ def test_scale_profile_puts_vllm_router_in_front_of_every_replica(compose):
     assert router["build"]["dockerfile"] == "docker/router.Dockerfile"
     cmd = router["command"]
     urls = cmd[cmd.index("--worker-urls") + 1: cmd.index("--policy")]
-    replicas = {n for n in services if n.startswith("flashpage")}
+    replicas = {n for n, svc in services.items()  # (1.29 lists the tp profile's server too: not a replica)
+                if n.startswith("flashpage") and (not svc.get("profiles") or "scale" in svc["profiles"])}
     assert {u.removeprefix("http://").removesuffix(":8000") for u in urls} == replicas == {"flashpage", "flashpage-gpu1"}
     assert set(router["depends_on"]) == replicas
     assert all(router["depends_on"][n]["condition"] == "service_healthy" for n in replicas)
@@ -123,6 +125,26 @@ def test_scale_profile_puts_vllm_router_in_front_of_every_replica(compose):
         cmd.index("--policy") + 1] == "round_robin"
     upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", NGINX_CONF.read_text(), re.M)
     assert set(upstreams) == replicas, "nginx and the router must balance over the same replicas"
+
+
+def test_tp_profile_serves_one_model_over_every_gpu_in_place_of_the_one_gpu_server(compose):
+    """`--profile tp`: one server with every GPU of the host and --tensor-parallel-size all (the
+    entrypoint counts them), shared memory for NCCL, the one-GPU server's port (it replaces that one:
+    started by name), and a start period for a 70B checkpoint."""
+    cfg = compose(profiles=["tp"], MODEL="meta-llama/Llama-3.3-70B-Instruct")
+    svc, one_gpu = cfg["services"]["flashpage-tp"], cfg["services"]["flashpage"]
+    assert svc["profiles"] == ["tp"]
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == "all"
+    env = svc["environment"]
+    assert env["FLASHPAGE_TENSOR_PARALLEL_SIZE"] == "all" and env["FLASHPAGE_MODEL"] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert set(one_gpu["environment"]) < set(env)  # every setting of the one-GPU server, and the size
+    assert str(svc["shm_size"]).lower() in ("16gb", str(16 * 2**30))
+    assert {int(p["published"]) for p in _ports(svc)} == {int(p["published"]) for p in _ports(one_gpu)} == {8000}
+    assert svc["image"] == one_gpu["image"] and "/health" in " ".join(svc["healthcheck"]["test"])
+    sized = compose(profiles=["tp"], TENSOR_PARALLEL_SIZE="2", SHM_SIZE="32gb")["services"]["flashpage-tp"]
+    assert sized["environment"]["FLASHPAGE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert str(sized["shm_size"]).lower() in ("32gb", str(32 * 2**30))
 
 
 def test_router_image_pins_the_router_the_tests_run():

@@ -198,6 +198,24 @@ def test_entrypoint_dry_run_and_other_commands(tmp_path, environment):
     assert r.stdout == "hello\n"
 
 
+def test_tensor_parallel_size_all_counts_the_gpus_the_container_sees(tmp_path, environment):
+    """FLASHPAGE_TENSOR_PARALLEL_SIZE=all (compose's --profile tp): the GPUs nvidia-smi lists; with
+    none visible the container stops, saying why, instead of starting a one-GPU server."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)\"; done\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    argv, _, _ = run_entrypoint(tmp_path, environment, {"FLASHPAGE_TENSOR_PARALLEL_SIZE": "all"})
+    assert parse(argv).tensor_parallel_size == 4
+    argv, _, _ = run_entrypoint(tmp_path, environment, {"FLASHPAGE_TENSOR_PARALLEL_SIZE": "2"})
+    assert parse(argv).tensor_parallel_size == 2
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    r = subprocess.run([str(ENTRYPOINT)], env=environment(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
+                                                           FLASHPAGE_TENSOR_PARALLEL_SIZE="all"),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "no GPU visible" in r.stderr
+
+
 def test_a_misspelt_variable_fails_loudly(tmp_path, environment):
     """FLASHPAGE_MODLE becomes --modle, which the server's parser rejects instead of ignoring."""
     argv, _, _ = run_entrypoint(tmp_path, environment, {"FLASHPAGE_MODLE": "gpt2"})

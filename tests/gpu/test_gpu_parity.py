@@ -102,6 +102,11 @@ def _logprob_run(path, prompts, on_engine=None, **kw):
     eng = LLMEngine(EngineConfig(model=str(path), device="cuda", num_blocks=2048, **kw))
     if on_engine is not None:
         on_engine(eng)
+    return _logprobs(eng, prompts)
+
+
+def _logprobs(eng, prompts):
+    """_logprob_run's requests on a running engine."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)

@@ -179,3 +179,22 @@ def test_page_table_version_names_its_contents():
     seen.add(a.version)
     bm.allocate(a, list(range(3)))  # the same length as b's table, maybe the same block ids: still new
     assert a.version not in seen
+
+
+def test_trim_gives_back_the_blocks_past_a_length_and_never_a_published_one():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = SeqBlocks()
+    ids = list(range(20))
+    bm.allocate(seq, ids[:6])
+    bm.append_slot(seq, 6 + 9)  # room for a speculative step's proposals: 15 tokens, 4 blocks
+    assert len(seq.block_table) == 4 and bm.num_free_blocks == 4
+    bm.cache_computed(seq, ids, 8)  # two full blocks of computed tokens published
+    version = seq.version
+    bm.trim(seq, 9)  # the accepted run ends at token 9: blocks 3.. go back
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5 and seq.version != version
+    bm.trim(seq, 12)  # nothing past it: nothing changes
+    assert len(seq.block_table) == 3
+    with pytest.raises(AssertionError):
+        bm.trim(seq, 4)  # would give back the published second block
+    bm.free(seq)
+    assert bm.check_all_free()

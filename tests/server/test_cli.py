@@ -13,6 +13,7 @@ import time
 import pytest
 
 from server.api.connections import FD_RESERVE, raise_fd_limit
+from server.api.guards import ServerLimits
 from server.cli import build_parser
 
 
@@ -112,3 +113,49 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
     assert limits["now"] == (2048 + FD_RESERVE, 65536)
     raise_fd_limit(100)  # fits already: unchanged
     assert limits["now"] == (2048 + FD_RESERVE, 65536)
+
+
+@pytest.mark.parametrize("value,words", [
+    ("ngram", ["not JSON"]),
+    ("[1]", ["must be a JSON object"]),
+    ('{"method": "ngram"}', ["num_speculative_tokens must be an integer from 1 to 16"]),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ["from 1 to 16"]),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', ["'medusa' is not supported"]),
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}', ["'eagle3' is not supported"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', ["needs `model`"]),
+    ('{"num_speculative_tokens": 2}', ["method must be one of"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     ["prompt_lookup_min (4) is above prompt_lookup_max (2)"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}', ["must be an integer >= 1"]),
+    ('{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', ["belong to the ngram method"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', ["unknown key"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', [">= 1"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": 2}', ["from 0 to 1"]),
+])
+def test_a_speculative_config_that_cannot_run_exits_2_saying_why(value, words, capsys):
+    test_impossible_settings_exit_2_naming_the_flag_and_its_range(["--speculative-config", value], words, capsys)
+
+
+def test_speculative_config_reads_vllm_keys():
+    parse = lambda v: build_parser().parse_args(["--speculative-config", v]).speculative_config  # noqa: E731
+    assert build_parser().parse_args([]).speculative_config is None
+    s = parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 4, 3, 3)
+    s = parse('{"model": "[ngram]", "num_speculative_tokens": 2}')  # vLLM's other spelling; bounds 5 and 5
+    assert (s.method, s.model, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", None, 5, 5)
+    s = parse('{"model": "/models/draft", "num_speculative_tokens": 5, "disable_by_batch_size": 8}')
+    assert (s.method, s.model, s.disable_by_batch_size) == ("draft_model", "/models/draft", 8)
+
+
+def test_auto_tool_choice_needs_a_parser(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                      "--reasoning-parser", "qwen3"])
+    tools = ServerLimits.from_args(args).tools
+    assert (tools.parser, tools.auto, tools.reasoning) == ("hermes", True, "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "nope"])

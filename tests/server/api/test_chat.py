@@ -222,8 +222,10 @@ def test_template_that_fails_to_render_is_400(client, model):
      "messages", "'image_url'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]}]}, "messages", "text part"),
     ({"messages": [{"role": "user", "content": []}]}, "messages", "empty"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages", "role"),
-    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages", "tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}]}, "messages", "tool_calls"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages", "content"),
     ({"messages": []}, "messages", "messages"),
     ({"messages": [{"role": "user", "content": "x " * 300}], "max_tokens": 10}, "messages", "context length"),
@@ -237,8 +239,9 @@ def test_template_that_fails_to_render_is_400(client, model):
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
     ({"logit_bias": {"99999": 10}}, "logit_bias", "outside the vocabulary"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+    # tools (tests/server/api/test_tool_calls.py has the rest): vLLM's errors
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      "response_format", "invalid JSON schema"),
@@ -256,7 +259,7 @@ def test_error_details_and_defaults(servers, client, model):
         client.chat.completions.create(model="no-such-model", messages=MSGS)
     assert e.value.code == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, model, tools=[{"type": "function", "function": {"name": "f"}}])
+        chat(client, model, functions=[{"name": "f"}])
     assert e.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])

@@ -24,9 +24,9 @@ def test_a_conversation_rendered_again_is_remembered(tokenizer, monkeypatch):
     renders = []
     real = chat_template.render_chat
 
-    def counting(tok, messages, template):
+    def counting(tok, messages, template, *rest):
         renders.append(messages)
-        return real(tok, messages, template)
+        return real(tok, messages, template, *rest)
 
     monkeypatch.setattr(chat_template, "render_chat", counting)
     chat = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour?"}]

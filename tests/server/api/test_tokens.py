@@ -191,7 +191,8 @@ def test_prompt_limits_are_400(chat):
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens", "boolean"),  # strict
     ("/tokenize", {"prompt": "\ud800"}, "prompt", "surrogate"),
     ("/tokenize", {"messages": []}, "messages", "at least 1"),
-    ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages.0.role"),
+    ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, "messages", "messages.0.role"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages", "messages.0.extra"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "'image_url'"),
     ("/tokenize", {"prompt": "hi", "messages": MSGS}, "prompt", "not both"),

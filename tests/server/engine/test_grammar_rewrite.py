@@ -13,7 +13,8 @@ xgr = pytest.importorskip("xgrammar")
 
 from models import load_tokenizer, resolve_model_path  # noqa: E402
 from server.engine.grammar import Grammars, _json_schema_rewritten  # noqa: E402
-from server.engine.grammar_rewrite import MAX_UNROLLED, MAX_UNROLLED_RULES, unroll_bounded_strings  # noqa: E402
+from server.engine.grammar_rewrite import (MAX_UNROLLED, MAX_UNROLLED_RULES, json_string_characters,  # noqa: E402
+                                           unroll_bounded_strings)
 from server.sampling_params import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
@@ -130,3 +131,15 @@ def test_grammars_compile_json_schemas_through_the_rewrite(tokenizer):
     plain = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert _json_schema_rewritten(plain) is None  # nothing bounded: compiled as the schema it is
     assert "_left_" not in str(grammars.compile(StructuredOutput("json", plain)).grammar)
+
+
+def test_bounded_strings_hold_no_control_characters(compiler):
+    """JSON forbids U+0000-U+001F unescaped in a string; XGrammar's bounded strings let them through."""
+    for bound in (4, MAX_UNROLLED + 1):  # unrolled, and left to XGrammar's repetition
+        schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": bound}}, "required": ["s"]}
+        loose = ebnf(schema)
+        assert accepts(compiler.compile_grammar(loose), '{"s": "a\x1bb"}')  # the hole, as XGrammar prints it
+        tight = compiler.compile_grammar(json_string_characters(unroll_bounded_strings(loose)))
+        assert not accepts(tight, '{"s": "a\x1bb"}') and not accepts(tight, '{"s": "a\tb"}')
+        assert accepts(tight, '{"s": "ab"}')
+        assert _json_schema_rewritten(json.dumps(schema)) is not None  # the server compiles the tight one

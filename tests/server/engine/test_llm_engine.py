@@ -316,3 +316,23 @@ def test_a_request_filling_the_context_gets_every_token(tiny_ckpt, async_schedul
     out = eng.generate([list(range(1, 44))], SamplingParams(max_tokens=213, temperature=0.0, ignore_eos=True))[0]
     assert (len(out.token_ids), out.finish_reason) == (213, "length")
     assert eng.block_manager.check_all_free()
+
+
+def test_a_failed_launch_under_tensor_parallelism_is_fatal(tiny_ckpt):
+    """One rank cannot fail a step alone: the others may be inside its collectives, waiting for good
+    (server/worker/parallel/). So where one GPU's engine fails the step's requests and carries on,
+    a tensor-parallel engine stops at once."""
+    import pytest
+
+    from server.engine.faults import FaultInjector
+    from server.engine.requests import EngineFatalError
+
+    eng = _engine(tiny_ckpt)
+    eng.faults = FaultInjector(raise_token=7)
+    eng.add_request("a", [7, 1], SamplingParams(max_tokens=2))
+    (out,) = eng.step()
+    assert out.finish_reason == "error"  # one GPU: the step's requests fail, the engine goes on
+    eng.config.tensor_parallel_size = 2  # (the hook reads only the setting)
+    eng.add_request("b", [7, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineFatalError, match="tensor parallelism"):
+        eng.step()

@@ -41,3 +41,21 @@ def test_a_kv_budget_that_holds_no_block_stops_the_start_naming_the_flag():
         kv_cache_blocks(EngineConfig(kv_cache_memory=100), spec, None, torch.device("cpu"))
     assert kv_cache_blocks(EngineConfig(cpu_kv_cache_memory=3 * spec.bytes_per_block), spec, None,
                            torch.device("cpu")) == 2  # one block of the budget pays for the scratch block
+
+
+def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_rank_starts(tiny_ckpt, tmp_path):
+    """Heads that do not divide, speculative decoding and quantized weights stop the start at once,
+    naming the reason, before a rank's process is started (none is: this returns in milliseconds)."""
+    import pytest
+
+    from server.config import EngineConfig, SpeculativeConfig
+    from server.worker.setup import start_worker
+
+    tp = dict(model=str(tiny_ckpt), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="attention heads"):
+        start_worker(EngineConfig(**{**tp, "tensor_parallel_size": 3}), tiny_ckpt)
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="speculative"):
+        start_worker(EngineConfig(**tp, speculative_config=spec), tiny_ckpt)
+    with pytest.raises(ValueError, match="quantized"):
+        start_worker(EngineConfig(**tp, quantization="fp8"), tiny_ckpt)

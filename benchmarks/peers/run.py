@@ -1,0 +1,264 @@
+"""vLLM and flashpage side by side on one GPU: the same checkpoints, flags, prompts and clients.
+
+  python benchmarks/peers/run.py --workloads offline batch1 --out-dir $OUT
+  python benchmarks/peers/run.py --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
+  python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
+
+A workload may name its shapes (`offline:qwen3-0.6b,llama-3.2-1b`); without, it runs its default
+ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/unpack_vllm.sh,
+VLLM_SITE=/tmp/vllm-site) and the flashpage server's wheels on PYTHONPATH. Random checkpoints at
+the shapes' real sizes are made once under --ckpt-root (both engines load the same directory).
+For each merged job, flashpage runs first, then vLLM, each in its own process(es); a failure of one
+engine is recorded in its rows (with the end of its log) and the other still runs.
+
+Writes `<out-dir>/peers_<workload>_<shape>_<gpu>.json` after every job; the engines' logs, vLLM's
+client's own result files and the jobs' rows go to --log-dir, and with --logs-tar into one archive
+(a device call brings back at most 8 files). `python benchmarks/make_report.py` renders the committed
+files into the README. `--checkpoints-only` makes the selection's checkpoints and stops (a call that
+carries the first part of vLLM has nothing else to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+# not this file's folder first (its modules are named run, report, engines...): the repository root
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common import gpu_slug, write_result  # noqa: E402
+from benchmarks.peers.engines import ENGINES, REPO_ROOT, engine_env, versions  # noqa: E402
+from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, SHAPES, WORKLOADS, Job,  # noqa: E402
+                                        estimate_minutes, jobs_for, merge_jobs)
+
+
+def parse_selection(items: list[str]) -> list[tuple[str, str]]:
+    """["offline:a,b", "http"] -> [("offline", "a"), ("offline", "b"), ("http", <its default shape>)]."""
+    out = []
+    for item in items:
+        workload, _, shapes = item.partition(":")
+        if workload not in WORKLOADS:
+            raise SystemExit(f"unknown workload {workload!r} (choose from {', '.join(WORKLOADS)})")
+        for shape in shapes.split(",") if shapes else DEFAULT_SHAPES[workload]:
+            if shape not in SHAPES:
+                raise SystemExit(f"unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
+            out.append((workload, shape))
+    return out
+
+
+def device_name() -> str:
+    """The GPU's name from nvidia-smi (this process never initialises CUDA: the engines need it all)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return out[0] if out else "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
+def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
+    """A random checkpoint of `shape` under root/shape (made on the GPU in a process of its own, once)."""
+    path = root / shape
+    if (path / ".complete").exists():
+        return path
+    code = ("import sys; from benchmarks.checkpoint import make_random_llama; "
+            "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
+    with open(log_dir / f"checkpoint_{shape}.log", "w") as log:
+        subprocess.run([sys.executable, "-c", code, str(path), shape], cwd=REPO_ROOT, env=engine_env("flashpage"),
+                       stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+    (path / ".complete").write_text("")
+    return path
+
+
+def wait_gpu_free(limit_mib: int = 2048, timeout: float = 60.0) -> None:
+    """Until the GPU's used memory is below `limit_mib`: the engine before may still be exiting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return
+        if not out or int(out[0]) < limit_mib:
+            return
+        time.sleep(1)
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """End `p` and every process under it, if any are left."""
+    import psutil
+
+    try:
+        children = psutil.Process(p.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for proc in [*children, p]:
+        try:
+            proc.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    p.wait()
+
+
+def log_tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: float) -> dict:
+    """One engine's offline tasks in its own process; {"rows", "versions", "device", "init_s"} (or an error row)."""
+    tag = f"{job.shape}_{job.flags.max_model_len}_{engine}"
+    spec = out_dir / f"job_{tag}.json"
+    out = out_dir / f"rows_{tag}.json"
+    spec.write_text(json.dumps(dict(engine=engine, model=str(model), flags=job.flags.record(), tasks=job.tasks)))
+    log = out_dir / f"offline_{tag}.log"
+    with open(log, "w") as f:
+        # in this process's group (a device call that is cut short ends it too), ended with its children
+        # (vLLM's engine core) on a timeout or a SIGTERM of this process
+        p = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.offline", str(spec), str(out)], cwd=REPO_ROOT,
+                             env=engine_env(engine), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout:.0f} s"
+        finally:
+            kill_tree(p)
+    spec.unlink()  # the prompts: large, and drawn again from their seeds
+    got = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    done = {r["task"] for r in got["rows"]}
+    if code != 0:  # the tasks it did not finish get an error row each
+        got["rows"] += [dict(engine=engine, task=t["name"], workload=t["workload"],
+                             error=f"exit {code}:\n{log_tail(log)}") for t in job.tasks if t["name"] not in done]
+    return got
+
+
+def run_job(job: Job, engines: list[str], model: Path, out_dir: Path, timeout: float) -> dict[str, dict]:
+    """Both engines on one job: {engine: {"rows", "versions", ...}}."""
+    from benchmarks.peers.serving import serve_and_measure
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # our client's prompt ids
+    got = {}
+    for engine in engines:
+        t0 = time.perf_counter()
+        try:
+            if job.kind == "offline":
+                got[engine] = run_offline(job, engine, model, out_dir, timeout)
+            else:
+                got[engine] = serve_and_measure(engine, str(model), job.flags, job.levels, out_dir, vocab,
+                                                tag=f"{job.shape}_{engine}")
+                got[engine]["versions"] = versions(engine)
+                for r in got[engine]["rows"]:
+                    r["workload"] = job.level_workload[r["level"]]
+        except Exception as e:  # noqa: BLE001 -- the other engine still runs; the error is the result
+            log = out_dir / f"{job.shape}_{engine}_server.log"
+            got[engine] = {"rows": [dict(engine=engine, workload=w, error=f"{type(e).__name__}: {e}\n{log_tail(log)}")
+                                    for w in job_workloads(job)],
+                           "versions": versions(engine)}
+        print(f"== {job.kind} {job.shape} {engine}: {time.perf_counter() - t0:.0f} s", flush=True)
+        wait_gpu_free()
+        for r in got[engine]["rows"]:
+            r.setdefault("impl", engine)
+    return got
+
+
+def job_workloads(job: Job) -> list[str]:
+    return sorted({t["workload"] for t in job.tasks} | set(job.level_workload.values()))
+
+
+def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> list[Path]:
+    """One file per workload of the job: both engines' rows, flags, versions, device, date, command."""
+    paths = []
+    for workload in job_workloads(job):
+        rows = [r for eng in got.values() for r in eng["rows"] if r.get("workload") == workload]
+        if not rows:
+            continue
+        engines = {e: {k: v for k, v in g.items() if k != "rows"} for e, g in got.items()}
+        result = dict(head, workload=workload, shape=job.shape, flags=job.flags.record(), engines=engines,
+                      model=f"random-initialised {job.shape} shape (benchmarks/checkpoint.py), bfloat16, "
+                            "the embedded model's tokenizer", rows=rows)
+        paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}"))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", required=True, metavar="WORKLOAD[:SHAPE,...]",
+                    help=f"of {', '.join(WORKLOADS)}")
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--clients", type=int, nargs="+", default=list(HTTP_CLIENTS), help="http: the client counts")
+    ap.add_argument("--api-server-count", type=int, default=None,
+                    help="http, prefix: API processes of both servers (default: flashpage's default for this "
+                         "host, 4 on 16 cores, for both: vLLM's own is 1)")
+    ap.add_argument("--vllm-args", default="", help="http, prefix: more `vllm serve` flags (one string)")
+    ap.add_argument("--flashpage-args", default="", help="http, prefix: more `python -m server` flags (one string)")
+    ap.add_argument("--ckpt-root", default="/tmp/peers-ckpt", help="random checkpoints, made once, kept here")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--log-dir", default="/tmp/peers-logs")
+    ap.add_argument("--logs-tar", default=None, metavar="PATH", help="at the end, the log dir as one .tar.gz here")
+    ap.add_argument("--checkpoints-only", action="store_true", help="make the selection's checkpoints, run nothing")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for one engine's offline process")
+    ap.add_argument("--estimate", action="store_true", help="print the estimated H100 minutes and exit")
+    args = ap.parse_args(argv)
+    args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    selection = parse_selection(args.workloads)
+    print(f"estimated {estimate_minutes(selection)} min on an H100 for {len(selection)} workload-shapes", flush=True)
+    if args.estimate:
+        return 0
+    # `timeout -s TERM` around a device call: stop the servers and engines, keep what was written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out_dir, root, logs = Path(args.out_dir), Path(args.ckpt_root), Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    if args.checkpoints_only:
+        for shape in dict.fromkeys(s for _, s in selection):
+            t0 = time.perf_counter()
+            print(f"{ensure_checkpoint(shape, root, logs)} in {time.perf_counter() - t0:.0f} s", flush=True)
+        return 0
+    try:
+        return run_selection(args, selection, out_dir, root, logs)
+    finally:
+        if args.logs_tar:
+            import tarfile
+
+            with tarfile.open(args.logs_tar, "w:gz") as tar:
+                tar.add(logs, arcname="peers-logs")
+
+
+def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: Path, logs: Path) -> int:
+    import torch
+    import triton
+
+    head = dict(device=device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
+                date=datetime.date.today().isoformat(),
+                command="python benchmarks/peers/run.py " + " ".join(args.argv))
+    failed = False
+    for shape in dict.fromkeys(s for _, s in selection):  # shapes in the order given
+        model = ensure_checkpoint(shape, root, logs)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # the prompts' ids are below it
+        for job in merge_jobs([j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]):
+            if job.kind == "serve":
+                from server.api.servers import default_api_server_count
+
+                job.flags = replace(job.flags, api_server_count=args.api_server_count or default_api_server_count(),
+                                    vllm_args=tuple(shlex.split(args.vllm_args)),
+                                    flashpage_args=tuple(shlex.split(args.flashpage_args)))
+            got = run_job(job, args.engines, model, logs, args.timeout)
+            failed |= any("error" in r for g in got.values() for r in g["rows"])
+            for path in write_results(job, got, out_dir, head):
+                print("wrote", path, flush=True)
+    print(f"device {head['device']} ({gpu_slug(head['device'])})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

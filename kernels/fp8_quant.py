@@ -1,0 +1,157 @@
+"""FP8 (e4m3) activation quantization for the FP8 GEMMs: per token, per token in groups of columns,
+or with one static scale; alone, or fused into the residual add + RMSNorm that produces the input.
+
+quant_fp8 contract (semantics = ``kernels.quant_reference.quant_fp8_ref``):
+  x             [M, K] float16 / bfloat16 / float32, last dim contiguous (row stride free).
+  group         columns per scale: K (or more) = one scale per token; else a power of two >= 16
+                (128 for the 128x128-block checkpoints): one scale per token per `group` columns,
+                the last group of a row possibly partial.
+  static_scale  optional fp32 tensor of one element: every element divided by it (compressed-tensors'
+                static per-tensor FP8); the groups are then ignored and the scale is written per row.
+  returns       (q [M, K] float8_e4m3fn contiguous, scale [M, ceil(K / group)] fp32 contiguous) with,
+                per row and group, scale = max(amax(|x|) / 448, MIN_SCALE) (dynamic) and
+                q = round-to-nearest-even(clamp(x / scale, -448, 448)); x ~= q * scale.
+
+add_rmsnorm_fp8 / rmsnorm_fp8 (semantics = ``quant_fp8_ref`` of ``add_rmsnorm_ref`` / ``rmsnorm_ref``):
+  the residual add (written into x in place, as kernels/rms_norm.py) and the RMSNorm in the model's
+  dtype, exactly as ``add_rmsnorm``/``rmsnorm`` round them, then the normalised row quantized as
+  above without being stored: the GEMM after the norm reads one byte per element instead of two
+  and no launch is spent on quantizing.
+
+One program per row (<= 32768 elements). Exactness: the division is IEEE (div_rn) and the rounding
+to e4m3 is done on the bits (``_e4m3_rne``: the interpreter's own fp32 -> fp8 conversion does not
+round to nearest-even), so q and scale equal the reference bit for bit wherever the kernel's input
+equals the reference's (the fused versions: wherever h does, see kernels/rms_norm.py).
+
+Not checked: NaN/inf in x (a NaN amax propagates to the scale).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.rms_norm import MAX_ROW, rms_row
+from kernels.rounding import round_to
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale (vLLM's floor)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """v (fp32, |v| <= 448) rounded to nearest-even on e4m3's grid, then converted (exactly)."""
+    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, -6)  # below 2^-6 the grid is the subnormals' 2^-9
+    ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds |v / ulp| < 2^22 to an integer, ties to even
+    r = ((tl.abs(v) / ulp + magic) - magic) * ulp
+    return tl.where(v < 0, -r, r).to(tl.float8e4nv)  # the sign kept, -0 included
+
+
+@triton.jit
+def _quantize_row(h, mask, cols, q_row_ptr, s_row_ptr, static_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                  STATIC: tl.constexpr):
+    """Quantize one row held in registers (fp32 [BLOCK], 0 past the row) and store q and its scales."""
+    if STATIC:
+        s = tl.load(static_ptr)
+        tl.store(s_row_ptr, s)
+        v = tl.math.div_rn(h, tl.zeros([BLOCK], tl.float32) + s)
+    elif GROUP >= BLOCK:
+        amax = tl.max(tl.abs(h), axis=0)
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        tl.store(s_row_ptr, s)
+        v = tl.math.div_rn(h, tl.zeros([BLOCK], tl.float32) + s)
+    else:
+        hg = tl.reshape(h, [BLOCK // GROUP, GROUP])
+        amax = tl.max(tl.abs(hg), axis=1)
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        g = tl.arange(0, BLOCK // GROUP)
+        n_groups = (tl.max(tl.where(mask, cols, 0), axis=0) // GROUP) + 1
+        tl.store(s_row_ptr + g, s, mask=g < n_groups)
+        v = tl.reshape(tl.math.div_rn(hg, s[:, None] + tl.zeros([BLOCK // GROUP, GROUP], tl.float32)), [BLOCK])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_row_ptr + cols, _e4m3_rne(v), mask=mask)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n, stride_x, stride_s, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                  STATIC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _quantize_row(h, mask, cols, q_ptr + row * n, s_ptr + row * stride_s, static_ptr, BLOCK, GROUP, STATIC)
+
+
+@triton.jit
+def _norm_quant_kernel(x_ptr, y_ptr, w_ptr, q_ptr, s_ptr, static_ptr, n, eps, stride_x, stride_y, stride_s,
+                       ADD: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dt = x_ptr.dtype.element_ty
+    s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        s = round_to(s + y, dt)  # the residual add in x's dtype, as torch rounds it
+        tl.store(x_ptr + row * stride_x + cols, s, mask=mask)
+        s = s.to(tl.float32)
+    h = rms_row(s, mask, cols, n, eps, w_ptr, dt).to(tl.float32)
+    _quantize_row(h, mask, cols, q_ptr + row * n, s_ptr + row * stride_s, static_ptr, BLOCK, GROUP, STATIC)
+
+
+def _outputs(x: torch.Tensor, group: int, static_scale: torch.Tensor | None):
+    m, k = x.shape
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.stride(1) == 1
+    assert k <= MAX_ROW
+    block = triton.next_power_of_2(k)
+    if static_scale is not None:
+        assert static_scale.numel() == 1 and static_scale.dtype == torch.float32
+        group = block
+    group = min(group, block)
+    assert group >= 16 and group & (group - 1) == 0, "group: a power of two >= 16"
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
+    static = static_scale if static_scale is not None else scale  # never read when dynamic
+    warps = 1 if _INTERPRET else max(1, min(16, block // 512))
+    return q, scale, static, block, group, warps
+
+
+def quant_fp8(x: torch.Tensor, group: int = 1 << 30,
+              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q fp8 [M, K], scale fp32 [M, groups]). See the module docstring."""
+    q, scale, static, block, group, warps = _outputs(x, group, static_scale)
+    if x.shape[0]:
+        _quant_kernel[(x.shape[0],)](x, q, scale, static, x.shape[1], x.stride(0), scale.stride(0), BLOCK=block,
+                                     GROUP=group, STATIC=static_scale is not None, num_warps=warps)
+    return q, scale
+
+
+def add_rmsnorm_fp8(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 1 << 30,
+                    static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x += y (in place); returns (x, q, scale): RMSNorm(x) quantized as ``quant_fp8`` does."""
+    assert y.shape == x.shape and y.dtype == x.dtype and y.stride(1) == 1
+    assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.is_contiguous()
+    q, scale, static, block, group, warps = _outputs(x, group, static_scale)
+    if x.shape[0]:
+        _norm_quant_kernel[(x.shape[0],)](x, y, weight, q, scale, static, x.shape[1], eps, x.stride(0), y.stride(0),
+                                          scale.stride(0), ADD=True, BLOCK=block, GROUP=group,
+                                          STATIC=static_scale is not None, num_warps=warps)
+    return x, q, scale
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 1 << 30,
+                static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): RMSNorm(x) [M, K] quantized as ``quant_fp8`` does (x is not changed)."""
+    assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.is_contiguous()
+    q, scale, static, block, group, warps = _outputs(x, group, static_scale)
+    if x.shape[0]:
+        _norm_quant_kernel[(x.shape[0],)](x, x, weight, q, scale, static, x.shape[1], eps, x.stride(0), x.stride(0),
+                                          scale.stride(0), ADD=False, BLOCK=block, GROUP=group,
+                                          STATIC=static_scale is not None, num_warps=warps)
+    return q, scale

@@ -1,0 +1,136 @@
+"""The tensor-parallel group a model runs in: this process's rank among the processes that split one
+model, and the collectives its sharded layers call (models/parallel/layers.py).
+
+One process per rank (server/worker/parallel/ starts them and the group); every rank runs the same
+forward over its shard of the weights, and the collectives here join the shards: an all-reduce
+after each row-parallel projection and after the vocabulary-parallel embedding, an all-gather of
+the LM head's columns (every rank gets the whole logits; rank 0 chooses the tokens), and a
+broadcast of the ids rank 0 chose (the placeholders of the next step name them: models/base.py).
+NCCL on CUDA (captured in the CUDA graphs like any other kernel), gloo on the CPU. Size 1, the
+default, is one process with the whole model, and every collective is a no-op.
+
+Deterministic mode (`invariant`): NCCL sums a buffer in an order that follows its size (each rank
+reduces its own chunk of it, and the algorithm is picked by size), so a row's sum could change
+with the batch. The invariant all-reduce gathers every rank's part and adds them in rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from models.spec import ModelSpec
+
+TIMEOUT = timedelta(minutes=30)  # a collective that waits longer for a rank fails (a slow rank's load included)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    def split(self, n: int, what: str) -> int:
+        """This rank's share of n (heads, columns, ...), which must divide evenly."""
+        if n % self.size:
+            raise ValueError(f"--tensor-parallel-size {self.size} does not divide the model's {what} ({n})")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """The sum of x over the ranks (in place unless invariant)."""
+        if self.size == 1:
+            return x
+        if not invariant:
+            dist.all_reduce(x)
+            return x
+        parts = _all_gather(x)
+        total = parts[0].float()
+        for part in parts[1:]:  # in rank order, one add at a time: the same bits whatever the batch
+            total += part
+        return total.to(x.dtype)
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, cols] on each rank -> [n, size * cols]: rank r's columns at r * cols (the vocabulary
+        shards of the LM head, in order)."""
+        if self.size == 1:
+            return x
+        parts = _all_gather(x)  # [size, n, cols]
+        return parts.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's x into every rank's x."""
+        if self.size > 1:
+            dist.broadcast(x, 0)
+
+    def min(self, n: int, device: torch.device) -> int:
+        """The smallest n of any rank."""
+        if self.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def _all_gather(x: torch.Tensor) -> torch.Tensor:
+    """[size, *x.shape]: every rank's x, in rank order."""
+    size = dist.get_world_size()
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    # all_gather_single is torch 2.13's name for all_gather_into_tensor (deprecated there; the GPU
+    # machines run torch 2.11, which has only the old one)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous())
+    return out.view(size, *x.shape)
+
+
+def kv_heads(num_kv_heads: int, tp: TensorParallel | None = None) -> tuple[int, int]:
+    """(first, count) of the K/V heads this rank holds: split while there are enough of them, else
+    one each, shared by the ranks whose query heads use it."""
+    tp = tp or tensor_parallel()
+    if num_kv_heads >= tp.size:
+        share = tp.split(num_kv_heads, "key/value heads")
+        return tp.rank * share, share
+    if tp.size % num_kv_heads:
+        raise ValueError(f"--tensor-parallel-size {tp.size} is neither a divisor nor a multiple of the model's "
+                         f"key/value heads ({num_kv_heads})")
+    return tp.rank // (tp.size // num_kv_heads), 1
+
+
+def shard_spec(spec: ModelSpec, tp: TensorParallel | None = None) -> ModelSpec:
+    """The shape of one rank's shard of a model of `spec`: its query and K/V heads (the rest is whole)."""
+    tp = tp or tensor_parallel()
+    return replace(spec, num_heads=tp.split(spec.num_heads, "attention heads"), num_kv_heads=kv_heads(spec.num_kv_heads, tp)[1])
+
+
+_current = TensorParallel()
+
+
+def tensor_parallel() -> TensorParallel:
+    """The group this process's models are built for (size 1 unless init_tensor_parallel ran)."""
+    return _current
+
+
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.device) -> TensorParallel:
+    """Join the group of `size` ranks that meet at `store` (NCCL on a CUDA device, gloo on the CPU);
+    models built from now on hold rank `rank`'s shard. Every rank calls it; it returns when all have."""
+    global _current
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel group is already running in this process (one engine per process)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # device_id: the communicator is made now, not by the first collective, which may be in a
+        # CUDA graph capture
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=TIMEOUT, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+    _current = TensorParallel(rank, size)
+    return _current
+
+
+def close_tensor_parallel() -> None:
+    """Leave the group (models built after this are whole again)."""
+    global _current
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _current = TensorParallel()

@@ -1,0 +1,166 @@
+"""The linear methods: how a `models.linear.Linear` stores a quantized weight and computes with it.
+
+A method `create`s the linear's storage (the canonical tensors of scheme.py, under the names the
+checkpoint's linear has, so the family's load_weights copies them as it copies a 16-bit weight),
+`finish`es it after loading (quantizes a 16-bit weight for --quantization fp8, or dequantizes for
+the 'dequant' mode: the linear is then a plain 16-bit Linear again), and `apply`s it:
+
+  fp8, w8a8         activations quantized to FP8 (per token, per 128-column group, or with the
+                    checkpoint's static scale; by the RMSNorm before the linear where the family
+                    fuses it: `QuantizedInput`), then torch._scaled_mm with rowwise scales
+                    (cuBLASLt/CUTLASS) where its modes fit (one scale per row and channel, bf16
+                    out, N and K multiples of 16), else kernels/fp8_matmul.py;
+  fp8, weight_only  kernels/wo_matmul.py (GPUs without FP8 tensor cores);
+  int4              kernels/wo_matmul.py, the weights dequantized in registers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from kernels.fp8_matmul import fp8_matmul
+from kernels.fp8_quant import quant_fp8
+from kernels.quant_reference import dequant_fp8, dequant_int4
+from kernels.wo_matmul import wo_matmul
+from models.quant.fp8 import quantize_per_channel
+from models.quant.scheme import PER_CHANNEL, QuantScheme
+
+
+# Rows up to which a w8a8 linear uses the Triton FP8 GEMM even where torch._scaled_mm fits: decode
+# batches, where the weight's bytes are the cost. On an H100 (torch 2.11) at the Llama-3.1-8B
+# shape's four linears the Triton GEMM took 18.8/17.2/56.1/43.8 us at one row against
+# torch._scaled_mm's 23.4/19.2/61.4/53.3 (benchmarks/results/quant_h100.json, sweep_fp8); from
+# 2048 rows torch._scaled_mm is 1.5-2x faster.
+TRITON_DECODE_ROWS = 16
+
+
+class QuantizedInput(NamedTuple):
+    """A linear's input already quantized to FP8 (by the norm before it): q [M, K], scale [M, groups]."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+class ActivationFormat(NamedTuple):
+    """What a w8a8 linear wants its input quantized as: `group` columns per scale, or one static scale."""
+    group: int
+    static_scale: torch.Tensor | None
+
+
+def _param(linear: nn.Module, name: str, t: torch.Tensor) -> None:
+    if name in linear._parameters:
+        delattr(linear, name)
+    setattr(linear, name, nn.Parameter(t, requires_grad=False))
+
+
+def _groups(k: int, group: int) -> int:
+    return 1 if group >= k else -(-k // group)
+
+
+def _to_dense(linear: nn.Module, weight: torch.Tensor, drop: tuple[str, ...]) -> None:
+    """The 'dequant' mode's end: a plain 16-bit Linear with the dequantized weight."""
+    for name in drop:
+        if name in linear._parameters:
+            delattr(linear, name)
+    _param(linear, "weight", weight)
+    linear.quant = None
+
+
+class Fp8Method:
+    def __init__(self, scheme: QuantScheme, mode: str, dtype: torch.dtype) -> None:
+        self.scheme, self.mode, self.dtype = scheme, mode, dtype
+
+    def create(self, linear: nn.Module, device: torch.device) -> None:
+        if self.scheme.online:
+            return  # the checkpoint's 16-bit weight loads into the usual parameter; finish quantizes it
+        n, k = linear.out_features, linear.in_features
+        _param(linear, "weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device))
+        _param(linear, "weight_scale", torch.empty(n, _groups(k, self.scheme.group), device=device))
+        if self.scheme.activations == "static":
+            _param(linear, "input_scale", torch.empty(1, device=device))
+
+    def finish(self, linear: nn.Module) -> None:
+        if self.scheme.online:
+            q, scale = quantize_per_channel(linear.weight)
+            _param(linear, "weight", q)
+            _param(linear, "weight_scale", scale)
+        if self.mode == "dequant":
+            w = dequant_fp8(linear.weight, linear.weight_scale, self.scheme.group, self.dtype)
+            _to_dense(linear, w, ("weight_scale", "input_scale"))
+            return
+        n, k = linear.weight.shape
+        # torch._scaled_mm's rowwise mode: per-row and per-channel scales, bf16 out, 16-aligned shapes
+        linear.scaled_mm = (self.mode == "w8a8" and self.scheme.group >= k and self.dtype == torch.bfloat16
+                            and n % 16 == 0 and k % 16 == 0)
+
+    def activation_format(self, linear: nn.Module) -> ActivationFormat | None:
+        if self.mode != "w8a8":
+            return None
+        return ActivationFormat(self.scheme.activation_group, getattr(linear, "input_scale", None))
+
+    def apply(self, linear: nn.Module, x: torch.Tensor | QuantizedInput) -> torch.Tensor:
+        if self.mode == "weight_only":
+            return wo_matmul(x, linear.weight, linear.weight_scale, None, self.scheme.group, linear.bias)
+        if isinstance(x, QuantizedInput):
+            q, scale = x
+        else:
+            q, scale = quant_fp8(x, self.scheme.activation_group, getattr(linear, "input_scale", None))
+        if linear.scaled_mm and q.shape[0] > TRITON_DECODE_ROWS:
+            out = torch._scaled_mm(q, linear.weight.t(), scale_a=scale, scale_b=linear.weight_scale.view(1, -1),
+                                   out_dtype=self.dtype)
+            return out if linear.bias is None else out.add_(linear.bias)
+        return fp8_matmul(q, scale, linear.weight, linear.weight_scale, self.scheme.group, self.dtype, linear.bias)
+
+
+class Int4Method:
+    def __init__(self, scheme: QuantScheme, mode: str, dtype: torch.dtype) -> None:
+        self.scheme, self.mode, self.dtype = scheme, mode, dtype
+
+    def create(self, linear: nn.Module, device: torch.device) -> None:
+        n, k = linear.out_features, linear.in_features
+        if k % 8:
+            raise ValueError(f"int4 weights need input features divisible by 8 ({k})")
+        groups = _groups(k, self.scheme.group)
+        if "weight" in linear._parameters:
+            delattr(linear, "weight")
+        _param(linear, "qweight", torch.empty(n, k // 8, dtype=torch.int32, device=device))
+        _param(linear, "scales", torch.empty(n, groups, device=device))
+        _param(linear, "zeros", torch.empty(n, groups, dtype=torch.uint8, device=device))
+        if self.scheme.g_idx:
+            _param(linear, "g_idx", torch.empty(k, dtype=torch.int32, device=device))
+
+    def finish(self, linear: nn.Module) -> None:
+        if self.mode == "dequant":
+            w = dequant_int4(linear.qweight, linear.scales, linear.zeros, self.scheme.group, self.dtype,
+                             getattr(linear, "g_idx", None))
+            _to_dense(linear, w, ("qweight", "scales", "zeros", "g_idx"))
+
+    def activation_format(self, linear: nn.Module) -> ActivationFormat | None:
+        return None
+
+    def apply(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return wo_matmul(x, linear.qweight, linear.scales, linear.zeros, self.scheme.group, linear.bias,
+                         getattr(linear, "g_idx", None))
+
+
+def make_method(scheme: QuantScheme, mode: str, dtype: torch.dtype) -> Fp8Method | Int4Method:
+    return (Fp8Method if scheme.weights == "fp8" else Int4Method)(scheme, mode, dtype)
+
+
+def merge_parts(leaf: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor of a merged projection (QKV, gate/up) from its parts', in order: stacked along the
+    output features, except the input side's, which the parts share (they read one input): the
+    static activation scale is the largest part's (nothing clips), g_idx must be the same."""
+    if leaf == "input_scale":
+        return torch.stack([p.reshape(()) for p in pieces]).max().reshape(1)
+    if leaf == "g_idx":
+        if any(not torch.equal(p, pieces[0]) for p in pieces[1:]):
+            raise ValueError("the parts of a merged projection have different g_idx (GPTQ desc_act): not supported")
+        return pieces[0]
+    return torch.cat(pieces, dim=0)
+
+
+__all__ = ["PER_CHANNEL", "QuantizedInput", "ActivationFormat", "Fp8Method", "Int4Method", "make_method",
+           "merge_parts"]

@@ -1,0 +1,43 @@
+"""benchmarks/bench_spec.py's oracle on the CPU: the mean accepted length it sets is the one the engine
+measures ((1 - p^(k+1)) / (1 - p)), whichever proposer pays for the proposals, and the plain engine
+is what its 'off' runs measure."""
+
+import json
+
+import pytest
+
+from benchmarks.bench_spec import configure, expected_length, run_clients
+from server.config import EngineConfig, SpeculativeConfig
+from server.engine import LLMEngine
+from server.engine.spec.ngram import NgramProposer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    spec = SpeculativeConfig.parse(json.dumps({"model": str(tiny_ckpt), "num_speculative_tokens": 4}))
+    eng = LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", num_blocks=128, speculative_config=spec))
+    eng.speculator.draft_proposer = eng.speculator.proposer
+    eng.speculator.ngram_proposer = NgramProposer(1, 3)
+    return eng
+
+
+@pytest.mark.parametrize("method,p", [("ngram", 0.77), ("draft_model", 0.5), ("ngram", 0.0)])
+def test_the_oracle_sets_the_mean_accepted_length(engine, method, p):
+    spec = engine.speculator
+    configure(engine, spec, method, p, 32)
+    prompts = [[i + 1] * 7 for i in range(4)]
+    r = run_clients(engine, prompts, 60)
+    c = spec.counters
+    measured = 1 + c.accepted_tokens / c.drafts
+    assert abs(measured - expected_length(p, 4)) < 0.5, (measured, expected_length(p, 4))
+    assert r["output_tok_s"] > 0 and engine.block_manager.check_all_free()
+    assert engine.num_generated_tokens % 60 == 0  # every request made exactly its 60 tokens
+
+
+def test_off_is_the_plain_engine(engine):
+    spec = engine.speculator
+    configure(engine, spec, None, 0.0, 32)
+    assert engine.speculator is None
+    run_clients(engine, [[5, 6, 7]], 10)
+    configure(engine, spec, "ngram", 0.9, 32)
+    assert engine.speculator is spec and spec.counters.drafts == 0

@@ -1,0 +1,121 @@
+"""GPU-only (skipped without two CUDA GPUs): tensor parallelism over NCCL, with the Triton backend,
+CUDA graphs (the all-reduces, the LM head's gather and the sampled ids' broadcast captured in them),
+asynchronous scheduling, chunked prefill and prefix caching: --tensor-parallel-size 2 gives one
+GPU's greedy tokens up to bf16 near-ties (each parting checked against transformers' fp32 logits,
+as test_gpu_parity does) and its chosen tokens' log-probabilities within bf16 noise, at the
+Llama-3.1-8B shape's attention (32 query and 8 K/V heads of 128, hidden 4096) with fewer layers, a
+narrower MLP and a smaller vocabulary; eager steps (--enforce-eager) likewise; the rank-0-only
+parts (penalties, seeded sampling, structured outputs with the grammar's wait on the device, prompt
+log-probabilities) run beside the collectives and choose what one GPU chooses; and --deterministic
+at two GPUs keeps a request's bits whatever shares its batch.
+
+The one-GPU reference engine runs on cuda:0 throughout; the two-GPU engines have rank 0 in this
+process and rank 1 in a process of its own on cuda:1, one at a time (one group per process)."""
+
+import json
+
+import pytest
+import torch
+
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.sampling_params import SamplingParams, StructuredOutput
+from tests.gpu.test_gpu_parity import _assert_same_greedy, _assert_same_logprobs, _logprobs, _prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs two CUDA GPUs")
+
+# Llama-3.1-8B's attention; 3 layers, MLP 4096 wide, 4096-token vocabulary (_prompts draws ids < 2048)
+SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096, intermediate_size=4096,
+             num_hidden_layers=3, max_position_embeddings=2048, vocab_size=4096, initializer_range=0.02)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.helpers import make_llama_checkpoint
+
+    path = make_llama_checkpoint(tmp_path_factory.mktemp("tp-llama-8b-shape"), "llama", **SHAPE)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))  # served in bf16, as 8B is
+    return path
+
+
+def _engine(path, tp: int, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), device="cuda", tensor_parallel_size=tp, num_blocks=1024,
+                                  max_model_len=2048, max_num_batched_tokens=256, **kw))
+
+
+@pytest.fixture(scope="module")
+def one_gpu(ckpt):
+    eng = _engine(ckpt, 1)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def two_gpus(ckpt):
+    eng = _engine(ckpt, 2)
+    yield eng
+    eng.close()
+
+
+def _workload():
+    shared = _prompts(1, 150, 150, seed=3)[0]
+    return _prompts(20, 1, 300) + [[7], [5] * 17] + [shared + p for p in _prompts(6, 1, 40, seed=4)]
+
+
+def _compare(ckpt, prompts, two, one):
+    order = [str(i) for i in range(len(prompts))]
+    _assert_same_greedy(ckpt, prompts, [two[0][r] for r in order], [one[0][r] for r in order], "bfloat16")
+    _assert_same_logprobs(two, one, bound=0.15)
+
+
+def test_two_gpus_give_one_gpus_greedy_tokens_and_logprobs(ckpt, one_gpu, two_gpus):
+    prompts = _workload()
+    _compare(ckpt, prompts, _logprobs(two_gpus, prompts), _logprobs(one_gpu, prompts))
+
+
+def test_rank_0s_choices_beside_the_collectives(one_gpu, two_gpus):
+    """Penalties (the decode graph's penalized argmax), seeded sampling with top-k (the general
+    sampler) and without (the argmax's noise), a structured regex (the grammar's wait kernel on rank
+    0's stream, then its masked argmax), and prompt log-probabilities (eager steps with LM-head
+    slices on every rank), all in one batch."""
+    params = [SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.2, frequency_penalty=0.3),
+              SamplingParams(max_tokens=16, temperature=0.8, top_k=50, seed=5),
+              SamplingParams(max_tokens=16, temperature=1.0, seed=6),
+              SamplingParams(max_tokens=16, temperature=0, structured=StructuredOutput("regex", "[a-z ]{4,20}")),
+              SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)] * 2
+    prompts = _prompts(len(params), 20, 120, seed=9)
+    want = one_gpu.generate(prompts, params)
+    got = two_gpus.generate(prompts, params)
+    assert two_gpus.block_manager.check_all_free()
+    for p, a, b in zip(params, want, got):
+        assert len(b.token_ids) == len(a.token_ids) or p.structured is not None
+        if p.prompt_logprobs:
+            worst = max(abs(x[0][1] - y[0][1]) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs))
+            assert worst < 0.15, f"prompt log-probabilities differ by {worst:.3f}"
+    same = sum(a.token_ids == b.token_ids for a, b in zip(want, got))
+    assert same >= len(params) // 2, f"only {same} of {len(params)} requests chose one GPU's tokens"
+
+
+def test_eager_steps_at_two_gpus_too(ckpt, one_gpu, two_gpus):
+    prompts = _workload()[::2]
+    want = _logprobs(one_gpu, prompts)
+    two_gpus.close()  # (its group: one per process)
+    eager = _engine(ckpt, 2, enforce_eager=True)
+    try:
+        _compare(ckpt, prompts, _logprobs(eager, prompts), want)
+    finally:
+        eager.close()
+
+
+def test_deterministic_mode_at_two_gpus_keeps_a_requests_bits_whatever_its_batch(ckpt):
+    """The row-parallel sums are an all-gather and a sum in rank order there (models/parallel/group.py)."""
+    probe = _prompts(1, 90, 90, seed=12)
+    eng = _engine(ckpt, 2, deterministic=True)
+    try:
+        alone = _logprobs(eng, probe)
+        crowded = _logprobs(eng, probe + _prompts(15, 1, 200, seed=13))
+    finally:
+        eng.close()
+    assert alone[0]["0"] == crowded[0]["0"] and alone[1]["0"] == crowded[1]["0"]

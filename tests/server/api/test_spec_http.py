@@ -1,0 +1,71 @@
+"""Speculative decoding over HTTP (`python -m server --speculative-config ...`, real uvicorn processes
+on the CPU): concurrent /generate requests against a cache too small for them all (preemption), a
+32-token step budget (chunked prefill) and a second wave that continues the first's prompts (prefix
+hits) give transformers' greedy tokens, for the GPT-2 family (a draft model: the checkpoint drafting
+for itself, so runs of proposals are accepted, through the engine process) and the Llama family (the
+n-gram method, the engine on a thread); /metrics counts the verifications under vLLM's names, and no
+KV block is held afterwards. tests/gpu/test_gpu_spec.py runs the Triton backend's CUDA graphs."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.common import ServerProcess
+from tests.helpers import make_llama_checkpoint
+from tests.models.test_families_http import (SERVER_ARGS, STEP_SLEEP_ENV, assert_exercised, exchange, hf_greedy_all,
+                                             wave_prompts)
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("spec-http-llama"), num_attention_heads=8,
+                                 num_key_value_heads=2, hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_ckpt, llama_ckpt):
+    specs = {"gpt2": (tiny_ckpt, {"model": str(tiny_ckpt), "num_speculative_tokens": 3}, []),
+             "llama": (llama_ckpt, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                    "prompt_lookup_max": 2}, ["--no-engine-process"])}
+    started = {family: ServerProcess.python_server(
+        ["--model", str(path), "--device", "cpu", "--attention", "sdpa", *SERVER_ARGS, "--speculative-config",
+         json.dumps(spec), *extra], extra_env=STEP_SLEEP_ENV) for family, (path, spec, extra) in specs.items()}
+    try:
+        yield {family: srv.wait_healthy(180).url for family, srv in started.items()}
+    finally:
+        for srv in started.values():
+            srv.stop(30, sig=signal.SIGKILL)
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:spec_decode"):
+                key = s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")
+                out[key] = s.value
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_over_http_with_speculation_matches_transformers(servers, tiny_ckpt, llama_ckpt, family):
+    first, second = wave_prompts()
+    want = hf_greedy_all(tiny_ckpt if family == "gpt2" else llama_ckpt, first + second)
+    prompts, got, metrics = exchange(servers[family])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"{family}: prompt {i} ({len(prompts[i])} tokens) differs from transformers"
+    assert_exercised(metrics)
+    c = spec_counters(servers[family])
+    assert c["vllm:spec_decode_num_drafts_total"] > 0
+    assert c["vllm:spec_decode_num_draft_tokens_total"] >= c["vllm:spec_decode_num_drafts_total"]
+    per_pos = [c[f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]"] for i in range(3)]
+    assert sum(per_pos) == c["vllm:spec_decode_num_accepted_tokens_total"]
+    assert per_pos == sorted(per_pos, reverse=True)  # a proposal stands only after the ones before it
+    if family == "gpt2":  # the draft is the target: runs of proposals accepted
+        assert per_pos[2] > 0
