@@ -16,7 +16,8 @@ from server.api.reasoning import REASONING_PARSERS
 from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
 from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE,
-                           QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
+                           QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig,
+                           StructuredLimits)
 
 
 def device(text: str) -> str:
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who encodes prompts: 'auto' uses fastokens (~20x faster) where it encodes a probe set "
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
+    add_structured_arguments(p, d.structured)
     tools = ServerLimits().tools
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=tools.parser,
                    help="the format the model writes tool calls in (vLLM's names: hermes for Qwen2.5 and Qwen3, "
@@ -145,9 +147,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_structured_arguments(p: argparse.ArgumentParser, d: StructuredLimits) -> None:
+    """The bounds on structured-output specs (server/engine/grammar_bounds.py) and their compile
+    (server/engine/grammar_compile.py): over one, a request is a 400 that names its flag."""
+    g = p.add_argument_group("structured outputs (every spec is bounded, then compiled in a sacrificial process)")
+    g.add_argument("--max-structured-spec-bytes", type=Bound(parse_bytes, 1, what=SIZE),
+                   default=d.max_structured_spec_bytes,
+                   help="largest JSON schema (as JSON), regular expression, EBNF grammar or choice list")
+    g.add_argument("--max-structured-depth", type=Bound(int, 1), default=d.max_structured_depth,
+                   help="deepest nesting of objects and arrays in a JSON schema, counting what its $refs name")
+    g.add_argument("--max-structured-length", type=Bound(int, 1), default=d.max_structured_length,
+                   help="largest count a spec may ask for: a JSON schema's maxLength, minLength, maxItems, minItems, "
+                        "maxProperties, minProperties, and {m,n} in a regular expression or EBNF grammar")
+    g.add_argument("--max-structured-items", type=Bound(int, 1), default=d.max_structured_items,
+                   help="most entries of one list in a JSON schema (enum, anyOf, oneOf, required, ...) or of a choice")
+    g.add_argument("--max-structured-properties", type=Bound(int, 1), default=d.max_structured_properties,
+                   help="most properties of one object in a JSON schema")
+    g.add_argument("--max-structured-regex-chars", type=Bound(int, 1), default=d.max_structured_regex_chars,
+                   help="longest regular expression, as a spec or a JSON schema's pattern")
+    g.add_argument("--structured-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.structured_cache_memory,
+                   help="compiled grammars each process that compiles keeps (least recently used go first), e.g. 256MiB")
+    g.add_argument("--structured-compile-timeout", type=Bound(float, above=0), default=d.structured_compile_timeout,
+                   help="seconds a new spec may take to compile; past them its request is a 400 and the compile "
+                        "process is replaced")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = EngineConfig.__dataclass_fields__
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    fields, given = EngineConfig.__dataclass_fields__, vars(args)
+    structured = StructuredLimits(**{k: v for k, v in given.items() if k in StructuredLimits.__dataclass_fields__})
+    return EngineConfig(**{k: v for k, v in given.items() if k in fields}, structured=structured)
 
 
 def main(argv: list[str] | None = None) -> None:

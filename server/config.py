@@ -6,7 +6,7 @@ worker read their settings from it, and tests build it with only what they chang
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The CLI's choices, spelled here so that `python -m server --help` need not import torch to list
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
@@ -26,6 +26,29 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 # 8192 (Llama-3.2-1B made 4% more tokens a second with it). vLLM splits its defaults the same way
 # (its OpenAI server against its LLM class).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class StructuredLimits:
+    """Bounds on a structured-output spec (a JSON schema, regular expression, EBNF grammar or choice
+    list), checked before any compiler sees it (server/engine/grammar_bounds.py), and on its compile,
+    which runs in a sacrificial process (server/engine/grammar_compile.py). XGrammar's cost is not
+    its input's size: a $ref chain 3,600 deep overflowed its stack (the process died), and a few
+    hundred bytes can take it minutes or gigabytes. The field names are the flags' (server/cli.py);
+    vLLM has none for these."""
+
+    max_structured_spec_bytes: int = 65536  # the spec's text (a schema as JSON)
+    max_structured_depth: int = 128  # objects and arrays inside each other in a schema, $refs followed
+    # A count a spec asks for: maxLength, minLength, max/minItems, max/minProperties in a schema; {m,n}
+    # in a regular expression or EBNF grammar (maxLength 20,000,000 took XGrammar 1.6 GB)
+    max_structured_length: int = 16384
+    max_structured_items: int = 4096  # entries of one list in a schema (enum, anyOf, required, ...) or choice
+    max_structured_properties: int = 256  # properties of one object (400 optional ones compile for ~5 s)
+    max_structured_regex_chars: int = 4096  # a regular expression, or a schema's pattern ("." * 30000: ~30 s)
+    structured_compile_timeout: float = 10.0  # seconds a spec may take to compile; then a 400
+    # Compiled grammars kept in each process that compiles (its compile processes, the grammar process),
+    # least recently used going first: ~20 distinct specs took one from 503 to 1,348 MB
+    structured_cache_memory: int = 256 << 20
 
 
 @dataclass
@@ -62,6 +85,7 @@ class EngineConfig:
     # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
+    structured: StructuredLimits = field(default_factory=StructuredLimits)  # bounds on structured-output specs
     # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
     # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
     tensor_parallel_size: int = 1
