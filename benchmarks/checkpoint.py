@@ -80,10 +80,10 @@ LLAMA_SHAPES = {
 }
 
 
-def make_random_llama(path: str | Path, shape: str, seed: int = 0, device: str = "cpu") -> Path:
-    """A random bf16 checkpoint of one of LLAMA_SHAPES, built by transformers' own model class on
-    `device` (an 8B model's random initialisation takes minutes on a CPU, seconds on a GPU; the
-    weights differ between devices for one seed)."""
+def make_random_llama(path: str | Path, shape: str | dict, seed: int = 0, device: str = "cpu") -> Path:
+    """A random bf16 checkpoint of one of LLAMA_SHAPES (or of a dict of such config fields), built by
+    transformers' own model class on `device` (an 8B model's random initialisation takes minutes on
+    a CPU, seconds on a GPU; the weights differ between devices for one seed)."""
     import torch
     import transformers
 
@@ -111,9 +111,9 @@ def make_config_only_llama(path: str | Path, shape: str) -> Path:
     return path
 
 
-def _llama_config(shape: str):
-    """transformers' config of one of LLAMA_SHAPES, bf16."""
+def _llama_config(shape: str | dict):
+    """transformers' config of one of LLAMA_SHAPES (or of a dict of such config fields), bf16."""
     import transformers
 
-    fields = dict(LLAMA_SHAPES[shape])
+    fields = dict(LLAMA_SHAPES[shape] if isinstance(shape, str) else shape)
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
+#                                   fp8kv|fp8kv-engine|quant|quanttests]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
 # orjson), fetched here once:
 #   ../shared/device/fetch-wheels.sh msgspec httptools uvloop prometheus_client fastokens "vllm-router==0.1.17"
-# plus xgrammar without its dependencies (torch, transformers and triton are on the machine):
+# plus xgrammar, and compressed-tensors with loguru (the quant steps: compressed-tensors checkpoints),
+# without their dependencies (torch, transformers, triton, pydantic and psutil are on the machine or above):
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl xgrammar
+#     --platform manylinux_2_28_x86_64 -d .whl xgrammar "compressed-tensors==0.20.0" loguru
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
@@ -65,6 +67,23 @@ for step in "${@:-tests throughput prefix}"; do
           -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
         python3 benchmarks/bench_spec.py --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
         grep -v '^{' "$OUT/spec.log" | tail -35 ;;
+      # Issue 47: quantized weights, one device call each. quant: bench_quant on the Llama-3.1-8B shape
+      # (the GEMMs at 1/16/256/2048 rows as CUDA graphs, the GEMV tile sweep, then bf16, FP8_DYNAMIC,
+      # AWQ and 128x128-block engines side by side: batch-1 TPOT and offline throughput; engines past
+      # its time budget are skipped, each in a child process); quanttests: the quantization GPU tests
+      # (every path at 1/13/200 tokens, graph replay against eager bit for bit, the engine's graphs,
+      # speculation on a quantized target, the staging race) and the quantized kernels' tests on the GPU.
+      # QUANT_ARGS adds bench_quant flags (a second call: QUANT_ARGS="--steps engine --formats fp8-block").
+      quant)
+        # shellcheck disable=SC2086
+        timeout 565 python3 benchmarks/bench_quant.py --time-budget 490 --out-dir "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 \
+          || status=1
+        grep -v '^{' "$OUT/quant.log" | tail -40 ;;
+      quanttests)
+        timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_staging.py \
+          tests/kernels/test_gemv.py tests/kernels/test_dequant.py tests/kernels/test_fp8_quant.py \
+          tests/kernels/test_fp8_matmul.py tests/kernels/test_wo_matmul.py tests/models/test_quant_gemms.py 2>&1 \
+          | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
       # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
       # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
       # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
@@ -76,6 +95,20 @@ for step in "${@:-tests throughput prefix}"; do
       tp4)
         timeout 540 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
+      # Issue 46: the FP8 KV cache. fp8kv: its GPU tests and the kernels' fp8 tests (Triton's casts on
+      # the hardware), then the decode kernel against the 16-bit one on the same shapes and a tile
+      # sweep; fp8kv-engine: the Llama-3.1-8B shape (dummy weights), 8k-token prompts, as many at once
+      # as each cache holds, and batch-1 TPOT at 32k, per cache dtype (each step fits one call).
+      fp8kv)
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/kernels/test_fp8.py \
+          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
+          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
+          2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+        timeout 240 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 45 --tag decode \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;
+      fp8kv-engine)
+        timeout 570 python3 benchmarks/bench_fp8_kv.py --sections engine --tag engine --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
       profile)
         for n in 1 4; do
           python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \

@@ -34,6 +34,8 @@ SECTIONS = [
     ("tp_", "benchmarks.bench_tp", "Tensor parallelism"),
     ("peers_", "benchmarks.peers.report", "Side by side with vLLM"),
     ("spec_", "benchmarks.bench_spec", "Speculative decoding against its acceptance"),
+    ("fp8_kv_", "benchmarks.bench_fp8_kv", "FP8 KV cache: decode kernel and engine"),
+    ("kv_accuracy_", "benchmarks.bench_kv_accuracy", "FP8 KV cache: accuracy"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

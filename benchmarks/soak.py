@@ -5,13 +5,17 @@ then: was anything lost, did anything leak? Loopback only.
     python benchmarks/soak.py --url http://127.0.0.1:8000   # or soaks one that runs (give --pid for RSS)
     python benchmarks/soak.py --model PATH --requests 300 --time-limit 60 --out soak.json
 
-The mix (seeded): ~80% valid requests with random sampling settings (temperature, top_p, top_k,
+The mix (seeded): ~75% valid requests with random sampling settings (temperature, top_p, top_k,
 seed, stop strings, text or token-id prompts, streamed or not); ~10% malformed (bad JSON, unknown
 fields, out-of-range values, NaN, invalid UTF-8, out-of-vocabulary ids, prompts over the context or
 --max-prompt-chars, bodies over --max-body-bytes); ~10% dropped by the client mid-request (streams
-closed after a few events, non-streaming requests cancelled); and every `--burst-every` requests a
-burst of `--burst-size` at once, beyond the waiting-queue limit, that must get 503 + Retry-After
-rather than anything worse. Bounded by `--requests` and `--time-limit`.
+closed after a few events, non-streaming requests cancelled); ~5% hostile structured outputs and
+large asks (issue 44: a $ref chain thousands deep, a 41-byte schema asking for gigabytes, a regex
+that compiles for minutes, specs that are invalid or nest too deep as text, n x logprobs past
+--max-request-tokens, logit_bias keys Python's int() reads), each of which must be a 400 and must
+cost nothing else, mixed with valid constrained requests whose text must match their spec; and
+every `--burst-every` requests a burst of `--burst-size` at once, beyond the waiting-queue limit,
+that must get 503 + Retry-After rather than anything worse. Bounded by `--requests` and `--time-limit`.
 
 Reported (JSON on stdout, and to --out): requests sent / completed / rejected by status per kind,
 5xx on valid requests (503 with Retry-After is a rejection, not a failure), malformed requests not
@@ -27,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -41,7 +46,8 @@ from benchmarks.common import REPO_ROOT, ServerProcess  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over lazy dog return a new list of items naive cafe def f x "
          "Tokyo hello world server cache block page flash prefill decode").split()
-MUST_BE_ZERO = ("valid_5xx", "malformed_not_4xx", "wrong_responses", "lost", "leaked_blocks", "leaked_requests")
+MUST_BE_ZERO = ("valid_5xx", "malformed_not_4xx", "hostile_wrong", "wrong_responses", "lost", "leaked_blocks",
+                "leaked_requests")
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -124,9 +130,39 @@ def malformed(rng: random.Random, a) -> tuple[str, bytes]:
     return rng.choice(cases)
 
 
+def ref_chain(levels: int) -> dict:
+    """Issue 44's crasher: each definition's property refers to the next."""
+    defs = {f"d{i}": {"properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(levels)}
+    return {"$defs": {**defs, f"d{levels}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def hostile(rng: random.Random, a) -> tuple[str, str, dict, str | None]:
+    """(name, path, body, the pattern a 200's text must match; None: it must be a 400). Within the
+    soak server's --max-body-bytes (64 KiB)."""
+    gen = {"prompt": _text(rng, 3), "max_tokens": 8, "temperature": 0}
+    so = lambda spec: {**gen, "structured_outputs": spec}  # noqa: E731
+    v1 = {"model": a.model_name, "prompt": _text(rng, 3), "max_tokens": 2}
+    cases = [
+        ("ref_chain", "/generate", so({"json": ref_chain(700)}), None),  # 2,100 levels: past --max-structured-depth
+        ("max_length", "/generate", so({"json": {"type": "string", "maxLength": 20_000_000}}), None),
+        ("min_properties", "/generate", so({"json": {"type": "object", "minProperties": 10**9}}), None),
+        ("long_regex", "/generate", so({"regex": "." * 30_000}), None),  # ~30 s of compile: past the bound
+        ("huge_repeat", "/generate", so({"regex": "x{1,10000000}"}), None),
+        ("deep_text", "/generate", so({"json": "[" * 20_000 + "]" * 20_000}), None),
+        ("invalid_regex", "/generate", so({"regex": "[a-" + str(rng.randrange(10**6))}), None),
+        ("invalid_schema", "/generate", so({"json": {"type": f"objec{rng.randrange(10**6)}"}}), None),
+        ("logprobs_past_cap", "/v1/completions", {**v1, "prompt": [5] * 100, "n": 128, "echo": True,
+                                                  "logprobs": 20, "max_tokens": 0}, None),
+        ("logit_bias_key", "/v1/completions", {**v1, "logit_bias": {rng.choice([" 5", "\u0663", "+5"]): 1.0}}, None),
+        ("choice", "/generate", so({"choice": ["yes", "no", "maybe"]}), r"yes|no|maybe"),
+        ("regex", "/generate", so({"regex": "[a-z]{1,6}"}), r"[a-z]{1,6}"),
+    ]
+    return rng.choice(cases)
+
+
 class Tally:
     def __init__(self) -> None:
-        self.status: dict[str, Counter] = {k: Counter() for k in ("valid", "malformed", "dropped", "burst")}
+        self.status: dict[str, Counter] = {k: Counter() for k in ("valid", "malformed", "dropped", "burst", "hostile")}
         self.counts = Counter()
         self.examples: dict[str, list] = {}
 
@@ -209,6 +245,23 @@ async def one_malformed(c: httpx.AsyncClient, name: str, raw: bytes, t: Tally) -
         t.bad("malformed_not_4xx", {"malformed": name, "status": r.status_code, "body": r.text[:300]})
 
 
+async def one_hostile(c: httpx.AsyncClient, case: tuple, t: Tally) -> None:
+    name, path, body, pattern = case
+    try:
+        r = await c.post(path, json=body)
+    except httpx.HTTPError as e:
+        t.status["hostile"]["transport_error"] += 1
+        t.bad("lost", {"hostile": name, "error": repr(e)})
+        return
+    t.status["hostile"][r.status_code] += 1
+    if r.status_code == 503 and r.headers.get("retry-after"):
+        return  # turned away under load, as any request may be
+    text = r.json().get("text") if r.status_code == 200 else None
+    if (pattern is None and r.status_code != 400) or (pattern is not None and (
+            r.status_code != 200 or not re.fullmatch(pattern, text or ""))):
+        t.bad("hostile_wrong", {"hostile": name, "status": r.status_code, "body": r.text[:300]})
+
+
 async def one_dropped(c: httpx.AsyncClient, rng: random.Random, a, t: Tally) -> None:
     req = {**valid_body(rng, a), "max_tokens": a.max_tokens, "ignore_eos": True}
     try:
@@ -256,6 +309,8 @@ async def soak(url: str, a, t: Tally) -> dict:
                 coro = one_malformed(c, name, raw, t)
             elif r < a.malformed + a.dropped:
                 coro = one_dropped(c, random.Random(rng.random()), a, t)
+            elif r < a.malformed + a.dropped + a.hostile:
+                coro = one_hostile(c, hostile(rng, a), t)
             else:
                 coro = one_valid(c, valid_body(rng, a), "valid", t)
             await sem.acquire()  # keep `concurrency` in flight
@@ -296,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-size", type=int, default=48)
     p.add_argument("--malformed", type=float, default=0.1, help="share of malformed requests")
     p.add_argument("--dropped", type=float, default=0.1, help="share of requests dropped by the client")
+    p.add_argument("--hostile", type=float, default=0.05,
+                   help="share of hostile structured-output specs and large asks (and valid constrained requests)")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a valid request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="client timeout per request")
     p.add_argument("--seed", type=int, default=0)
@@ -340,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         card = {}
     a.context = int(card.get("max_model_len", 1024))
+    a.model_name = card.get("id", "")
     a.vocab_size = a.vocab_size or _vocab_size(url, headers)
 
     t = Tally()

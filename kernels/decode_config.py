@@ -46,17 +46,49 @@ def merge_heads(group: int, splits_pad: int, head_dim_pad: int, num_warps: int) 
 
 
 def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
-                  head_dim: int = 64) -> dict:
-    """Tile / warps / stages / split count, from shapes only (never from tensor values)."""
+                  head_dim: int = 64, kv_bytes: int = 2) -> dict:
+    """Tile / warps / stages / split count, from shapes only (never from tensor values). kv_bytes:
+    the cache's element size (1 for an fp8 cache)."""
     if _INTERPRET:  # one fixed small config; programs run one by one, so few splits
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1, "PREFETCH": 2,
                 "num_splits": split_count(num_seqs * num_kv_heads, max_ctx, 32, 4 * sm_count, min_tiles=1)}
+    if kv_bytes == 1:
+        return choose_fp8_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
     return choose_gpu_config(num_seqs, num_kv_heads, group, max_ctx, sm_count, head_dim)
+
+
+# An fp8 cache (kernels/fp8.py: the tensor-core dots run in fp16). FP8_TILES[(lane-wise path,
+# padded head_dim)] = (BLOCK_N, num_warps, num_stages, PREFETCH). Picked from the first H100 sweep,
+# whose dots were in bf16 (benchmarks/results/fp8_kv_bf16-dots_h100.json): on the GQA path 5 stages
+# won at every shape, 64- and 128-key tiles within 8% of each other, and more splits than the
+# 16-bit merge cap (32 against 16 for one 64k-token sequence: each program moves half the bytes);
+# on the lane-wise path 32-key tiles of 8 warps were within 5% of the best at both shapes. Not yet
+# swept with fp16 dots.
+FP8_TILES = {(True, 64): (32, 8, 1, 0), (True, 128): (32, 8, 1, 0), (False, 64): (64, 4, 5, 0),
+             (False, 128): (64, 4, 5, 0)}
+FP8_SPLIT_CAP = 32
+
+
+def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
+                      head_dim: int = 64) -> dict:
+    """The config on a GPU for an fp8 cache (choose_config with kv_bytes 1)."""
+    pairs = num_seqs * num_kv_heads
+    d_pad = min(max(64, triton.next_power_of_2(head_dim)), 128)
+    block_n, warps, stages, prefetch = FP8_TILES[group == 1, d_pad]
+    cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": prefetch}
+    if group == 1:
+        if max_ctx <= 128 and pairs <= 4 * sm_count:
+            cfg["BLOCK_N"] = max(32, triton.next_power_of_2(max_ctx))
+        cfg["num_splits"] = split_count(pairs, max_ctx, cfg["BLOCK_N"], 6 * sm_count)
+        return cfg
+    cfg["num_splits"] = min(FP8_SPLIT_CAP, split_count(pairs, max_ctx, block_n, 4 * sm_count))
+    return cfg
 
 
 def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
                       head_dim: int = 64) -> dict:
-    """The config on a GPU (choose_config outside the interpreter). Tuned on an H100, Triton 3.6."""
+    """The config on a GPU (choose_config outside the interpreter) for a 16-bit cache. Tuned on an
+    H100, Triton 3.6."""
     pairs = num_seqs * num_kv_heads
     if group == 1:
         # The lane-wise path with 32-token tiles and K/V loaded one tile ahead was within noise of
@@ -91,8 +123,9 @@ def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int
 
 
 def stage_variants(group: int) -> tuple[int, ...]:
-    """Every num_stages the config can pick for this group size, whatever the batch: what a
-    warm-up must compile so that no batch shape compiles a variant mid-serving."""
+    """Every num_stages the config can pick for this group size (with either cache element size),
+    whatever the batch: what a warm-up must compile so that no batch shape compiles a variant
+    mid-serving."""
     if _INTERPRET:
         return (1,)
     return (1,) if group == 1 else (3, 5)

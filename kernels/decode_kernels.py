@@ -6,6 +6,8 @@ them (through Triton's dispatch once per shape, then from a cached plan).
 import triton
 import triton.language as tl
 
+from kernels.fp8 import dequantize, fp16_rows, inverse, quantize
+
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -23,12 +25,23 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
     return k, v
 
 
+@triton.jit
+def _for_math(x, q, LANES: tl.constexpr):
+    """fp8 K or V as the math takes it: fp32 on the lane-wise path, q's dtype (fp16 by then) for the
+    tensor-core dots."""
+    if LANES:
+        y = dequantize(x, tl.float32)
+    else:
+        y = dequantize(x, q.dtype)
+    return y
+
+
 # num_splits and the block-table row stride follow the batch's shape; without this Triton compiles
 # a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bts"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, kn_ptr, vn_ptr, slot_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
-    scale_log2, num_splits,
+    ks_ptr, vs_ptr, scale_log2, num_splits,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -40,6 +53,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,12 +78,25 @@ def _decode_kernel(
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    if KV_FP8:
+        # An fp8 cache's per-kv-head scales: K's folds into the softmax scale (qv, or each tile's
+        # scores), V's multiplies the output once; tiles are cast, never scaled element by element.
+        k_sc = tl.load(ks_ptr + kvh)
+        v_sc = tl.load(vs_ptr + kvh)
+        scale_log2 = scale_log2 * k_sc
+        if not LANES:  # the dots in fp16, q scaled per row by a power of two (kernels/fp8.py fp16_rows)
+            q, q_up = fp16_rows(q)
+            row_scale = scale_log2 * q_up
     if NEW_KV:
         last = ctx - 1
         k_last = tl.load(kn_ptr + seq.to(tl.int64) * stride_kns + kvh * stride_knh + offs_d, mask=d_ok, other=0.0)
         v_last = tl.load(vn_ptr + seq.to(tl.int64) * stride_vns + kvh * stride_vnh + offs_d, mask=d_ok, other=0.0)
-        k_last = k_last.to(k_ptr.dtype.element_ty)
-        v_last = v_last.to(v_ptr.dtype.element_ty)
+        if KV_FP8:
+            k_last = quantize(k_last, inverse(k_sc), k_ptr.dtype.element_ty)
+            v_last = quantize(v_last, inverse(v_sc), v_ptr.dtype.element_ty)
+        else:
+            k_last = k_last.to(k_ptr.dtype.element_ty)
+            v_last = v_last.to(v_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         # Whatever another split loads from this slot meanwhile is replaced by k_last/v_last below.
         if (split == 0) & (slot >= 0):
@@ -77,6 +104,9 @@ def _decode_kernel(
             tl.store(k_base + dst + offs_d, k_last, mask=d_ok)
             dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
             tl.store(v_base + dst + offs_d, v_last, mask=d_ok)
+        if KV_FP8:  # the values the cache now holds, as the tiles below are read
+            k_last = _for_math(k_last, q, LANES)
+            v_last = _for_math(v_last, q, LANES)
 
     if LANES:
         # One query row (GROUP_PAD == 1): no tensor-core shape fits, so dot products are
@@ -120,6 +150,9 @@ def _decode_kernel(
             page = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
             k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        if KV_FP8:  # prefetched as fp8 (half the registers), cast here
+            k = _for_math(k, q, LANES)
+            v = _for_math(v, q, LANES)
         if NEW_KV:  # this step's token: from registers, not from its (maybe not yet written) slot
             is_last = (tok == last)[:, None]
             k = tl.where(is_last, k_last[None, :], k)
@@ -138,7 +171,10 @@ def _decode_kernel(
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            if KV_FP8:
+                s = tl.where(valid[None, :], s * row_scale[:, None], float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -161,6 +197,8 @@ def _decode_kernel(
     # A split with no tokens has l == 0: it writes a zero partial and lse = -inf.
     l_safe = tl.where(l_row > 0, l_row, 1.0)
     o = acc_row / l_safe[:, None]
+    if KV_FP8:
+        o = o * v_sc
     lse = tl.where(l_row > 0, m_row + tl.log2(l_safe), float("-inf"))
     st_mask = g_ok[:, None] & d_ok[None, :]
     if SPLIT:

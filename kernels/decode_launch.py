@@ -51,7 +51,13 @@ def _new_kv_args(new_kv, q, context_lens) -> tuple:
     return new_kv if new_kv is not None else (q, q, context_lens)
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None):
+def _scale_args(scales, context_lens) -> tuple:
+    """(k_scale, v_scale) of an fp8 cache, or placeholders (never read) for a 16-bit one."""
+    return scales if scales is not None else (context_lens, context_lens)
+
+
+def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg: dict, plan: _Plan | None = None,
+            scales=None):
     """Launch through Triton's normal dispatch (compiling on first use); fill ``plan`` if given."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -85,13 +91,16 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
     consts = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, PREFETCH=int(cfg.get("PREFETCH", 0)), LANES=lanes,
+        # (an fp8 cache's dots run in fp16: kernels/fp8.py)
+        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16 and scales is None, PREFETCH=int(cfg.get("PREFETCH", 0)),
+        LANES=lanes,
         FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
         MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
+        KV_FP8=scales is not None,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,
-                               scale * _LOG2E,
+                               *_scale_args(scales, context_lens), scale * _LOG2E,
                                *tail, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if plan is not None:  # runtime args after the scale, then the constexprs, in signature order
         plan.dec, plan.grid, plan.tail, plan.split = dec, grid, tail + tuple(consts.values()), split
@@ -127,18 +136,20 @@ def _disable_plans() -> None:
     _PLANS_OK = False
 
 
-def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out) -> torch.Tensor:
+def _relaunch(plan: _Plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
+              scales=None) -> torch.Tensor:
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     stream = plan.stream(q.device.index)
     head = (q, k_cache, v_cache, block_tables, context_lens, *_new_kv_args(new_kv, q, context_lens))
+    ks, vs = _scale_args(scales, context_lens)
     if not plan.split:  # one launch writes out
-        _fast(plan.dec, plan.grid, stream, head + (out, out, out, out, scale * _LOG2E) + plan.tail)
+        _fast(plan.dec, plan.grid, stream, head + (out, out, out, out, ks, vs, scale * _LOG2E) + plan.tail)
         return out
     po = torch.empty(plan.scratch, device=q.device, dtype=torch.float32)
     plse = po[plan.lse_off :]
     cnt = out if plan.mer is not None else _counters(q.device, stream, plan.pairs)
-    _fast(plan.dec, plan.grid, stream, head + (out, po, plse, cnt, scale * _LOG2E) + plan.tail)
+    _fast(plan.dec, plan.grid, stream, head + (out, po, plse, cnt, ks, vs, scale * _LOG2E) + plan.tail)
     if plan.mer is not None:  # separate merge launch
         _fast(plan.mer, plan.m_grid, stream, (po, plse, out) + plan.m_tail)
     return out

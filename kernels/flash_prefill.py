@@ -10,7 +10,11 @@ Contract (semantics are exactly ``kernels.reference.prefill_attention_ref``):
                rows past it would be left unwritten)
   scale        softmax scale, usually head_dim ** -0.5
   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], block_size a power of two,
-               any strides but a contiguous last dim; usually q's dtype (others are cast on load)
+               any strides but a contiguous last dim; usually q's dtype (others are cast on load),
+               or fp8 (float8_e4m3fn / float8_e5m2) with k_scale, v_scale (fp32 [num_kv_heads]):
+               the prefix is then read as stored * scale (kernels/fp8.py). The new tokens are
+               always k and v as given: a chunk's own keys never go through the cache here
+               (kv_write and rope_kv_write leave them as an fp8 cache holds them).
   block_tables [num_seqs, max_blocks] int32; prefix_lens [num_seqs] int32
 
 Sequence s's new tokens sit at positions prefix_lens[s] .. prefix_lens[s] + len_s - 1. Each query
@@ -65,6 +69,7 @@ import torch
 import triton
 
 from kernels.flash_prefill_kernels import _flash_prefill_kernel, _range_probe_kernel
+from kernels.fp8 import check_scales
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them every load goes through pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -231,10 +236,13 @@ def flash_prefill(
     prefix_lens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: tuple | None = None,
 ) -> torch.Tensor:
-    """Causal attention over packed new tokens (+ optional paged prefix). See module docstring.
-    ``_config`` (a PrefillConfig or its leading fields) overrides the table (benchmark sweeps)."""
+    """Causal attention over packed new tokens (+ optional paged prefix; an fp8 one with its scales
+    k_scale, v_scale). See module docstring. ``_config`` (a PrefillConfig or its leading fields)
+    overrides the table (benchmark sweeps)."""
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -268,10 +276,12 @@ def flash_prefill(
         kc_strides = k_cache.stride()[:3]
         vc_strides = v_cache.stride()[:3]
         bt_stride = block_tables.stride(0)
+        fp8 = check_scales(k_cache, k_scale, v_scale)
     else:
         # Never dereferenced (HAS_PREFIX is a compile-time False); any tensor will do.
         k_cache = v_cache = block_tables = prefix_lens = cu_seqlens
-        cache_block, kc_strides, vc_strides, bt_stride = 1, (0, 0, 0), (0, 0, 0), 0
+        cache_block, kc_strides, vc_strides, bt_stride, fp8 = 1, (0, 0, 0), (0, 0, 0), 0, False
+    k_scale, v_scale = (k_scale, v_scale) if fp8 else (cu_seqlens, cu_seqlens)  # placeholders: never read
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -305,7 +315,7 @@ def flash_prefill(
     diag_descs = (_descriptor(k, diag_n), _descriptor(v, diag_n)) if cfg.tma and diag_n != cfg.block_n else (None, None)
     _flash_prefill_kernel[grid](
         q, k, v, out, cu_seqlens, *descs, *diag_descs,
-        k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start,
+        k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start, k_scale, v_scale,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -316,7 +326,7 @@ def flash_prefill(
         # under it we feed the dots fp32 copies of the same bf16 values instead.
         UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
-        TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n,
+        TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

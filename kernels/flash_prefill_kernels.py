@@ -13,25 +13,38 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.fp8 import dequantize, fp16_rows
+
 
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, v_scale=1.0, FP8: tl.constexpr = False):
     """One K/V tile: fold scores q·kT into the running (max, sum, acc). No NaN guard needed: the
     first tile a program visits always holds a key every row may see (cached position 0, new key
     0, or a key before the tile's first position), so m_i is finite before any fully masked
-    row-tile can occur."""
+    row-tile can occur. FP8 (an fp8 prefix tile, kernels/fp8.py): q and the tiles are fp16,
+    qk_scale is per row ([BLOCK_M]: fp16_rows' powers times K's scale), and the tile's V counts
+    v_scale times (the scale goes on the probabilities, not on the tile)."""
     if UPCAST_DOT:
         qk = tl.dot(q.to(tl.float32), kT.to(tl.float32))
     else:
         qk = tl.dot(q, kT)
-    if APPLY_MASK:
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    if FP8:  # per-row scales
+        qk = qk * qk_scale[:, None]
+        if APPLY_MASK:
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+    else:
+        if APPLY_MASK:
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if FP8:
+        p = p * v_scale
     if UPCAST_DOT:
         acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
     else:
@@ -43,10 +56,11 @@ def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl
 def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
                  stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, v_scale=1.0, KV_FP8: tl.constexpr = False):
     """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
     every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
-    and block-table entries past the last used block from being read."""
+    and block-table entries past the last used block from being read. KV_FP8: the tiles are fp8,
+    cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's scale."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -57,8 +71,14 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
     v_off = blk * stride_vcb + within * stride_vct
     kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    return _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale, n_ok[None, :],
-                                True, UPCAST_DOT)
+    # (if/else, not an early return: Triton compiles the statements after a static return too)
+    if KV_FP8:
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, dequantize(kT, tl.float16), dequantize(vv, tl.float16),
+                                             qk_scale, n_ok[None, :], True, UPCAST_DOT, v_scale, True)
+    else:
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale,
+                                             n_ok[None, :], True, UPCAST_DOT)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -116,14 +136,14 @@ def _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc, v_desc, row0, col0, offs_m,
 @triton.jit(do_not_specialize=["stride_bts"])
 def _flash_prefill_kernel(
     Q, K, V, O, CU_SEQLENS, K_DESC, V_DESC, K_DESC_D, V_DESC_D,
-    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START,
+    K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START, K_SCALE, V_SCALE,
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_bts,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
-    DIAG: tl.constexpr, DIAG_N: tl.constexpr,
+    DIAG: tl.constexpr, DIAG_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
     # Grid axis 0 is the head group, the fastest-varying one: programs launched together take the
@@ -176,18 +196,25 @@ def _flash_prefill_kernel(
         bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
         kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
         vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
+        q_prefix = q
+        prefix_scale = qk_scale
+        v_scale = 1.0
+        if KV_FP8:  # fp16 dots over the fp8 tiles; K's scale in the rows' scales (kernels/fp8.py)
+            q_prefix, q_up = fp16_rows(q)
+            prefix_scale = qk_scale * tl.load(K_SCALE + kv_head) * q_up
+            v_scale = tl.load(V_SCALE + kv_head)
         if WHILE_LOOPS:
             start_n = 0
             while start_n < prefix_len:
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
-                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
+                                             stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
+                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
                 start_n += BLOCK_N
         else:
             for start_n in range(0, prefix_len, BLOCK_N):
-                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
-                                             stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+                acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
+                                             stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
+                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
 
     # Two key loops, [0, lo) in BLOCK_N tiles, then [lo, hi) in DIAG_N tiles (masked, and bounded
     # by the sequence's end); keys after the tile's last position are never visited. The first

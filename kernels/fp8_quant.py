@@ -18,8 +18,12 @@ add_rmsnorm_fp8 / rmsnorm_fp8 (semantics = ``quant_fp8_ref`` of ``add_rmsnorm_re
   above without being stored: the GEMM after the norm reads one byte per element instead of two
   and no launch is spent on quantizing.
 
+silu_mul_fp8 (semantics = ``quant_fp8_ref`` of ``silu_mul_ref``): gate_up [M, 2 * inter] -> (q, scale)
+  of silu(gate) * up, computed and rounded exactly as kernels/silu_mul.py's ``silu_mul`` does, then
+  quantized as above: the input of an FP8 down projection in the launch that makes it.
+
 One program per row (<= 32768 elements). Exactness: the division is IEEE (div_rn) and the rounding
-to e4m3 is done on the bits (``_e4m3_rne``: the interpreter's own fp32 -> fp8 conversion does not
+to e4m3 is done on the bits (``e4m3_round``: the interpreter's own fp32 -> fp8 conversion does not
 round to nearest-even), so q and scale equal the reference bit for bit wherever the kernel's input
 equals the reference's (the fused versions: wherever h does, see kernels/rms_norm.py).
 
@@ -36,6 +40,7 @@ import triton.language as tl
 
 from kernels.rms_norm import MAX_ROW, rms_row
 from kernels.rounding import round_to
+from kernels.silu_mul import silu_mul_values
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -43,14 +48,28 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale
 
 
 @triton.jit
-def _e4m3_rne(v):
-    """v (fp32, |v| <= 448) rounded to nearest-even on e4m3's grid, then converted (exactly)."""
+def e4m3_round(v):
+    """v (fp32, |v| <= 448) rounded to nearest-even on e4m3's grid, as an fp32 value (which the
+    GEMV of kernels/gemv.py multiplies as it is: the value an fp8 conversion would hold)."""
     exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exp = tl.maximum(exp, -6)  # below 2^-6 the grid is the subnormals' 2^-9
     ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23: adding it rounds |v / ulp| < 2^22 to an integer, ties to even
     r = ((tl.abs(v) / ulp + magic) - magic) * ulp
-    return tl.where(v < 0, -r, r).to(tl.float8e4nv)  # the sign kept, -0 included
+    return tl.where(v < 0, -r, r)  # the sign kept, -0 included
+
+
+@triton.jit
+def dynamic_scale(amax):
+    """The dynamic scale of values whose largest magnitude is amax: max(amax / 448, MIN_SCALE)."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def quantize_values(h, s):
+    """h / s clamped to e4m3's range and rounded onto its grid (fp32 values); s broadcasts over h."""
+    v = tl.math.div_rn(h, tl.zeros(h.shape, tl.float32) + s)
+    return e4m3_round(tl.minimum(tl.maximum(v, -448.0), 448.0))
 
 
 @triton.jit
@@ -60,22 +79,19 @@ def _quantize_row(h, mask, cols, q_row_ptr, s_row_ptr, static_ptr, BLOCK: tl.con
     if STATIC:
         s = tl.load(static_ptr)
         tl.store(s_row_ptr, s)
-        v = tl.math.div_rn(h, tl.zeros([BLOCK], tl.float32) + s)
+        r = quantize_values(h, s)
     elif GROUP >= BLOCK:
-        amax = tl.max(tl.abs(h), axis=0)
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        s = dynamic_scale(tl.max(tl.abs(h), axis=0))
         tl.store(s_row_ptr, s)
-        v = tl.math.div_rn(h, tl.zeros([BLOCK], tl.float32) + s)
+        r = quantize_values(h, s)
     else:
         hg = tl.reshape(h, [BLOCK // GROUP, GROUP])
-        amax = tl.max(tl.abs(hg), axis=1)
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        s = dynamic_scale(tl.max(tl.abs(hg), axis=1))
         g = tl.arange(0, BLOCK // GROUP)
         n_groups = (tl.max(tl.where(mask, cols, 0), axis=0) // GROUP) + 1
         tl.store(s_row_ptr + g, s, mask=g < n_groups)
-        v = tl.reshape(tl.math.div_rn(hg, s[:, None] + tl.zeros([BLOCK // GROUP, GROUP], tl.float32)), [BLOCK])
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_row_ptr + cols, _e4m3_rne(v), mask=mask)
+        r = tl.reshape(quantize_values(hg, s[:, None]), [BLOCK])
+    tl.store(q_row_ptr + cols, r.to(tl.float8e4nv), mask=mask)  # exact: r is on e4m3's grid
 
 
 @triton.jit
@@ -105,8 +121,20 @@ def _norm_quant_kernel(x_ptr, y_ptr, w_ptr, q_ptr, s_ptr, static_ptr, n, eps, st
     _quantize_row(h, mask, cols, q_ptr + row * n, s_ptr + row * stride_s, static_ptr, BLOCK, GROUP, STATIC)
 
 
-def _outputs(x: torch.Tensor, group: int, static_scale: torch.Tensor | None):
-    m, k = x.shape
+@triton.jit
+def _silu_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, inter, stride_gu, stride_s, BLOCK: tl.constexpr,
+                       GROUP: tl.constexpr, STATIC: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    h = silu_mul_values(g, u, gu_ptr.dtype.element_ty, LIBDEVICE_EXP).to(tl.float32)
+    _quantize_row(h, mask, cols, q_ptr + row * inter, s_ptr + row * stride_s, static_ptr, BLOCK, GROUP, STATIC)
+
+
+def _outputs(x: torch.Tensor, group: int, static_scale: torch.Tensor | None, k: int | None = None):
+    m, k = x.shape[0], k or x.shape[1]
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.stride(1) == 1
     assert k <= MAX_ROW
     block = triton.next_power_of_2(k)
@@ -154,4 +182,17 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 
         _norm_quant_kernel[(x.shape[0],)](x, x, weight, q, scale, static, x.shape[1], eps, x.stride(0), x.stride(0),
                                           scale.stride(0), ADD=False, BLOCK=block, GROUP=group,
                                           STATIC=static_scale is not None, num_warps=warps)
+    return q, scale
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30,
+                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): silu(gate_up[:, :inter]) * gate_up[:, inter:] quantized as ``quant_fp8`` does."""
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up: [num_tokens, 2 * inter]"
+    inter = gate_up.shape[1] // 2
+    q, scale, static, block, group, warps = _outputs(gate_up, group, static_scale, inter)
+    if gate_up.shape[0]:
+        _silu_quant_kernel[(gate_up.shape[0],)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0),
+                                                BLOCK=block, GROUP=group, STATIC=static_scale is not None,
+                                                LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, num_warps=warps)
     return q, scale

@@ -7,7 +7,10 @@ below):
   q            [total_rows, num_heads, head_dim] fp16 / bf16, last dim contiguous
   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, last dim contiguous,
                block_size a power of two. Every key a row attends to is ALREADY in the cache (the
-               caller writes this step's K/V first), but for new_kv's.
+               caller writes this step's K/V first), but for new_kv's. Or fp8 (float8_e4m3fn /
+               float8_e5m2) with k_scale, v_scale (fp32 [num_kv_heads]): every key and value is then
+               read as stored * scale (kernels/fp8.py), new_kv's written quantized first; a row's
+               bits are still a function of its query and the cached bytes only.
   block_tables [num_chunks, max_blocks] int32
   cu_seqlens   [num_chunks + 1] int32: chunk c owns rows cu[c] .. cu[c+1]-1, at positions
                prefix_lens[c] + 0, 1, ... (a decode is a chunk of one row at context_len - 1)
@@ -54,6 +57,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8 import check_scales, dequantize, fp16_rows, inverse, quantize
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SEGMENT = 256  # keys per segment: the unit of the fixed split over keys
@@ -110,10 +115,11 @@ def _rows(CU, PREFIX, TILE_SEQ, TILE_START, kv_head, GROUP: tl.constexpr, GROUP_
 
 @triton.jit
 def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-             CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+             v_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr):
     """(o, lse) of keys [lo, hi) for every row (lo a multiple of BLOCK_N); rows with no key there
-    give l = 0 (their o is NaN and must be masked by the caller)."""
+    give l = 0 (their o is NaN and must be masked by the caller). KV_FP8: fp8 tiles cast to fp16, q
+    fp16_rows' and qk_scale per row (K's scale in it), V's (v_scale) on o."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
@@ -128,7 +134,11 @@ def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, s
                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(vc_base + (blk * stride_vcb + within * stride_vct)[:, None] + offs_d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST_DOT:  # the interpreter has no bf16 matmul
+        if KV_FP8:  # fp16 tiles and q (kernels/fp8.py fp16_rows), qk_scale per row
+            kT = dequantize(kT, tl.float16)
+            v = dequantize(v, tl.float16)
+            s = tl.dot(q, kT) * qk_scale[:, None]
+        elif UPCAST_DOT:  # the interpreter has no bf16 matmul
             s = tl.dot(q.to(tl.float32), kT.to(tl.float32)) * qk_scale
         else:
             s = tl.dot(q, kT) * qk_scale
@@ -142,13 +152,18 @@ def _segment(q, pos, lo, hi, bt_row, kc_base, vc_base, stride_kcb, stride_kct, s
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    return acc / l_i[:, None], m_i + tl.math.log2(l_i)
+    o = acc / l_i[:, None]
+    if KV_FP8:
+        o = o * v_scale
+    return o, m_i + tl.math.log2(l_i)
 
 
 @triton.jit
 def _write_new_kv(K_NEW, V_NEW, SLOTS, row, kc_base, vc_base, kv_head, offs_d, d_ok, stride_knt, stride_knh,
-                  stride_vnt, stride_vnh, stride_kcb, stride_kct, stride_vcb, stride_vct, CACHE_BLOCK: tl.constexpr):
-    """Token `row`'s K/V of this kv head into its cache slot (decode launches with new_kv)."""
+                  stride_vnt, stride_vnh, stride_kcb, stride_kct, stride_vcb, stride_vct, k_scale, v_scale,
+                  CACHE_BLOCK: tl.constexpr, KV_FP8: tl.constexpr):
+    """Token `row`'s K/V of this kv head into its cache slot (decode launches with new_kv); an fp8
+    cache's quantized with the head's scales."""
     slot = tl.load(SLOTS + row).to(tl.int64)
     if slot >= 0:
         blk = slot // CACHE_BLOCK
@@ -156,6 +171,9 @@ def _write_new_kv(K_NEW, V_NEW, SLOTS, row, kc_base, vc_base, kv_head, offs_d, d
         r = row.to(tl.int64)
         k = tl.load(K_NEW + r * stride_knt + kv_head * stride_knh + offs_d, mask=d_ok)
         v = tl.load(V_NEW + r * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_ok)
+        if KV_FP8:
+            k = quantize(k, inverse(k_scale), kc_base.dtype.element_ty)
+            v = quantize(v, inverse(v_scale), vc_base.dtype.element_ty)
         tl.store(kc_base + blk * stride_kcb + within * stride_kct + offs_d, k, mask=d_ok)
         tl.store(vc_base + blk * stride_vcb + within * stride_vct + offs_d, v, mask=d_ok)
 
@@ -190,13 +208,13 @@ def _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride
 # this Triton would compile a variant per value class (1, multiple of 16, other) mid-serving.
 @triton.jit(do_not_specialize=["max_segments", "stride_bts", "stride_pt"])
 def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE,
-                 K_NEW, V_NEW, SLOTS, qk_scale, split, max_segments,
+                 K_NEW, V_NEW, SLOTS, K_SCALE, V_SCALE, qk_scale, split, max_segments,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kcb, stride_kct, stride_kch,
                  stride_vcb, stride_vct, stride_vch, stride_bts, stride_pt,
                  stride_knt, stride_knh, stride_vnt, stride_vnh, NEW_KV: tl.constexpr,
                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                  SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr):
     kv_head = tl.program_id(0)
     row, head, pos, valid, seq, last = _rows(CU, PREFIX, TILE_SEQ, TILE_START, kv_head, GROUP, GROUP_PAD, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -206,6 +224,13 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
     bt_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bts
     kc_base = K_CACHE + kv_head.to(tl.int64) * stride_kch
     vc_base = V_CACHE + kv_head.to(tl.int64) * stride_vch
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:  # per kv head: K's folds into the softmax scale, V's onto each segment's o
+        k_scale = tl.load(K_SCALE + kv_head)
+        v_scale = tl.load(V_SCALE + kv_head)
+        q, q_up = fp16_rows(q)  # each row's own power of two: no row's bits depend on another's
+        qk_scale = qk_scale * k_scale * q_up
     n_seg = tl.where(last >= 0, last // SEGMENT + 1, 0)
     if split:  # segments program_id(2), + num_programs(2), ...: each one's partial to PO / PLSE
         first = tl.program_id(2)
@@ -213,12 +238,12 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
             # a decode row's own K/V, by the program of its last segment (the only one to read them)
             _write_new_kv(K_NEW, V_NEW, SLOTS, tl.load(CU + seq), kc_base, vc_base, kv_head, offs_d, d_ok,
                           stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kcb, stride_kct, stride_vcb,
-                          stride_vct, CACHE_BLOCK)
+                          stride_vct, k_scale, v_scale, CACHE_BLOCK, KV_FP8)
             tl.debug_barrier()  # written by every thread before any reads them back
         for seg in range(first, n_seg, tl.num_programs(2)):
             o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
                               kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                              BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+                              v_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, KV_FP8)
             active = valid & (pos >= seg * SEGMENT)
             at = row.to(tl.int64) * stride_pt + head * max_segments + seg
             tl.store(PLSE + at, lse, mask=active)
@@ -228,7 +253,7 @@ def _attn_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLES, CU, PREFIX, TILE_SEQ, TILE_S
         for seg in range(0, n_seg):
             o, lse = _segment(q, pos, seg * SEGMENT, tl.minimum(seg * SEGMENT + SEGMENT, last + 1), bt_row,
                               kc_base, vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
-                              BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT)
+                              v_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, KV_FP8)
             mx, num, den = _fold(mx, num, den, o, lse, valid & (pos >= seg * SEGMENT))
         _store_folded(O, row, head, num, den, valid, offs_d, d_ok, stride_ot, stride_oh)
 
@@ -256,13 +281,17 @@ def _merge_kernel(CU, PREFIX, TILE_SEQ, TILE_START, O, PO, PLSE, max_segments, s
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor],
                         scale: float, max_segments: int, split: bool = False, out: torch.Tensor | None = None,
-                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """See the module docstring. No host sync; every shape comes from the host arguments."""
+                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring (an fp8 cache takes k_scale, v_scale). No host sync; every shape
+    comes from the host arguments."""
     rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype == v_cache.dtype
+    fp8 = check_scales(k_cache, k_scale, v_scale)
+    assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == v_cache.dtype
+    assert fp8 or k_cache.dtype == q.dtype
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     if out is None:
         out = torch.empty_like(q)
@@ -289,13 +318,16 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slots.shape == (rows,)
     else:
         k_new = v_new = slots = q  # never read
+    if not fp8:
+        k_scale = v_scale = q  # never read
     _attn_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens, prefix_lens, tile_seq, tile_start, out, po, plse,
-                       k_new, v_new, slots, scale * _LOG2E, int(split), max_segments,
+                       k_new, v_new, slots, k_scale, v_scale, scale * _LOG2E, int(split), max_segments,
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_pt,
                        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), NEW_KV=new_kv is not None,
                        CACHE_BLOCK=block_size, BLOCK_N=BLOCK_N, UPCAST_DOT=_INTERPRET and q.dtype == torch.bfloat16,
+                       KV_FP8=fp8,
                        **consts,
                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if split:

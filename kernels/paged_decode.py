@@ -3,8 +3,10 @@
 Contract (semantics = ``kernels.reference.paged_decode_ref``):
   q             [num_seqs, num_heads, head_dim]           fp16 / bf16 (last dim contiguous)
   k_cache,
-  v_cache       [num_blocks, block_size, num_kv_heads, head_dim], q's dtype (last dim contiguous);
-                block_size a power of two (8..256). Slots no sequence owns may hold NaN.
+  v_cache       [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or fp8 (float8_e4m3fn /
+                float8_e5m2, with k_scale and v_scale, fp32 [num_kv_heads]: values are read as
+                stored * scale, kernels/fp8.py) (last dim contiguous); block_size a power of two
+                (8..256). Slots no sequence owns may hold NaN.
   block_tables  [num_seqs, max_blocks_per_seq] int32; token i of sequence s lives at
                 block_tables[s, i // block_size], offset i % block_size.
   context_lens  [num_seqs] int32: tokens to attend to, this step's token included (>= 1; a 0 gives
@@ -17,6 +19,8 @@ Contract (semantics = ``kernels.reference.paged_decode_ref``):
                 (whatever its cache slot holds is ignored), and split 0 of each (sequence, kv
                 head) writes them into the cache at the slot (slot < 0: not written): kv_write
                 and attention in one launch (a decode step at small batch is bound by launches).
+                An fp8 cache stores them quantized (kernels/fp8.py), and the attention uses the
+                quantized values, as it would have read them back from the cache.
   num_kv_heads divides num_heads; query head h reads kv head h // (num_heads // num_kv_heads).
 
 What it masks: every token index >= context_len. K/V loads there use other=0 *and* their scores are
@@ -46,6 +50,7 @@ import torch
 from triton import knobs
 
 from kernels import decode_launch
+from kernels.fp8 import check_scales, is_fp8
 from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count, stage_variants  # noqa: F401 (re-exported)
 # This file: the contract and the public entry points. The Triton programs are in
 # kernels/decode_kernels.py, the launch machinery in kernels/decode_launch.py (imports point
@@ -67,11 +72,14 @@ def paged_decode(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; with k_new, v_new and
-    slot_mapping, this step's K/V written into the cache in the same launch. See the module
-    docstring. ``_config`` overrides the tile/warps/stages config (tuning and benchmarks only)."""
+    slot_mapping, this step's K/V written into the cache in the same launch. An fp8 cache takes its
+    per-kv-head scales k_scale, v_scale. See the module docstring. ``_config`` overrides the
+    tile/warps/stages config (tuning and benchmarks only)."""
     new_kv = None
     if k_new is not None or v_new is not None or slot_mapping is not None:
         new_kv = (k_new, v_new, slot_mapping)
@@ -79,6 +87,7 @@ def paged_decode(
         assert k_new.shape == v_new.shape == (q.shape[0], *k_cache.shape[2:]), "k_new, v_new: [num_seqs, kv_heads, d]"
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1
         assert slot_mapping.shape == (q.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+    scales = None if k_scale is None and v_scale is None else (k_scale, v_scale)
     key = None
     if not _INTERPRET and q.is_cuda:
         ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | block_tables.data_ptr() | context_lens.data_ptr()
@@ -86,6 +95,8 @@ def paged_decode(
             ptrs |= out.data_ptr()
         if new_kv is not None:
             ptrs |= k_new.data_ptr() | v_new.data_ptr() | slot_mapping.data_ptr()
+        if scales is not None:  # kvcache keeps each layer's scales 16-byte aligned
+            ptrs |= k_scale.data_ptr() | v_scale.data_ptr()
         hook = knobs.runtime.launch_enter_hook  # a HookChain (empty unless a profiler registered one)
         if ptrs & 15 == 0 and (hook is None or not getattr(hook, "calls", True)):
             key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -98,7 +109,8 @@ def paged_decode(
             plan = _PLANS.get(key) if decode_launch._PLANS_OK else None
             if plan is not None:
                 try:
-                    return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out)
+                    return _relaunch(plan, q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
+                                     scales)
                 except (TypeError, AttributeError):  # a Triton whose launcher differs: dispatch normally
                     _disable_plans()
 
@@ -107,7 +119,9 @@ def paged_decode(
     assert kd == head_dim and v_cache.shape == k_cache.shape, "k/v cache shape mismatch"
     assert num_heads % num_kv_heads == 0, "num_kv_heads must divide num_heads"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "k and v caches must share a dtype"
+    assert check_scales(k_cache, k_scale, v_scale) or k_cache.dtype == q.dtype, "a 16-bit cache is q's dtype"
+    scales = (k_scale, v_scale) if is_fp8(k_cache.dtype) else None
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     if out is None:
@@ -117,24 +131,27 @@ def paged_decode(
     if num_seqs == 0:
         return out
     max_ctx = block_tables.shape[1] * block_size
-    cfg = choose_config(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, _num_sms(q.device), head_dim)
+    cfg = choose_config(num_seqs, num_kv_heads, num_heads // num_kv_heads, max_ctx, _num_sms(q.device), head_dim,
+                        k_cache.element_size())
     if _config is not None:
         cfg.update(_config)
     if num_splits is not None:
         cfg["num_splits"] = max(1, min(int(num_splits), 1024))
     plan = None if key is None or not decode_launch._PLANS_OK else _Plan()
-    _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg, plan)
+    _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out, cfg, plan, scales)
     if plan is not None and hasattr(plan.dec, "packed_metadata") and len(_PLANS) < 4096:
         _PLANS[key] = plan
     return out
 
 
-def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Compile the decode kernel for every split padding a batch can select (2, 4, .. MAX_SPLITS),
     with and without the fused KV write, at every pipelining depth the config picks for this group
     size (decode_config.stage_variants), so that a server never compiles one mid-serving. Reads the
-    cache; writes nothing to it."""
+    cache; writes nothing to it. `dtype`: the queries' (the model's); an fp8 cache's scales."""
     block_size = k_cache.shape[1]
+    sc = dict(k_scale=k_scale, v_scale=v_scale)
     width = max(1, min(k_cache.shape[0], 4 * MAX_SPLITS * 32 // block_size))
     q = torch.zeros(1, num_heads, k_cache.shape[3], dtype=dtype, device=k_cache.device)
     tables = torch.arange(width, dtype=torch.int32, device=k_cache.device)[None]
@@ -145,8 +162,8 @@ def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
         cfg = {"num_stages": stages}
         splits = 2
         while splits <= MAX_SPLITS:
-            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, _config=cfg)
+            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, _config=cfg, **sc)
             paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv,
-                         slot_mapping=slot, _config=cfg)
+                         slot_mapping=slot, _config=cfg, **sc)
             splits *= 2
 

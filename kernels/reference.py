@@ -11,11 +11,36 @@ Shared layout (all kernels):
 
 These run the math in fp32 and return the query dtype. They are slow and obviously right;
 the eager attention backend in models/ is separate (it is the baseline we benchmark against).
+
+An FP8 cache (torch.float8_e4m3fn / float8_e5m2, kernels/fp8.py) comes with its per-KV-head fp32
+scales k_scale, v_scale [num_kv_heads]: the attention references then read every cached value as
+fp8_dequantize_ref gives it, and kv_write_ref stores through fp8_quantize_ref.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., num_kv_heads, head_dim] stored as fp8 `dtype` with per-head scales [num_kv_heads]:
+    x * (1 / scale) in fp32, saturated to the format's largest finite value, rounded to nearest even
+    (torch's cast). kernels/fp8.py `quantize` gives the same bits."""
+    inv = (1.0 / scale.float())[:, None]
+    top = FP8_MAX[dtype]
+    return (x.float() * inv).clamp(-top, top).to(dtype)
+
+
+def fp8_dequantize_ref(c: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache's [..., num_kv_heads, head_dim] values mean: fp32 c * scale[head]."""
+    return c.float() * scale.float()[:, None]
+
+
+def _read(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached values as the attention sees them: fp8 dequantized to fp32, others as stored."""
+    return cache if scale is None else fp8_dequantize_ref(cache, scale)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -51,6 +76,8 @@ def prefill_attention_ref(
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length causal attention with an optional paged prefix.
 
@@ -58,7 +85,9 @@ def prefill_attention_ref(
     cu_seqlens [num_seqs + 1] int32 delimits them. Sequence s's new tokens sit at positions
     prefix_lens[s] .. prefix_lens[s] + len_s - 1; positions [0, prefix_lens[s]) are read from the
     paged cache through block_tables[s]. Each query attends causally to the prefix and to the new
-    tokens up to and including itself. Returns [total, heads, d] in q's dtype.
+    tokens up to and including itself. Returns [total, heads, d] in q's dtype. With an fp8 cache
+    (k_scale, v_scale given) the prefix is read dequantized, in fp32; the new tokens are used as
+    given (the kernel takes them from k and v, not from the cache).
     """
     out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
@@ -68,7 +97,10 @@ def prefill_attention_ref(
             continue
         ks, vs = k[lo:hi], v[lo:hi]
         plen = int(prefix_lens[s]) if prefix_lens is not None else 0
-        if plen > 0:
+        if plen > 0 and k_scale is not None:
+            ks = torch.cat([_read(gather_kv(k_cache, block_tables[s], plen), k_scale), ks.float()])
+            vs = torch.cat([_read(gather_kv(v_cache, block_tables[s], plen), v_scale), vs.float()])
+        elif plen > 0:
             ks = torch.cat([gather_kv(k_cache, block_tables[s], plen).to(k.dtype), ks])
             vs = torch.cat([gather_kv(v_cache, block_tables[s], plen).to(v.dtype), vs])
         out[lo:hi] = _attend(q[lo:hi], ks, vs, scale, plen).to(q.dtype)
@@ -82,27 +114,37 @@ def paged_decode_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q [num_seqs, heads, d]; context_lens [num_seqs] int32 counts the
     cached tokens to attend to, this step's token included (it was written before the call).
-    Returns [num_seqs, heads, d] in q's dtype."""
+    Returns [num_seqs, heads, d] in q's dtype. An fp8 cache is read dequantized (k_scale, v_scale)."""
     out = torch.empty_like(q)
     for s, n in enumerate(context_lens.tolist()):
-        ks = gather_kv(k_cache, block_tables[s], n)
-        vs = gather_kv(v_cache, block_tables[s], n)
+        ks = _read(gather_kv(k_cache, block_tables[s], n), k_scale)
+        vs = _read(gather_kv(v_cache, block_tables[s], n), v_scale)
         out[s : s + 1] = _attend(q[s : s + 1], ks, vs, scale, n - 1).to(q.dtype)
     return out
 
 
 def kv_write_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter k, v [num_tokens, kv_heads, d] into the caches at flat slots slot_mapping [num_tokens]
-    (block * block_size + offset). Slots of -1 are padding: those rows are skipped."""
+    (block * block_size + offset). Slots of -1 are padding: those rows are skipped. An fp8 cache
+    stores fp8_quantize_ref(k, k_scale) and (v, v_scale), and the written rows of k and v become
+    what it holds (fp8_dequantize_ref, in their dtype)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if cache.dtype in FP8_MAX:  # written as bytes: torch's CPU index_put has no fp8 kernel
+            stored = fp8_quantize_ref(x[keep], scale, cache.dtype)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = stored.view(torch.uint8)
+            x[keep] = fp8_dequantize_ref(stored, scale).to(x.dtype)
+        else:
+            cache.view(-1, *cache.shape[2:])[slots] = x[keep].to(cache.dtype)
 
 
 def add_layernorm_ref(x, y, weight, bias, eps):
@@ -251,13 +293,15 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return x * c + rotated * s
 
 
-def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, write_cache=True):
+def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, write_cache=True,
+                      k_scale=None, v_scale=None):
     """q and k rotated in place (rope_ref); then, with write_cache, rotated k and v scattered into the
-    caches at slot_mapping (kv_write_ref: slot -1 skipped). Returns (q, k)."""
+    caches at slot_mapping (kv_write_ref: slot -1 skipped; fp8 caches quantized, and the written rows
+    of k and v replaced by what they hold). Returns (q, k)."""
     q.copy_(rope_ref(q, positions, cos, sin))
     k.copy_(rope_ref(k, positions, cos, sin))
     if write_cache:
-        kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+        kv_write_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
 
 

@@ -11,7 +11,10 @@ Contract (semantics = ``kernels.reference.rope_kv_write_ref``, built on ``rope_r
                 ("rotate_half") convention, emb = cat(freqs, freqs) (times any attention scaling).
   k_cache,
   v_cache       [num_blocks(+1), block_size, num_kv_heads, head_dim], last dim contiguous (any block
-                size). Rows are converted to the cache dtype (round-to-nearest-even).
+                size). Rows are converted to the cache dtype (round-to-nearest-even), or for an fp8
+                cache quantized with k_scale / v_scale (fp32 [num_kv_heads]), as kv_write does
+                (kernels/fp8.py); then the written rows of k (rotated) and v are replaced by what
+                the fp8 cache holds, dequantized to their dtype (kernels/kv_write.py says why).
   slot_mapping  [num_tokens] int32 / int64: flat slot = block * block_size + offset; a negative slot
                 (-1, padding) writes nothing for that token.
   write_cache   True: rotate, then write rotated k and (unrotated) v into the cache at slot_mapping.
@@ -44,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import check_scales, held, inverse, placeholder, quantize
 from kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -67,13 +71,13 @@ def _rotate_heads(base, stride_h, num_heads, c1, s1, c2, s2, offs_h, offs_d, dma
 
 @triton.jit
 def _rope_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cos, stride_sin,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, WRITE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WRITE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_ptr.dtype.element_ty
@@ -99,14 +103,33 @@ def _rope_kv_write_kernel(
             block = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
             kc = kc_ptr + block * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-            tl.store(kc, round_to(k1.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)
-            tl.store(kc + HALF, round_to(k2.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)
             vp = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             vc = vc_ptr + block * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
             v1 = tl.load(vp, mask=kmask, other=0.0).to(tl.float32)
             v2 = tl.load(vp + HALF, mask=kmask, other=0.0).to(tl.float32)
-            tl.store(vc, round_to(v1, vc_ptr.dtype.element_ty), mask=kmask)
-            tl.store(vc + HALF, round_to(v2, vc_ptr.dtype.element_ty), mask=kmask)
+            if KV_FP8:  # k1, k2 are the rotated k in x's dtype, as the cache of a 16-bit run would hold it
+                h_ok = offs_h < num_kv_heads
+                k_sc = tl.load(ks_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+                v_sc = tl.load(vs_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+                kq1 = quantize(k1, inverse(k_sc), kc_ptr.dtype.element_ty)
+                kq2 = quantize(k2, inverse(k_sc), kc_ptr.dtype.element_ty)
+                vq1 = quantize(v1, inverse(v_sc), vc_ptr.dtype.element_ty)
+                vq2 = quantize(v2, inverse(v_sc), vc_ptr.dtype.element_ty)
+                tl.store(kc, kq1, mask=kmask)
+                tl.store(kc + HALF, kq2, mask=kmask)
+                tl.store(vc, vq1, mask=kmask)
+                tl.store(vc + HALF, vq2, mask=kmask)
+                # k and v become what the cache holds (kernels/kv_write.py says why)
+                kp = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+                tl.store(kp, held(kq1, k_sc, dt), mask=kmask)
+                tl.store(kp + HALF, held(kq2, k_sc, dt), mask=kmask)
+                tl.store(vp, held(vq1, v_sc, v_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vp + HALF, held(vq2, v_sc, v_ptr.dtype.element_ty), mask=kmask)
+            else:
+                tl.store(kc, round_to(k1.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(kc + HALF, round_to(k2.to(tl.float32), kc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vc, round_to(v1, vc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vc + HALF, round_to(v2, vc_ptr.dtype.element_ty), mask=kmask)
 
 
 def rope_kv_write(
@@ -120,9 +143,12 @@ def rope_kv_write(
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
     write_cache: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place and (write_cache) write rotated k and v at slot_mapping; one launch.
-    Returns (q, k), the same tensors. See the module docstring."""
+    An fp8 cache takes its scales k_scale, v_scale. Returns (q, k), the same tensors. See the module
+    docstring."""
     num_tokens, num_heads, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, "k: [num_tokens, kv_heads, d]"
     num_kv_heads = k.shape[1]
@@ -141,9 +167,10 @@ def rope_kv_write(
         cache_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         block_size = k_cache.shape[1]
+        fp8 = check_scales(k_cache, k_scale, v_scale)
     else:  # the kernel never reads these: any pointers will do (fixed strides: no recompiles)
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
-        cache_args, block_size = (0,) * 6, 1
+        cache_args, block_size, fp8 = (0,) * 6, 1, False
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
@@ -151,12 +178,13 @@ def rope_kv_write(
     elems = 2 * (hq_pad + 2 * hkv_pad) * half_pad
     _rope_kv_write_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        placeholder(k_scale, positions), placeholder(v_scale, positions),
         num_heads, num_kv_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0),
         *cache_args,
         HALF=half, HALF_PAD=half_pad, HQ_PAD=hq_pad, HKV_PAD=hkv_pad,
-        BLOCK_SIZE=block_size, WRITE=bool(write_cache),
+        BLOCK_SIZE=block_size, WRITE=bool(write_cache), KV_FP8=fp8,
         num_warps=1 if _INTERPRET else 1 << max(0, min(3, (elems // 512).bit_length() - 1)),  # a power of 2, <= 8
         enable_fp_fusion=False,  # x*cos + r*sin must round twice, as torch does (fp32)
     )

@@ -29,3 +29,9 @@ def scratch(key, n: int, dtype: torch.dtype, device: torch.device, min_size: int
 def has_scratch(key) -> bool:
     """Whether a buffer exists under `key` (a launch being captured must not be the one to make it)."""
     return key in _BUFFERS
+
+
+def scratch_size(key) -> int:
+    """Elements of the buffer under `key` (0 if none)."""
+    buf = _BUFFERS.get(key)
+    return 0 if buf is None else buf.numel()

@@ -37,19 +37,26 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    dt = out_ptr.dtype.element_ty
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+def silu_mul_values(g, u, dt: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """silu(g) * u rounded to dt as torch rounds it (g, u: fp32 values of dt). Also the first half
+    of kernels/fp8_quant.py's silu_mul_fp8."""
     if LIBDEVICE_EXP:
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
     silu = round_to(tl.math.div_rn(g, 1.0 + e), dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, round_to(silu * u, dt), mask=mask)
+    return round_to(silu * u, dt)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u, out_ptr.dtype.element_ty, LIBDEVICE_EXP),
+             mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

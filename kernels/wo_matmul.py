@@ -19,7 +19,9 @@ Contract (semantics = ``kernels.quant_reference.wo_matmul_ref`` up to the order 
 
 fp8 is decoded from its bits with integer arithmetic (exact, and no fp8 instruction: the point of
 this path is GPUs that have none); each int4 word is loaded once and its eight values spread along
-K in registers. Grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), grouped along M. Where a K step lies in
+K in registers. Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits), grouped along M; decode rows
+(2 to 16; one row is kernels/gemv.py's) split K where the tiles alone are too few to keep every SM
+streaming the weight (kernels/tiles.py). Where a K step lies in
 one group (BLOCK_K divides the group, no g_idx) each row's scale and zero are loaded once a step;
 otherwise the group of each column is computed (or read from g_idx) per element, so BLOCK_K need
 not divide the group size and a K past the last full group is masked.
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from kernels.tiles import grouped_tile
+from kernels.tiles import finish_tile, grouped_tile, k_range, split_buffers, split_plan, splits_for
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -46,6 +48,7 @@ class WoConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # 0: from the shape (kernels.tiles.splits_for)
 
 
 def config(m: int, n: int, k: int) -> WoConfig:
@@ -57,14 +60,14 @@ def config(m: int, n: int, k: int) -> WoConfig:
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return WoConfig(16, 64, 128, 1, 1)
     if m <= 16:
-        return WoConfig(16, 32, 128, 4, 4)
+        return WoConfig(16, 32, 128, 4, 4, 0)
     if m <= 64:
         return WoConfig(64, 64, 128, 4, 3)
     return WoConfig(128, 128, 64, 8, 3)
 
 
 @triton.jit
-def _fp8_bits_to_f32(b):
+def fp8_bits_to_f32(b):
     """float8_e4m3fn bits (int32 0..255) -> fp32, exactly (NaN, 0x7F/0xFF, never occurs in weights)."""
     sign = (b & 0x80) << 24
     e = (b >> 3) & 0xF
@@ -76,12 +79,43 @@ def _fp8_bits_to_f32(b):
 
 
 @triton.jit
-def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, N, K, group, groups, stride_xm,
-                      stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def dequant_tile(w_ptr, s_ptr, z_ptr, gidx_ptr, n64, n_ok, k0, kk, k_end, K, group, groups, INT4: tl.constexpr,
+                 HAS_GIDX: tl.constexpr, STEP_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight's rows n64 ([BLOCK_N, 1] int64; n_ok: [BLOCK_N]) at columns kk = k0 + arange(BLOCK_K)
+    (those from k_end on masked), dequantized in fp32 (also kernels/dequant.py's tile): (q - zero) *
+    scale for int4, weight * scale for fp8."""
+    k_ok = kk < k_end
+    mask = n_ok[:, None] & k_ok[None, :]
+    if STEP_GROUP:  # the whole step inside one group: one scale (and zero) per row
+        g = n64 * groups + k0 // group
+        smask = n_ok[:, None]
+    else:
+        if HAS_GIDX:
+            col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
+        else:
+            col_group = kk // group
+        g = n64 * groups + col_group[None, :]
+        smask = mask
+    s = tl.load(s_ptr + g, mask=smask, other=0.0)
+    if INT4:
+        # each packed word loaded once, then its eight values spread along K in registers
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=n_ok[:, None] & (kw < k_end // 8)[None, :], other=0)
+        words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
+        q = (words >> ((kk % 8) * 4)[None, :]) & 0xF
+        return (q.to(tl.float32) - tl.load(z_ptr + g, mask=smask, other=0).to(tl.float32)) * s
+    bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
+    return fp8_bits_to_f32(bits) * s
+
+
+@triton.jit
+def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, K,
+                      k_per_split, group, groups, stride_xm, stride_cm, INT4: tl.constexpr, HAS_GIDX: tl.constexpr,
+                      STEP_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     dt = x_ptr.dtype.element_ty
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_lo, k_hi = k_range(tl.program_id(1), K, k_per_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -90,44 +124,18 @@ def _wo_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, c_ptr, M, 
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     n64 = offs_n.to(tl.int64)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        k_ok = kk < K
-        wmask = n_ok[:, None] & k_ok[None, :]
+        k_ok = kk < k_hi
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if STEP_GROUP:  # the whole step inside one group: one scale (and zero) per row
-            g = offs_n.to(tl.int64) * groups + k0 // group
-            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
-        else:
-            if HAS_GIDX:
-                col_group = tl.load(gidx_ptr + kk, mask=k_ok, other=0)
-            else:
-                col_group = kk // group
-            g = n64 * groups + col_group[None, :]
-            s = tl.load(s_ptr + g, mask=wmask, other=0.0)
-        if INT4:
-            # each packed word loaded once, then its eight values spread along K in registers
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + n64 * (K // 8) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
-            words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // 8, 8]), [BLOCK_N, BLOCK_K])
-            q = (words >> ((kk % 8) * 4)[None, :]) & 0xF
-            if STEP_GROUP:
-                z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.float32)[:, None]
-            else:
-                z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.float32)
-            w = (q.to(tl.float32) - z) * s
-        else:
-            bits = tl.load(w_ptr + n64 * K + kk[None, :], mask=wmask, other=0).to(tl.int32) & 0xFF
-            w = _fp8_bits_to_f32(bits) * s
-        w = round_to(w, dt)
+        w = round_to(dequant_tile(w_ptr, s_ptr, z_ptr, gidx_ptr, n64, n_ok, k0, kk, k_hi, K, group, groups, INT4,
+                                  HAS_GIDX, STEP_GROUP, BLOCK_N, BLOCK_K), dt)
         if UPCAST_DOT:  # the interpreter holds bf16 as bits: its dot takes fp32 (exact products)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, round_to(acc, dt), mask=m_ok[:, None] & n_ok[None, :])
+    finish_tile(acc, bias_ptr, c_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, part_ptr, count_ptr, SPLIT, HAS_BIAS,
+                BLOCK_M, BLOCK_N)
 
 
 def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
@@ -151,12 +159,15 @@ def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         cfg = cfg or config(m, n, k)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _wo_matmul_kernel[grid](x, weight, scale, zero if int4 else scale, g_idx if g_idx is not None else scale,
-                                bias if bias is not None else out, out, m, n, k, min(group, max(k, 1)), groups,
-                                x.stride(0), out.stride(0), INT4=int4, HAS_GIDX=g_idx is not None,
-                                STEP_GROUP=g_idx is None and (group >= k or group % cfg.block_k == 0),
-                                HAS_BIAS=bias is not None, UPCAST_DOT=_INTERPRET, BLOCK_M=cfg.block_m,
-                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        per, splits = split_plan(k, cfg.block_k, cfg.split_k or splits_for(tiles, k, cfg.block_k, x.device))
+        part, count = split_buffers(x.device, tiles, splits, cfg.block_m * cfg.block_n) if splits > 1 else (out, out)
+        _wo_matmul_kernel[(tiles, splits)](x, weight, scale, zero if int4 else scale,
+                                           g_idx if g_idx is not None else scale, bias if bias is not None else out,
+                                           out, part, count, m, n, k, per, min(group, max(k, 1)), groups, x.stride(0),
+                                           out.stride(0), INT4=int4, HAS_GIDX=g_idx is not None,
+                                           STEP_GROUP=g_idx is None and (group >= k or group % cfg.block_k == 0),
+                                           HAS_BIAS=bias is not None, UPCAST_DOT=_INTERPRET, SPLIT=splits > 1,
+                                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -4,19 +4,21 @@ models/attention/base.py); a family's own names stay in its file. Depends on ker
 
 from models.attention import BACKENDS, AttentionBackend, AttentionMetadata, StepRows
 from models.base import CausalLM, KVCaches, placeholder_id, resolve_placeholders
+from models.kv_scales import checkpoint_kv_scales
 from models.loader import (DTYPES, EMBEDDED_DRAFT, EMBEDDED_MODEL, LOAD_FORMATS, checkpoint_dtype, eos_token_ids,
                            load_config, load_model, load_tokenizer, resolve_model_path)
 from models.parallel import TensorParallel, close_tensor_parallel, init_tensor_parallel, shard_spec, tensor_parallel
 from models.quant import METHODS as QUANTIZATION_METHODS
 from models.quant import WeightsInfo, weights_info
+from models.quant import detect as quantization_scheme
 from models.registry import MODEL_FAMILIES, check_served, model_class
 from models.spec import ModelSpec
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
-           "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_DRAFT", "EMBEDDED_MODEL", "LOAD_FORMATS",
-           "checkpoint_dtype",
+           "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "LOAD_FORMATS", "checkpoint_dtype",
            "eos_token_ids", "TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "shard_spec",
            "tensor_parallel",
            "load_config", "load_model",
-           "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served", "model_class", "ModelSpec",
-           "QUANTIZATION_METHODS", "WeightsInfo", "weights_info"]
+           "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served",
+           "model_class", "ModelSpec", "QUANTIZATION_METHODS", "quantization_scheme", "WeightsInfo", "weights_info",
+           "EMBEDDED_DRAFT"]

@@ -31,13 +31,12 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.rms_norm import rmsnorm
-from kernels.silu_mul import silu_mul
 from models.attention import AttentionBackend, AttentionMetadata, Rope, make_backend
 from models.linear import Linear
 from models.parallel.group import shard_spec
 from models.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, load_shard,
                                     parallel_logits, qkv_parts, split_parts)
-from models.quant import add_rmsnorm_for, merge_parts
+from models.quant import add_rmsnorm_for, merge_parts, silu_mul_for
 from models.spec import ModelSpec
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
@@ -135,8 +134,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
-            return self.down_proj(silu_mul(gate_up))
+        if gate_up.is_cuda:  # the down projection's FP8 input made in the same launch where it takes one
+            return self.down_proj(silu_mul_for(self.down_proj, gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -25,7 +25,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from models import quant
 from models.base import CausalLM
+from models.kv_scales import is_attention_scale
 from models.linear import storage_later
+from models.parallel.group import tensor_parallel
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
@@ -140,6 +142,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     config = load_config(path)
     scheme = quant.detect(path, quantization)
+    if scheme is not None and tensor_parallel().size > 1:  # (server/worker/setup.py refuses it at start first)
+        raise ValueError(f"quantized weights ({scheme.name}) do not combine with tensor parallelism yet: "
+                         "a quantized linear's scales and packed columns are not split by rank")
     # Built on the device with its parameters left uninitialised, as on the meta device followed by
     # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
     # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
@@ -153,6 +158,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
                          f"({scheme.name}): leave quantization_config out of config.json")
     source = nullcontext(dummy_tensors(config, dtype, device)) if load_format == "dummy" else _read_tensors(path)
     with source as tensors:
+        # KV-cache scales are not weights: the worker reads them (models/kv_scales.py) for an fp8 cache
+        tensors = LazyTensors([k for k in tensors if not is_attention_scale(k)], tensors.__getitem__)
         if scheme is not None:
             quant.attach(model, scheme, device, dtype, deterministic)
             tensors = quant.convert(tensors, scheme, device)

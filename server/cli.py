@@ -15,8 +15,9 @@ from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key,
 from server.api.reasoning import REASONING_PARSERS
 from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
-from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE, QUANTIZATION_METHODS,
-                           SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig)
+from server.config import (ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, LOAD_FORMATS, MAX_TENSOR_PARALLEL_SIZE,
+                           QUANTIZATION_METHODS, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, SpeculativeConfig,
+                           StructuredLimits)
 
 
 def device(text: str) -> str:
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks to allocate (default: as many as the memory budget holds)")
     p.add_argument("--kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.kv_cache_memory,
                    help="KV cache budget, e.g. 512MiB or 2GiB")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_NAMES,
+                   help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3, scaled) or fp8_e5m2 "
+                        "(unscaled) hold twice the tokens in the same memory")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=d.calculate_kv_scales,
+                   help="fp8_e4m3 cache and no k_scale/v_scale in the checkpoint: calibrate them on a short "
+                        "text at start-up (--no-calculate-kv-scales: 1.0, with a warning); checkpoint scales "
+                        "are always used where present")
     p.add_argument("--cpu-kv-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.cpu_kv_cache_memory,
                    help="on the CPU, the KV cache's size in bytes unless --num-blocks or --kv-cache-memory say otherwise")
     p.add_argument("--gpu-memory-utilization", type=Bound(float, above=0, high=1), default=d.gpu_memory_utilization,
@@ -123,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who encodes prompts: 'auto' uses fastokens (~20x faster) where it encodes a probe set "
                         "exactly as the tokenizer does and the tokenizer's own encoder otherwise (the log says "
                         "which); 'fastokens' refuses to start without it; 'hf' is the tokenizers library")
+    add_structured_arguments(p, d.structured)
     tools = ServerLimits().tools
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=tools.parser,
                    help="the format the model writes tool calls in (vLLM's names: hermes for Qwen2.5 and Qwen3, "
@@ -138,9 +147,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_structured_arguments(p: argparse.ArgumentParser, d: StructuredLimits) -> None:
+    """The bounds on structured-output specs (server/engine/grammar_bounds.py) and their compile
+    (server/engine/grammar_compile.py): over one, a request is a 400 that names its flag."""
+    g = p.add_argument_group("structured outputs (every spec is bounded, then compiled in a sacrificial process)")
+    g.add_argument("--max-structured-spec-bytes", type=Bound(parse_bytes, 1, what=SIZE),
+                   default=d.max_structured_spec_bytes,
+                   help="largest JSON schema (as JSON), regular expression, EBNF grammar or choice list")
+    g.add_argument("--max-structured-depth", type=Bound(int, 1), default=d.max_structured_depth,
+                   help="deepest nesting of objects and arrays in a JSON schema, counting what its $refs name")
+    g.add_argument("--max-structured-length", type=Bound(int, 1), default=d.max_structured_length,
+                   help="largest count a spec may ask for: a JSON schema's maxLength, minLength, maxItems, minItems, "
+                        "maxProperties, minProperties, and {m,n} in a regular expression or EBNF grammar")
+    g.add_argument("--max-structured-items", type=Bound(int, 1), default=d.max_structured_items,
+                   help="most entries of one list in a JSON schema (enum, anyOf, oneOf, required, ...) or of a choice")
+    g.add_argument("--max-structured-properties", type=Bound(int, 1), default=d.max_structured_properties,
+                   help="most properties of one object in a JSON schema")
+    g.add_argument("--max-structured-regex-chars", type=Bound(int, 1), default=d.max_structured_regex_chars,
+                   help="longest regular expression, as a spec or a JSON schema's pattern")
+    g.add_argument("--structured-cache-memory", type=Bound(parse_bytes, 1, what=SIZE), default=d.structured_cache_memory,
+                   help="compiled grammars each process that compiles keeps (least recently used go first), e.g. 256MiB")
+    g.add_argument("--structured-compile-timeout", type=Bound(float, above=0), default=d.structured_compile_timeout,
+                   help="seconds a new spec may take to compile; past them its request is a 400 and the compile "
+                        "process is replaced")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = EngineConfig.__dataclass_fields__
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    fields, given = EngineConfig.__dataclass_fields__, vars(args)
+    structured = StructuredLimits(**{k: v for k, v in given.items() if k in StructuredLimits.__dataclass_fields__})
+    return EngineConfig(**{k: v for k, v in given.items() if k in fields}, structured=structured)
 
 
 def main(argv: list[str] | None = None) -> None:

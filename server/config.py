@@ -6,12 +6,13 @@ worker read their settings from it, and tests build it with only what they chang
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The CLI's choices, spelled here so that `python -m server --help` need not import torch to list
 # them; tests/test_config.py checks them against models.BACKENDS and models.DTYPES.
 ATTENTION_BACKENDS = ("triton", "eager", "sdpa")
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; fp8 = fp8_e4m3 (kvcache/fp8.py)
 LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
 MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
 # --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
@@ -27,6 +28,29 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+@dataclass(frozen=True)
+class StructuredLimits:
+    """Bounds on a structured-output spec (a JSON schema, regular expression, EBNF grammar or choice
+    list), checked before any compiler sees it (server/engine/grammar_bounds.py), and on its compile,
+    which runs in a sacrificial process (server/engine/grammar_compile.py). XGrammar's cost is not
+    its input's size: a $ref chain 3,600 deep overflowed its stack (the process died), and a few
+    hundred bytes can take it minutes or gigabytes. The field names are the flags' (server/cli.py);
+    vLLM has none for these."""
+
+    max_structured_spec_bytes: int = 65536  # the spec's text (a schema as JSON)
+    max_structured_depth: int = 128  # objects and arrays inside each other in a schema, $refs followed
+    # A count a spec asks for: maxLength, minLength, max/minItems, max/minProperties in a schema; {m,n}
+    # in a regular expression or EBNF grammar (maxLength 20,000,000 took XGrammar 1.6 GB)
+    max_structured_length: int = 16384
+    max_structured_items: int = 4096  # entries of one list in a schema (enum, anyOf, required, ...) or choice
+    max_structured_properties: int = 256  # properties of one object (400 optional ones compile for ~5 s)
+    max_structured_regex_chars: int = 4096  # a regular expression, or a schema's pattern ("." * 30000: ~30 s)
+    structured_compile_timeout: float = 10.0  # seconds a spec may take to compile; then a 400
+    # Compiled grammars kept in each process that compiles (its compile processes, the grammar process),
+    # least recently used going first: ~20 distinct specs took one from 503 to 1,348 MB
+    structured_cache_memory: int = 256 << 20
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local directory or hub id; None = the embedded model
@@ -39,6 +63,12 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of GPU memory for weights, activations, KV
     cpu_kv_cache_memory: int = 512 * 2**20  # the KV cache's size on the CPU unless set otherwise
+    # The KV cache's storage: auto = the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 hold twice the
+    # tokens in the same memory (kvcache/fp8.py).
+    kv_cache_dtype: str = "auto"
+    # fp8_e4m3 without scales in the checkpoint: calibrate them at start-up (server/worker/kv_scales.py);
+    # False = scales of 1.0, with a warning
+    calculate_kv_scales: bool = True
     max_num_seqs: int = 256  # most sequences in one step
     max_num_batched_tokens: int = 8192  # token budget of one step (offline; the server's: SERVE_MAX_NUM_BATCHED_TOKENS)
     max_model_len: int | None = None  # context limit; None = the model's
@@ -55,6 +85,7 @@ class EngineConfig:
     # whatever else shares its steps (--deterministic / FLASHPAGE_DETERMINISTIC; triton attention only)
     deterministic: bool = False
     log_stats_interval: float = 5.0  # seconds between engine summary log lines while busy; 0 = off
+    structured: StructuredLimits = field(default_factory=StructuredLimits)  # bounds on structured-output specs
     # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
     # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
     tensor_parallel_size: int = 1

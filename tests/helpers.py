@@ -74,6 +74,11 @@ LLAMA_CONFIGS = {  # model_type -> transformers config class name
     "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
+# The quantization tests' Llama (tests/models/conftest.py): head_dim 64, 2 KV heads, so that every
+# part of the merged QKV is a multiple of the 128-row FP8 blocks
+QUANT_LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+
+
 def make_llama_checkpoint(path, model_type="llama", num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, hidden_size=64, intermediate_size=96, max_position_embeddings=256,
                           vocab_size=512, seed=0, initializer_range=0.2, **extra):
@@ -135,21 +140,29 @@ def ulps(a, b):
     return (ordered(a) - ordered(b)).abs()
 
 
-def prefill_logits(model, ids: list[int], dtype=None):
-    """One sequence through a model as a single prefill chunk over a fresh paged cache, through the
-    model contract (models/base.py): fp32 logits of every position."""
+def prefill_logits(model, ids: list[int], dtype=None, caches=None, split: int | None = None):
+    """One sequence through a model as a single prefill chunk over a fresh paged cache (or over
+    `caches`, from block 0), through the model contract (models/base.py): fp32 logits of every
+    position. `split`: two chunks, ids[:split] then the rest, which reads the first's K/V from the
+    cache."""
     import torch
 
     from kvcache import CacheSpec, allocate_kv_cache
     from models import StepRows
 
     s, n = model.spec, len(ids)
-    cache = CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, dtype or torch.float32)
-    caches = allocate_kv_cache(cache, -(-n // 16), "cpu")
-    rows = StepRows(torch.arange(n, dtype=torch.int32), n, torch.tensor([0, n], dtype=torch.int32),
-                    torch.zeros(1, dtype=torch.int32), torch.arange(-(-n // 16), dtype=torch.int32)[None], [n], [0])
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), caches, model.attention.metadata(rows))
-    return model.lm_head(hidden)[:, : model.vocab_size].float()
+    if caches is None:
+        cache = CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, 16, dtype or torch.float32)
+        caches = allocate_kv_cache(cache, -(-n // 16), "cpu")
+    table = torch.arange(-(-n // caches[0][0].shape[1]), dtype=torch.int32)[None]
+    logits = []
+    for lo, hi in ((0, split), (split, n)) if split else ((0, n),):
+        m = hi - lo
+        rows = StepRows(torch.arange(lo, hi, dtype=torch.int32), m, torch.tensor([0, m], dtype=torch.int32),
+                        torch.tensor([lo], dtype=torch.int32), table, [m], [lo])
+        hidden = model.forward(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), caches, model.attention.metadata(rows))
+        logits.append(model.lm_head(hidden)[:, : model.vocab_size].float())
+    return torch.cat(logits)
 
 
 def with_chat_template(src, path, template: str):
@@ -176,3 +189,33 @@ def openai_client(url: str, timeout: float = 120):
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+def with_tensors(src, dst, tensors: dict):
+    """A copy of checkpoint `src` (one model.safetensors) at `dst` with `tensors` added to its file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    save_file({**weights, **tensors}, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # the fp8 KV cache formats (torch attribute names)
+
+
+def fp8_cache(cache, fp8_dtype, seed: int = 0):
+    """An fp8 copy of a [blocks, block_size, kv_heads, head_dim] cache through the reference quantizer
+    (NaN slots stay NaN bytes), with per-head fp32 scales [kv_heads]: each head's largest |value| over
+    the format's largest, times a factor in [1, 2) (scales that are not powers of two)."""
+    import torch
+
+    from kernels.reference import FP8_MAX, fp8_quantize_ref
+
+    dtype = getattr(torch, fp8_dtype) if isinstance(fp8_dtype, str) else fp8_dtype
+    g = torch.Generator().manual_seed(seed)
+    amax = cache.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).cpu().clamp(min=1e-3)
+    scale = (amax / FP8_MAX[dtype] * (1 + torch.rand(cache.shape[2], generator=g))).to(cache.device)
+    return fp8_quantize_ref(cache, scale, dtype), scale

@@ -108,7 +108,7 @@ def report(result: dict) -> str:
     out = [flags_line(result), ""]
     if kind in ("offline", "nanovllm"):
         out += offline_table(result)
-    elif kind in ("batch1", "long"):
+    elif kind in ("batch1", "long", "long-fp8"):
         out += ["Batch 1, one request at a time (TTFT: a 1-token request; TPOT: (end to end − TTFT) / (outputs − 1)):",
                 "", *latency_table(result)]
     elif kind == "structured":

@@ -1,6 +1,7 @@
 """vLLM and flashpage side by side on one GPU: the same checkpoints, flags, prompts and clients.
 
   python benchmarks/peers/run.py --workloads offline batch1 --out-dir $OUT
+  python benchmarks/peers/run.py --workloads offline:llama-3.1-8b.fp8-dynamic batch1:llama-3.1-8b.awq --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
 
@@ -37,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import gpu_slug, write_result  # noqa: E402
 from benchmarks.peers.engines import ENGINES, REPO_ROOT, engine_env, versions  # noqa: E402
-from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, SHAPES, WORKLOADS, Job,  # noqa: E402
-                                        estimate_minutes, jobs_for, merge_jobs)
+from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, WORKLOADS, Job,  # noqa: E402
+                                        estimate_minutes, jobs_for, merge_jobs, split_shape)
 
 
 def parse_selection(items: list[str]) -> list[tuple[str, str]]:
@@ -49,8 +50,10 @@ def parse_selection(items: list[str]) -> list[tuple[str, str]]:
         if workload not in WORKLOADS:
             raise SystemExit(f"unknown workload {workload!r} (choose from {', '.join(WORKLOADS)})")
         for shape in shapes.split(",") if shapes else DEFAULT_SHAPES[workload]:
-            if shape not in SHAPES:
-                raise SystemExit(f"unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
+            try:
+                split_shape(shape)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
             out.append((workload, shape))
     return out
 
@@ -66,14 +69,22 @@ def device_name() -> str:
 
 
 def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
-    """A random checkpoint of `shape` under root/shape (made on the GPU in a process of its own, once)."""
+    """A random checkpoint of `shape` under root/shape (made on the GPU in a process of its own, once);
+    a quantized shape's (`<shape>.<format>`) is benchmarks/quant_checkpoint.py's copy of the 16-bit one."""
     path = root / shape
     if (path / ".complete").exists():
         return path
-    code = ("import sys; from benchmarks.checkpoint import make_random_llama; "
-            "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
+    base, fmt = split_shape(shape)
+    if fmt:
+        code = ("import sys; from benchmarks.quant_checkpoint import quantize_checkpoint; "
+                "quantize_checkpoint(sys.argv[3], sys.argv[1], sys.argv[2], device='cuda', dequantized=False)")
+        args = [fmt, str(ensure_checkpoint(base, root, log_dir))]
+    else:
+        code = ("import sys; from benchmarks.checkpoint import make_random_llama; "
+                "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
+        args = [shape]
     with open(log_dir / f"checkpoint_{shape}.log", "w") as log:
-        subprocess.run([sys.executable, "-c", code, str(path), shape], cwd=REPO_ROOT, env=engine_env("flashpage"),
+        subprocess.run([sys.executable, "-c", code, str(path), *args], cwd=REPO_ROOT, env=engine_env("flashpage"),
                        stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
     (path / ".complete").write_text("")
     return path

@@ -97,10 +97,15 @@ class AttentionBackend(Protocol):
                 rope: Rope | None = None) -> torch.Tensor:
         """q [num_tokens, heads, d], k/v [num_tokens, kv_heads, d]: rotate q and k if `rope` is
         given (bit-identical to kernels.reference.rope_ref), write k/v at `slot_mapping`, attend,
-        return [num_tokens, heads, d]. q and k may be modified in place."""
+        return [num_tokens, heads, d]. q, k and v may be modified in place. An fp8 cache carries its
+        scales (kvcache.cache_scales): K/V are stored quantized and every key and value attended
+        over is read as the cache holds it, a prefill chunk's own included (so that a token
+        attends over the same values however its sequence was chunked, cached or recomputed)."""
 
-    def warmup(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int) -> None:
-        """Compile what batch shapes could otherwise compile mid-serving."""
+    def warmup(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+               dtype: torch.dtype | None = None) -> None:
+        """Compile what batch shapes could otherwise compile mid-serving. `dtype`: the queries'
+        (the model's; None: the cache's, which differs for an fp8 cache)."""
 
     def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
         """Slots of per-step work map a captured prefill step of `num_tokens` tokens in at most

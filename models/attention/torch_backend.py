@@ -7,6 +7,9 @@
 The decode path uses only tensor ops whose shapes depend on the batch shape, never on values, so it
 can be captured in a CUDA graph like ours; the prefill path loops over chunks on the host, so
 prefill steps of these backends run eagerly.
+
+An fp8 cache (kvcache/fp8.py) is written through kernels.reference.fp8_quantize_ref and its pages
+dequantized as they are gathered, into q's dtype: the same cache bytes as the Triton kernels'.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rope_ref
+from kernels.reference import fp8_dequantize_ref, fp8_quantize_ref, rope_ref
+from kvcache import cache_scales
 from kvcache.cache import scratch_slot
 from models.attention.base import AttentionMetadata, Rope, StepRows, base_metadata
 
@@ -23,14 +27,23 @@ from models.attention.base import AttentionMetadata, Rope, StepRows, base_metada
 def _write_kv_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
     # Padding slots go to the scratch block instead of being filtered out (no dynamic shapes).
     slots = torch.where(slot_mapping < 0, scratch_slot(k_cache), slot_mapping).long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scale in zip((k, v), (k_cache, v_cache), cache_scales(k_cache, v_cache)):
+        if scale is None:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+        else:  # as bytes: torch has no fp8 index_copy on the CPU
+            stored = fp8_quantize_ref(x, scale, cache.dtype)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, stored.view(torch.uint8))
+            # x becomes what the cache holds, as the Triton kernels' write leaves it (kernels/kv_write.py)
+            x.copy_(fp8_dequantize_ref(stored, scale).to(x.dtype))
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[n, max_blocks] page tables -> contiguous [n, max_blocks * block_size, kv_heads, d]."""
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, max_blocks] page tables -> contiguous [n, max_blocks * block_size, kv_heads, d] in `dtype`
+    (an fp8 cache dequantized with its scales)."""
     n, max_blocks = block_tables.shape
-    return cache[block_tables.long()].reshape(n, max_blocks * cache.shape[1], *cache.shape[2:])
+    pages = cache[block_tables.long()].reshape(n, max_blocks * cache.shape[1], *cache.shape[2:])
+    scale = getattr(cache, "scale", None)
+    return pages if scale is None else fp8_dequantize_ref(pages, scale).to(dtype)
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -77,16 +90,16 @@ class TorchAttention:
             ks, vs, plen = k[lo:hi], v[lo:hi], prefix[i]
             if plen:
                 bt = meta.prefill_block_tables[i : i + 1, : -(-plen // k_cache.shape[1])]
-                ks = torch.cat([_gather_pages(k_cache, bt)[0, :plen], ks])
-                vs = torch.cat([_gather_pages(v_cache, bt)[0, :plen], vs])
+                ks = torch.cat([_gather_pages(k_cache, bt, q.dtype)[0, :plen], ks])
+                vs = torch.cat([_gather_pages(v_cache, bt, q.dtype)[0, :plen], vs])
             n, m = hi - lo, ks.shape[0]
             mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=plen)
             out[lo:hi] = self._attend(q[lo:hi].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask[None], not plen, scale)[0]
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
-        ks = _gather_pages(k_cache, meta.decode_block_tables)
-        vs = _gather_pages(v_cache, meta.decode_block_tables)
+        ks = _gather_pages(k_cache, meta.decode_block_tables, q.dtype)
+        vs = _gather_pages(v_cache, meta.decode_block_tables, q.dtype)
         valid = torch.arange(ks.shape[1], device=q.device)[None, :] < meta.context_lens[:, None]  # [n, L]
         # Unwritten slots may hold NaN, and softmax weight 0 times NaN is still NaN.
         vs = torch.where(valid[:, :, None, None], vs, 0)
@@ -108,7 +121,7 @@ class TorchAttention:
             o = torch.matmul(torch.softmax(s.float(), dim=-1).to(v.dtype), v)
         return o.transpose(1, 2)
 
-    def warmup(self, kv_caches, num_heads: int) -> None:
+    def warmup(self, kv_caches, num_heads: int, dtype: torch.dtype | None = None) -> None:
         pass  # nothing compiles per shape
 
     def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:

@@ -27,6 +27,7 @@ from kernels.invariant_attention import invariant_attention, num_segments, posit
 from kernels.kv_write import kv_write
 from kernels.paged_decode import paged_decode, warmup_split_variants
 from kernels.rope import rope_kv_write
+from kvcache import cache_scales
 from models.attention.base import AttentionMetadata, Rope, StepRows, base_metadata
 
 
@@ -78,50 +79,55 @@ class TritonAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 rope: Rope | None = None) -> torch.Tensor:
+        # An fp8 cache's scales (kvcache/fp8.py); every kernel below quantizes or dequantizes with them.
+        ks, vs = cache_scales(k_cache, v_cache)
         if self.deterministic:
-            return self._forward_invariant(q, k, v, k_cache, v_cache, meta, scale, rope)
+            return self._forward_invariant(q, k, v, k_cache, v_cache, meta, scale, rope, ks, vs)
         out = torch.empty_like(q)
         p = meta.num_prefill_tokens
         if not p:  # decodes only: the decode kernel writes this step's K/V itself
             if rope is not None:
                 rope_kv_write(q, k, None, rope.positions, rope.cos, rope.sin, None, None, None, write_cache=False)
             paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out,
-                         k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
+                         k_new=k, v_new=v, slot_mapping=meta.slot_mapping, k_scale=ks, v_scale=vs)
             return out
         if rope is not None:  # rotation and the K/V write in one launch
-            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                          k_scale=ks, v_scale=vs)
         else:
-            kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
         flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],
                       v_cache=cache[1], block_tables=meta.prefill_block_tables, prefix_lens=meta.prefix_lens,
-                      out=out[:p], tiles=meta.prefill_tiles)
+                      out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
         if q.shape[0] > p:
-            paged_decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out[p:])
+            paged_decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out[p:],
+                         k_scale=ks, v_scale=vs)
         return out
 
     def _forward_invariant(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                           rope: Rope | None) -> torch.Tensor:
+                           rope: Rope | None, ks, vs) -> torch.Tensor:
         p = meta.num_prefill_tokens
+        sc = dict(k_scale=ks, v_scale=vs)
         if not p:  # decodes only: the attention launch writes this step's K/V itself
             if rope is not None:
                 rope_kv_write(q, k, None, rope.positions, rope.cos, rope.sin, None, None, None, write_cache=False)
-            return self._invariant_decodes(q, k_cache, v_cache, meta, scale, new_kv=(k, v, meta.slot_mapping))
+            return self._invariant_decodes(q, k_cache, v_cache, meta, scale, new_kv=(k, v, meta.slot_mapping), **sc)
         if rope is not None:
-            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+            rope_kv_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, **sc)
         else:
-            kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            kv_write(k, v, k_cache, v_cache, meta.slot_mapping, **sc)
         out = torch.empty_like(q)
         tables = meta.prefill_block_tables
         invariant_attention(q[:p], k_cache, v_cache, tables, meta.cu_seqlens, meta.prefix_lens, meta.prefill_tiles,
-                            scale, num_segments(tables, k_cache.shape[1]), out=out[:p])
+                            scale, num_segments(tables, k_cache.shape[1]), out=out[:p], **sc)
         if q.shape[0] > p:  # a mixed step's decodes: their K/V went in with the chunks'
-            self._invariant_decodes(q[p:], k_cache, v_cache, meta, scale, out=out[p:])
+            self._invariant_decodes(q[p:], k_cache, v_cache, meta, scale, out=out[p:], **sc)
         return out
 
     @staticmethod
     def _invariant_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None,
-                           new_kv=None) -> torch.Tensor:
+                           new_kv=None, k_scale=None, v_scale=None) -> torch.Tensor:
         """The decode rows as one-row chunks (meta.decode_chunks), their keys split over programs by
         segment (the same bits as unsplit, the kernel's contract): faster at every decode batch
         measured on the H100, 1 to 256 rows (benchmarks/results/invariant_kernels_h100.json);
@@ -129,16 +135,18 @@ class TritonAttention:
         cu, prefix, tiles = meta.decode_chunks
         tables = meta.decode_block_tables
         return invariant_attention(q, k_cache, v_cache, tables, cu, prefix, tiles, scale,
-                                   num_segments(tables, k_cache.shape[1]), split=True, out=out, new_kv=new_kv)
+                                   num_segments(tables, k_cache.shape[1]), split=True, out=out, new_kv=new_kv,
+                                   k_scale=k_scale, v_scale=v_scale)
 
-    def warmup(self, kv_caches, num_heads: int) -> None:
+    def warmup(self, kv_caches, num_heads: int, dtype: torch.dtype | None = None) -> None:
         """Compile every split variant of the decode kernel (kernels/paged_decode.py). The
         deterministic mode never launches it; its kernels' variants are few and the worker's
         warm-up steps compile them."""
         if self.deterministic:
             return
         k_cache, v_cache = kv_caches[0]
-        warmup_split_variants(k_cache, v_cache, num_heads, k_cache.dtype)
+        ks, vs = cache_scales(k_cache, v_cache)
+        warmup_split_variants(k_cache, v_cache, num_heads, dtype or k_cache.dtype, ks, vs)
 
     # -- captured prefill steps -----------------------------------------------------------------
     def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:

@@ -5,8 +5,9 @@ its linears' 16-bit weights left unallocated (`models.linear.storage_later`), `a
 method (methods.py) to every `models.linear.Linear`, turns the checkpoint's tensors into the
 canonical layout (`convert`), lets the family's load_weights copy them as usual, then `finish`es
 the linears. Families take part in three places only: merged projections stack their parts'
-tensors with `merge_parts`, the Llama family's RMSNorm quantizes the next linear's input in its own
-launch (`add_rmsnorm_for`), and GPT-2 transposes only its 16-bit Conv1D weights. `weights_info`
+tensors with `merge_parts`, the Llama family's RMSNorm and silu_mul quantize the next linear's
+input in their own launches (`add_rmsnorm_for`, `silu_mul_for`), and GPT-2 transposes only its
+16-bit Conv1D weights. `weights_info`
 reports the weights' real bytes and format (the KV cache sizing, /v1/models, the start-up log).
 """
 
@@ -103,5 +104,18 @@ def add_rmsnorm_for(consumer: nn.Module | None, x: torch.Tensor, y: torch.Tensor
     return x, QuantizedInput(q, scale)
 
 
+def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | QuantizedInput:
+    """silu(gate) * up of a merged gate/up projection's output, in the form `consumer` (the down
+    projection) reads: quantized to FP8 in the same launch where its method quantizes activations,
+    else 16-bit (CUDA only)."""
+    from kernels.fp8_quant import silu_mul_fp8
+    from kernels.silu_mul import silu_mul
+
+    fmt = consumer.quant.activation_format(consumer) if consumer.quant is not None else None
+    if fmt is None:
+        return silu_mul(gate_up)
+    return QuantizedInput(*silu_mul_fp8(gate_up, fmt.group, fmt.static_scale))
+
+
 __all__ = ["METHODS", "PER_CHANNEL", "QuantScheme", "QuantizedInput", "ActivationFormat", "WeightsInfo", "detect",
-           "attach", "convert", "finish", "weights_info", "merge_parts", "add_rmsnorm_for", "compute_mode"]
+           "attach", "convert", "finish", "weights_info", "merge_parts", "add_rmsnorm_for", "silu_mul_for", "compute_mode"]

@@ -8,6 +8,10 @@ element per tensor), `input_scale` (static); pack-quantized `weight_packed` [N, 
 (signed values offset by 8, element k in bits 4 * (k % 8): the canonical int4 layout already),
 `weight_scale` [N, K / 128], `weight_zero_point` [N / 8, K / 128] int32 packed along N (asymmetric
 only), `weight_shape`.
+
+A `kv_cache_scheme` (llm-compressor's FP8 KV cache: `k_scale` / `v_scale` per layer, per tensor or
+per KV head) is not the weights' business: its scales are read by models/kv_scales.py and used with
+--kv-cache-dtype fp8, as vLLM does; a config with it alone quantizes no weight.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from models.quant.scheme import PER_CHANNEL, QuantScheme, check_ignored, refuse
 
 
-def scheme(qcfg: dict) -> QuantScheme:
+def scheme(qcfg: dict) -> QuantScheme | None:
     from compressed_tensors.quantization import QuantizationConfig
 
     what = "compressed-tensors"
@@ -25,8 +29,13 @@ def scheme(qcfg: dict) -> QuantScheme:
         cfg = QuantizationConfig.model_validate(qcfg)
     except ValueError as e:  # pydantic's ValidationError: a config this compressed-tensors does not read
         raise refuse(f"{what} quantization_config that compressed-tensors cannot read is not supported ({e})") from e
-    if cfg.kv_cache_scheme is not None:
-        raise refuse(f"{what} with a kv_cache_scheme (quantized KV cache) is not supported")
+    kv = cfg.kv_cache_scheme
+    if kv is not None and not (str(getattr(kv.type, "value", kv.type)) == "float" and kv.num_bits == 8 and
+                               str(getattr(kv.strategy, "value", kv.strategy)) in ("tensor", "attn_head")):
+        raise refuse(f"{what} with a kv_cache_scheme other than 8-bit float per tensor or per attention head "
+                     f"({kv.type}{kv.num_bits} {kv.strategy}) is not supported")
+    if not cfg.config_groups and kv is not None:  # scales of an FP8 KV cache alone: 16-bit weights
+        return None
     if getattr(cfg, "sparsity_config", None) or qcfg.get("sparsity_config"):
         raise refuse(f"{what} with sparsity is not supported")
     schemes = {s.model_dump_json(exclude={"targets"}) for s in cfg.config_groups.values()}

@@ -6,12 +6,14 @@ checkpoint's linear has, so the family's load_weights copies them as it copies a
 the 'dequant' mode: the linear is then a plain 16-bit Linear again), and `apply`s it:
 
   fp8, w8a8         activations quantized to FP8 (per token, per 128-column group, or with the
-                    checkpoint's static scale; by the RMSNorm before the linear where the family
-                    fuses it: `QuantizedInput`), then torch._scaled_mm with rowwise scales
-                    (cuBLASLt/CUTLASS) where its modes fit (one scale per row and channel, bf16
-                    out, N and K multiples of 16), else kernels/fp8_matmul.py;
-  fp8, weight_only  kernels/wo_matmul.py (GPUs without FP8 tensor cores);
-  int4              kernels/wo_matmul.py, the weights dequantized in registers.
+                    checkpoint's static scale; by the RMSNorm or silu_mul before the linear where
+                    the family fuses it: `QuantizedInput`; by the GEMV itself at one row), then
+                    the GEMM gemms.py picks by row count (torch._scaled_mm with rowwise scales
+                    where its modes fit: one scale per row and channel, bf16 out, N and K multiples
+                    of 16);
+  fp8, weight_only  gemms.py's weight-only GEMMs (GPUs without FP8 tensor cores);
+  int4              gemms.py's weight-only GEMMs: dequantized in registers up to 16 rows, into a
+                    transient 16-bit weight for cuBLAS beyond.
 """
 
 from __future__ import annotations
@@ -21,26 +23,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kernels.fp8_matmul import fp8_matmul
-from kernels.fp8_quant import quant_fp8
 from kernels.quant_reference import dequant_fp8, dequant_int4
-from kernels.wo_matmul import wo_matmul
 from models.quant.fp8 import quantize_per_channel
+from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
 from models.quant.scheme import PER_CHANNEL, QuantScheme
-
-
-# Rows up to which a w8a8 linear uses the Triton FP8 GEMM even where torch._scaled_mm fits: decode
-# batches, where the weight's bytes are the cost. On an H100 (torch 2.11) at the Llama-3.1-8B
-# shape's four linears the Triton GEMM took 18.8/17.2/56.1/43.8 us at one row against
-# torch._scaled_mm's 23.4/19.2/61.4/53.3 (benchmarks/results/quant_h100.json, sweep_fp8); from
-# 2048 rows torch._scaled_mm is 1.5-2x faster.
-TRITON_DECODE_ROWS = 16
-
-
-class QuantizedInput(NamedTuple):
-    """A linear's input already quantized to FP8 (by the norm before it): q [M, K], scale [M, groups]."""
-    q: torch.Tensor
-    scale: torch.Tensor
 
 
 class ActivationFormat(NamedTuple):
@@ -102,16 +88,9 @@ class Fp8Method:
 
     def apply(self, linear: nn.Module, x: torch.Tensor | QuantizedInput) -> torch.Tensor:
         if self.mode == "weight_only":
-            return wo_matmul(x, linear.weight, linear.weight_scale, None, self.scheme.group, linear.bias)
-        if isinstance(x, QuantizedInput):
-            q, scale = x
-        else:
-            q, scale = quant_fp8(x, self.scheme.activation_group, getattr(linear, "input_scale", None))
-        if linear.scaled_mm and q.shape[0] > TRITON_DECODE_ROWS:
-            out = torch._scaled_mm(q, linear.weight.t(), scale_a=scale, scale_b=linear.weight_scale.view(1, -1),
-                                   out_dtype=self.dtype)
-            return out if linear.bias is None else out.add_(linear.bias)
-        return fp8_matmul(q, scale, linear.weight, linear.weight_scale, self.scheme.group, self.dtype, linear.bias)
+            return weight_only_linear(x, linear.weight, linear.weight_scale, None, self.scheme.group, linear.bias)
+        return fp8_linear(x, linear.weight, linear.weight_scale, self.scheme.group, self.scheme.activation_group,
+                          getattr(linear, "input_scale", None), self.dtype, linear.bias, linear.scaled_mm)
 
 
 class Int4Method:
@@ -141,8 +120,8 @@ class Int4Method:
         return None
 
     def apply(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return wo_matmul(x, linear.qweight, linear.scales, linear.zeros, self.scheme.group, linear.bias,
-                         getattr(linear, "g_idx", None))
+        return weight_only_linear(x, linear.qweight, linear.scales, linear.zeros, self.scheme.group, linear.bias,
+                                  getattr(linear, "g_idx", None))
 
 
 def make_method(scheme: QuantScheme, mode: str, dtype: torch.dtype) -> Fp8Method | Int4Method:

@@ -21,16 +21,17 @@ from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.bridge.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServiceUnavailableError
 from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            ClientDisconnected, GuardMiddleware, LimitError, ServerLimits, check_prompt_chars,
-                           check_prompt_tokens, has_surrogates, until_disconnected)
+                           check_prompt_tokens, check_request_tokens, has_surrogates, request_tokens,
+                           until_disconnected)
 from server.api.controls import ControlFields, Spec, StructuredOutputs, check_structured, pick_structured
-from server.api.fields import refusal, unknown_fields, warn_ignored
+from server.api.fields import readable_errors, refusal, unknown_fields, warn_ignored
 from server.api.request_id import RequestIdMiddleware
 from server.api.metrics import install_metrics
 from server.api.openai import install_openai
@@ -189,6 +190,9 @@ class ErrorResponse(BaseModel):
 class KVDebug(BaseModel):
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_cache_dtype: str  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2 (--kv-cache-dtype)
+    kv_tokens_total: int  # tokens the cache holds (blocks x block size): twice as many with fp8
+    kv_bytes_per_token: int  # every layer's K and V of one token
     requests_active: int
     requests_running: int
     requests_waiting: int
@@ -217,7 +221,7 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 shape, without echoing the input (it may be huge, or NaN, which is not JSON)."""
     detail = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-              for e in exc.errors()]
+              for e in readable_errors(exc.errors())]
     return JSONResponse({"detail": detail}, status_code=422)
 
 
@@ -234,6 +238,8 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         engine.start()
         yield
         await engine.stop()
+        if (compiler := getattr(app.state, "spec_compiler", None)) is not None:
+            compiler.close()  # its compile processes (server/api/controls.py)
 
     app = FastAPI(title="flashpage", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -260,6 +266,8 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
         """KV-cache occupancy and request counts: cheap, read-only (leak tests poll it)."""
         s = engine.engine.snapshot()
         return {"kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+                "kv_cache_dtype": s.kv_cache_dtype, "kv_tokens_total": s.kv_blocks_total * s.kv_block_size,
+                "kv_bytes_per_token": s.kv_bytes_per_token,
                 "requests_active": engine.num_active, "requests_running": s.running,
                 "requests_waiting": s.waiting, "engine_sequences": s.sequences,
                 "preemptions": s.preemptions, "generated_tokens": s.generation_tokens}
@@ -280,10 +288,14 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
                 ids = body.prompt_token_ids
             check_prompt_tokens(len(ids), limits)
             params = body.engine_params()
+            check_request_tokens(request_tokens(params.max_tokens, None, len(ids), params.prompt_logprobs), limits,
+                                 f"{params.max_tokens} tokens" + ("" if params.prompt_logprobs is None else
+                                 f", {len(ids)} prompt tokens scored with {params.prompt_logprobs} alternatives"))
+            engine.engine.validate(ids, params)  # the cheap checks (vocabulary, context) before any compile
             await check_structured(app.state, engine.engine, params.structured)
             # A client may reuse its X-Request-ID while the earlier request still runs.
             erid = rid if not engine.in_use(rid) else f"{rid}-{uuid.uuid4().hex[:8]}"
-            stream = engine.generate(erid, ids, params)
+            stream = engine.generate(erid, ids, params, validated=True)
             first = await anext(stream)  # surfaces validation errors before any response starts
         except (RequestError, LimitError) as e:
             return error(400, str(e), headers=headers)
@@ -310,7 +322,9 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
                   "usage": _usage(last.prompt_tokens, last.completion_tokens)}
         if body.prompt_logprobs is not None:
             result["prompt_logprobs"] = [None] + (prompt_logprobs or [])
-        return JSONResponse(result, headers=headers)
+        # msgspec: ~10x faster than the json.dumps of JSONResponse (prompt scores are up to
+        # --max-request-tokens entries)
+        return Response(encode_json(result), media_type="application/json", headers=headers)
 
     app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
     install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors

@@ -3,21 +3,26 @@
 output (OpenAI's `response_format`, vLLM's `structured_outputs`, SGLang's `json_schema` / `regex` /
 `ebnf`), turned into the engine's `SamplingParams` fields.
 
-A structured-output spec is compiled here, off the event loop, before the request is queued
-(`check_structured`): an invalid schema, regular expression or grammar is a 400 that says what is
-wrong, and the engine never sees it. XGrammar's compiler caches by spec, so a schema shared by many
-requests compiles once in this process (and once more in the engine process).
+A structured-output spec is checked here before the request is queued (`check_structured`):
+bounded first, then compiled in a sacrificial process under a deadline, awaited off the event loop
+(server/engine/grammar_bounds.py, grammar_compile.py). A spec over a bound, invalid, crashing the
+compiler or too slow to compile is a 400 that says which, and the engine never sees it. Verdicts
+are remembered by spec, so a schema shared by many requests compiles once in this process's worker
+(and once more in the engine's grammar process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from server.bridge.async_engine import ServiceUnavailableError
 from server.engine import RequestError
+from server.engine.grammar_compile import CompilerBusy, CompileSetup, SpecCompiler
 from server.sampling_params import LOGIT_BIAS_BOUND, SamplingParams, StructuredOutput
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -25,6 +30,7 @@ MAX_SPEC_CHARS = 65_536  # a regular expression, grammar or choice; schemas are 
 MAX_CHOICES_LISTED = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 Spec = Annotated[str, Field(max_length=MAX_SPEC_CHARS)]
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # ASCII digits only ([0-9] is not \d)
 DEFAULTS = SamplingParams()
 
 
@@ -47,15 +53,15 @@ class ControlFields(BaseModel):
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's string keys as token ids, values clamped to +-100 as OpenAI does. Ids are checked
-    against the vocabulary by the engine's validation."""
+    """OpenAI's string keys as token ids, values clamped to +-100 as OpenAI does. A key is a token
+    id written as a plain decimal number (Python's int() also took " 5", "+5", "5_0" and "٣"). Ids
+    are checked against the vocabulary by the engine's validation."""
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise RequestError(f"logit_bias key {key[:32]!r} is not a token id") from None
-        out[tid] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
+        if not _TOKEN_ID.fullmatch(key):
+            raise RequestError(f"logit_bias key {key[:32]!r} is not a token id (a decimal number such as \"50256\")",
+                               "logit_bias")
+        out[int(key)] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
     return out
 
 
@@ -126,6 +132,8 @@ def _json(schema: dict | str) -> StructuredOutput:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise RequestError(f"invalid JSON schema: not JSON ({e})") from None
+        except RecursionError:  # given as text, it escaped the body's nesting bound (server/api/guards.py)
+            raise RequestError("invalid JSON schema: it nests too deep to be read") from None
     if not isinstance(schema, dict):
         raise RequestError("invalid JSON schema: it must be a JSON object")
     # Canonical text: the same schema written in another key order is the same cached grammar.
@@ -140,15 +148,29 @@ def pick_structured(**specs: StructuredOutput | None) -> StructuredOutput | None
     return next(iter(given.values()), None)
 
 
+def spec_compiler(app_state, engine) -> SpecCompiler:
+    """This process's SpecCompiler (made on first use; its workers start when a spec first needs one)."""
+    compiler = getattr(app_state, "spec_compiler", None)
+    if compiler is None:
+        bounds, limits = engine.limits(), engine.config.structured
+        setup = CompileSetup(engine.model_path, bounds.vocab_size, tuple(bounds.eos_token_ids),
+                             limits.structured_cache_memory)
+        compiler = app_state.spec_compiler = SpecCompiler(setup, limits)
+    return compiler
+
+
 async def check_structured(app_state, engine, spec: StructuredOutput | None) -> None:
-    """Compile the spec in this process (off the event loop); RequestError if it is invalid."""
+    """RequestError (400) if the spec is over a bound, invalid, crashes the compiler or does not
+    compile within the deadline; ServiceUnavailableError (503) if too many compiles wait already. A
+    spec seen before is answered at once; a new one is bounded here, then compiled in a worker,
+    awaited on the compiler's own threads (never the loop's default pool)."""
     if spec is None:
         return
-    grammars = getattr(app_state, "grammars", None)
-    if grammars is None:
-        from server.engine.grammar import Grammars
-
-        bounds = engine.limits()
-        grammars = app_state.grammars = await asyncio.to_thread(
-            Grammars, engine.tokenizer, bounds.vocab_size, frozenset(bounds.eos_token_ids))
-    await asyncio.to_thread(grammars.compile, spec)
+    compiler = spec_compiler(app_state, engine)
+    if compiler.cached(spec):
+        return
+    try:
+        with compiler.slot():  # its bounds too off the loop: reading a spec costs time in its size
+            await asyncio.get_running_loop().run_in_executor(compiler.executor, compiler.check_new, spec)
+    except CompilerBusy as e:
+        raise ServiceUnavailableError(str(e), retry_after=2) from None

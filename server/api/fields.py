@@ -15,6 +15,7 @@ every request; a log line each would flood the log), for at most MAX_LOGGED sets
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
@@ -53,3 +54,28 @@ def warn_ignored(route: str, names: list[str], logged: set) -> None:
     more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
     log.warning("ignoring unknown request fields on %s: %s%s (logged once per set; --unknown-fields reject "
                 "refuses them)", route, shown, more)
+
+
+# Pydantic names the branches of a union in an error's location ("stop.constrained-str",
+# "stop.list[constrained-str]"): how it validated, not where the client's mistake is.
+_BRANCH = re.compile(r"(constrained|function|tagged|nullable)-[\w-]*(\[.*\])?|[a-z]+\[.*\]|str|int|float|bool|dict|list")
+
+
+def readable_errors(errors: list[dict]) -> list[dict]:
+    """Validation errors as a client reads them: union branches dropped from each location, and a
+    branch's "not this type" left last when another error names the same field (issue 44: 17 stop
+    strings were reported as "stop.constrained-str: Input should be a valid string", the string
+    branch of `stop`, instead of the list branch's "at most 16 items")."""
+    out = []
+    for e in errors:
+        loc = [x for x in e.get("loc", ()) if not (isinstance(x, str) and _BRANCH.fullmatch(x))]
+        out.append({**e, "loc": tuple(loc)})
+    fields = {}
+    for e in out:
+        fields.setdefault(e["loc"], []).append(e)
+
+    def noise(e: dict) -> bool:
+        return str(e.get("type", "")).endswith("_type") and any(
+            not str(o.get("type", "")).endswith("_type") for o in fields[e["loc"]])
+
+    return sorted(out, key=noise)

@@ -122,6 +122,10 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 65536
     max_prompt_tokens: int | None = None  # None: the model's context is the limit
+    # What one request may return: each choice's tokens, and its scored prompt tokens, each counted
+    # once more for every logprob alternative (`request_tokens`). Issue 44: chat with n 128,
+    # top_logprobs 20 and no max_tokens ran 600 s and built ~80 MB of JSON.
+    max_request_tokens: int = 262144
     max_waiting_requests: int | None = 512  # None: unbounded
     request_timeout: float | None = None  # seconds; None: no deadline
     shutdown_grace: float = 30.0
@@ -142,6 +146,7 @@ class ServerLimits:
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
         return cls(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                    max_prompt_tokens=args.max_prompt_tokens or None,
+                   max_request_tokens=getattr(args, "max_request_tokens", cls.max_request_tokens),
                    max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
                    request_timeout=args.request_timeout or None, shutdown_grace=args.shutdown_grace,
                    api_key=args.api_key or os.environ.get("FLASHPAGE_API_KEY") or None,
@@ -167,6 +172,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest text prompt in characters (checked before tokenizing)")
     g.add_argument("--max-prompt-tokens", type=Bound(int, 0), default=0,
                    help="longest prompt in tokens (0 = the model's context)")
+    g.add_argument("--max-request-tokens", type=Bound(int, 1), default=d.max_request_tokens,
+                   help="most tokens one request may return: n x (max_tokens + prompt tokens scored for echo or "
+                        "prompt_logprobs), each counted once more per logprob alternative; beyond it a 400 (a chat "
+                        "request without max_tokens gets what fits instead of the whole context)")
     g.add_argument("--max-waiting-requests", type=Bound(int, 1, also={-1: "no bound"}),
                    default=d.max_waiting_requests,
                    help="requests that may wait for a slot; beyond it 503 with Retry-After, and a request with "
@@ -213,6 +222,23 @@ def check_prompt_chars(prompt: str, limits: ServerLimits, name: str = "prompt") 
 def check_prompt_tokens(n: int, limits: ServerLimits, name: str = "prompt") -> None:
     if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
         raise LimitError(f"'{name}' has {n} tokens; the limit is {limits.max_prompt_tokens} (--max-prompt-tokens)")
+
+
+def request_tokens(max_tokens: int, logprobs: int | None, prompt_tokens: int = 0,
+                   prompt_logprobs: int | None = None) -> int:
+    """What one choice may return, in tokens counted once more for every logprob alternative: its
+    generated tokens, and the prompt tokens it scores (`max_request_tokens`)."""
+    scored = 0 if prompt_logprobs is None else prompt_tokens * (1 + prompt_logprobs)
+    return max_tokens * (1 + (logprobs or 0)) + scored
+
+
+def check_request_tokens(total: int, limits: ServerLimits, what: str) -> None:
+    """LimitError (400) if a request's `total` (the sum of its choices' request_tokens) is over
+    --max-request-tokens; `what` says how it was counted."""
+    if total > limits.max_request_tokens:
+        raise LimitError(f"this request may return {total} tokens and log-probabilities ({what}); at most "
+                         f"{limits.max_request_tokens} are allowed per request (--max-request-tokens): ask for "
+                         "fewer choices, tokens or logprobs")
 
 
 def has_surrogates(text: str) -> bool:

@@ -4,8 +4,9 @@ Each app gets its own `CollectorRegistry` (several apps may live in one process,
 Two kinds of series, all labelled by `model`:
 
 - Read on scrape from engine state, costing the engine nothing: requests running / waiting,
-  preemptions, KV cache blocks used / total and usage ratio, prefix-cache queries / hits / hit rate,
-  prompt and generated token counters (the engine's own counters).
+  preemptions, KV cache blocks used / total and usage ratio, its size in tokens, bytes a token and
+  storage dtype (an info gauge), prefix-cache queries / hits / hit rate, prompt and generated token
+  counters (the engine's own counters).
 - Recorded through three hooks the engine calls when `engine.stats` is set: `first_token` and
   `finished` once per request, `step` once per step. With the engine in its own process the hooks
   are recorded there and replayed here with each step's outputs. Histograms: time to first token (from when the engine received the request), time per
@@ -74,6 +75,14 @@ class _EngineCollector:
         yield gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", used / total if total else 0.0)
         yield gauge("flashpage_kv_cache_blocks_used", "KV blocks referenced by sequences.", used)
         yield gauge("flashpage_kv_cache_blocks_total", "KV blocks allocated at start-up.", total)
+        yield gauge("flashpage_kv_cache_tokens_total", "Tokens the KV cache holds (blocks x block size; twice "
+                    "as many with --kv-cache-dtype fp8).", total * s.kv_block_size)
+        yield gauge("flashpage_kv_cache_bytes_per_token", "KV cache bytes a token takes (every layer's K and V).",
+                    s.kv_bytes_per_token)
+        info = GaugeMetricFamily("flashpage_kv_cache_info", "The KV cache's storage dtype (--kv-cache-dtype), as "
+                                 "a label; the value is 1.", labels=["model", "kv_cache_dtype"])
+        info.add_metric([self.model, s.kv_cache_dtype], 1)
+        yield info
         yield counter("flashpage_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
                       s.prefix_queries)
         yield counter("flashpage_prefix_cache_hits", "Prefix-cache lookups that found the block.", s.prefix_hits)

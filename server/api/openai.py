@@ -42,8 +42,8 @@ from fastapi import APIRouter, FastAPI, Request
 from server.api.guards import ServerLimits
 from server.api.openai_protocol import DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count
 from server.api.openai_chat import chat_completions
-from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, check_structured_output,
-                                       choice_params, openai_errors, respond)
+from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, cap_request_tokens,
+                                       check_structured_output, choice_params, openai_errors, respond)
 from server.logs import clip
 
 log = logging.getLogger("flashpage.openai")
@@ -60,8 +60,8 @@ async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
     admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
     max_tokens = completion_max_tokens(body)
-    await check_structured_output(request, engine, body)
     choices = await completion_choices(engine, limits, body, max_tokens)
+    await check_structured_output(request, engine, body)  # after the cheap checks (prompts, context)
     log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(choices) // body.n, body.n,
              max_tokens, body.stream, f", user={clip(body.user)}" if body.user else "")
     return await respond(request, COMPLETION, body, choices, sum(len(c.ids) for c in choices[::body.n]))
@@ -87,6 +87,7 @@ async def completion_choices(engine, limits: ServerLimits, body: CompletionReque
         for params in choice_params(engine, body, ids, max_tokens, body.logprobs, "prompt", scored):
             choices.append(Choice(len(choices), text, ids, params, body.echo, engine.tokenizer,
                                   bool(body.return_token_ids)))
+    cap_request_tokens(limits, choices)
     return choices
 
 

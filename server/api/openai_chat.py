@@ -8,7 +8,8 @@
   tokens (the template writes them): server/api/chat_template.py, off the event loop. No template
   at all is a 400 naming `--chat-template`; a template that fails to render is a 400 with its error.
 - `max_completion_tokens` or the deprecated `max_tokens` (both given and different: 400); neither:
-  the rest of the model's context.
+  the rest of the model's context, or less where the `n` choices and their logprobs would return
+  more than --max-request-tokens together (then each gets its share).
 - `logprobs: true` gives each token's log-probability, its bytes (of the token decoded alone) and
   `top_logprobs` (0..20) alternatives, from the sampling step as /v1/completions does.
 - `n`, `seed` (choice j uses seed + j), `stop` (held back while streaming, so streamed and whole
@@ -34,8 +35,8 @@ from server.api.chat_template import ChatTemplateError, chat_prompt_ids
 from server.api.guards import LimitError, ServerLimits, check_prompt_tokens
 from server.api.openai_chat_protocol import ChatChoice, ChatCompletionRequest
 from server.api.openai_protocol import OpenAIError, SamplingRequest
-from server.api.openai_serving import (Route, admit_choices, answer, begin, check_structured_output, choice_params,
-                                       respond)
+from server.api.openai_serving import (Route, admit_choices, answer, begin, cap_request_tokens, check_structured_output,
+                                       choice_params, respond)
 from server.api.reasoning import REASONING_PARSERS, ThinkSplitter
 from server.api.tools.request import ToolError, plan_tools, template_tools
 from server.api.tools.tags import as_format, reasoning_block, structural
@@ -56,7 +57,7 @@ async def _chat_completions(body: ChatCompletionRequest, request: Request):
     admit_choices(request, 1, body.n)  # before rendering and tokenizing
     messages = body.conversation(limits)
     choices = await chat_choices(engine, limits, body, messages)
-    await check_structured_output(request, engine, body)  # the reply's grammar, tools' included
+    await check_structured_output(request, engine, body)  # the reply's grammar, tools' included; after the cheap checks
     ids, max_tokens = choices[0].ids, choices[0].params.max_tokens
     log.info("chat completion: %d message(s), %d prompt tokens, n=%d, max_tokens=%d, stream=%s%s%s",
              len(messages), len(ids), body.n, max_tokens, body.stream,
@@ -96,12 +97,18 @@ async def chat_choices(engine, limits: ServerLimits, body: ChatCompletionRequest
         body._grammar = plan.grammar(wanted, block)
     elif wanted is not None and block is not None:
         body._grammar = structural(as_format(wanted), block)  # the answer's format, after reasoning
-    max_tokens = limit if limit is not None else max(1, engine.max_model_len - len(ids))
+    if limit is None:  # the rest of the context, as far as --max-request-tokens allows the n choices
+        share = limits.max_request_tokens // (body.n * (1 + (top_n or 0)))
+        max_tokens = max(1, min(engine.max_model_len - len(ids), share))
+    else:
+        max_tokens = limit
 
     def reply() -> AssistantReply | None:
         if think is None and plan is None:
             return None
         return AssistantReply(ThinkSplitter(think, state) if think else None, plan.parser() if plan else None)
 
-    return [ChatChoice(j, ids, params, engine.tokenizer, reply(), bool(body.return_token_ids))
-            for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]
+    choices = [ChatChoice(j, ids, params, engine.tokenizer, reply(), bool(body.return_token_ids))
+               for j, params in enumerate(choice_params(engine, body, ids, max_tokens, top_n, "messages"))]
+    cap_request_tokens(limits, choices)
+    return choices

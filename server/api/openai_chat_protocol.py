@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from server.api.assistant import AssistantReply, chat_deltas, chat_message
 from server.api.guards import MAX_TOKENS_BOUND, LimitError, ServerLimits, check_prompt_chars, has_surrogates
-from server.api.openai_protocol import STRICT, ChoiceBase, OpenAIError, SamplingRequest, finite
+from server.api.openai_protocol import STRICT, ChoiceBase, OpenAIError, SamplingRequest, finite, token_text
 from server.api.tools.request import ToolChoice, Tools
 from server.sampling_params import SamplingParams
 
@@ -191,7 +191,7 @@ class ChatChoice(ChoiceBase):
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     def _token(self, tid: int, logprob: float) -> dict:
-        tok = self.tokenizer.decode([tid])  # one token alone: part of a multi-byte character is U+FFFD
+        tok = token_text(self.tokenizer, tid)  # one token alone: part of a multi-byte character is U+FFFD
         return {"token": tok, "logprob": finite(logprob), "bytes": list(tok.encode("utf-8"))}
 
     def _piece(self, delta: dict, logprobs: list[dict] | None = None) -> dict:

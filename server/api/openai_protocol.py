@@ -5,6 +5,7 @@ server/api/openai_chat_protocol.py."""
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +17,7 @@ from server.engine import RequestError
 from server.api.guards import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_BOUND, MAX_TOP_K,
                            LimitError, ServerLimits, check_prompt_chars, check_prompt_tokens, has_surrogates)
 from server.api.controls import ControlFields, ResponseFormat, StructuredOutputs, pick_structured
+from server.api.fields import readable_errors
 from server.api.tokenize import encode
 from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
 
@@ -111,7 +113,7 @@ class OpenAIError(Exception):
 
 def from_engine_error(e: BaseException) -> OpenAIError:
     if isinstance(e, (RequestError, LimitError)):
-        return OpenAIError(400, str(e), param="prompt")
+        return OpenAIError(400, str(e), param=getattr(e, "param", None) or "prompt")
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), "server_error", code="engine_dead")
     status = getattr(e, "status_code", None)  # ServiceUnavailableError (503), RequestFailedError (500)
@@ -169,7 +171,7 @@ class _Logprobs:
         self.tokenizer, self.offset = tokenizer, offset
 
     def _tok(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
+        return token_text(self.tokenizer, tid)
 
     def _advance(self, text: str) -> int:
         start, self.offset = self.offset, self.offset + len(text)
@@ -199,6 +201,13 @@ class _Logprobs:
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._advance(tok))
         return out
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def token_text(tokenizer, tid: int) -> str:
+    """One token decoded alone, remembered: a response with logprobs decodes each alternative of
+    each token (20 a token: hundreds of thousands of decodes for one large answer)."""
+    return tokenizer.decode([tid])
 
 
 def finite(v: float) -> float:
@@ -286,7 +295,7 @@ class Choice(ChoiceBase):
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """A /v1 body that does not validate, as OpenAI reports it: a 400 naming the first bad field."""
-    errors = exc.errors()
+    errors = readable_errors(exc.errors())
     err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None

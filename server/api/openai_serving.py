@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -28,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.controls import check_structured
 from server.api.fields import refusal, unknown_fields, warn_ignored
-from server.api.guards import MAX_CHOICES, ServerLimits, wait_disconnect
+from server.api.guards import (MAX_CHOICES, LimitError, ServerLimits, check_request_tokens, request_tokens,
+                               wait_disconnect)
 from server.api.request_id import DIRECT_SEND
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
                                         usage_dict, validation_error)
@@ -47,6 +49,8 @@ ROUTE_ERRORS = {  # errors are OpenAI-shaped; validation errors are 400 here, no
 # process under 256 streams); compact (no spaces) and UTF-8 where json.dumps wrote \u escapes.
 encode_json = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
+BUILD_ON_LOOP = 4096  # request_tokens up to which a whole (not streamed) answer is built on the event loop
+_BUILDERS = ThreadPoolExecutor(2, thread_name_prefix="flashpage-answer")  # where larger answers are built
 
 
 def sse(obj) -> bytes:
@@ -188,6 +192,8 @@ async def check_structured_output(request: Request, engine, body: SamplingReques
     except RequestError as e:
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         raise OpenAIError(400, str(e), param="tools" if getattr(body, "tools", None) else param) from None
+    except ServiceUnavailableError as e:  # too many compiles wait already: 503 with Retry-After
+        raise from_engine_error(e) from None
 
 
 def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int, logprobs: int | None,
@@ -204,10 +210,24 @@ def choice_params(engine, body: SamplingRequest, ids: list[int], max_tokens: int
         raise OpenAIError(400, str(e), param="logit_bias") from None
     try:
         engine.validate(ids, out[0])  # choices differ only in their seeds, which validation does not read
-    except RequestError as e:
-        bad = next((f for f in ("logit_bias", "min_tokens", "max_tokens") if f in str(e)), param)
-        raise OpenAIError(400, str(e), param=bad) from None
+    except RequestError as e:  # the field it names (the prompt is the route's: prompt or messages)
+        raise OpenAIError(400, str(e), param=param if e.param in (None, "prompt") else e.param) from None
     return out
+
+
+def cap_request_tokens(limits: ServerLimits, choices: list[ChoiceBase]) -> None:
+    """400 if the choices together may return more than --max-request-tokens (guards.request_tokens):
+    one small request cannot occupy the engine for minutes, nor build a response of gigabytes."""
+    total = sum(request_tokens(c.params.max_tokens, c.params.logprobs, len(c.ids), c.params.prompt_logprobs)
+                for c in choices)
+    p = choices[0].params
+    what = (f"{len(choices)} choice(s) of up to {p.max_tokens} tokens"
+            + (f" with {p.logprobs} logprobs each" if p.logprobs else "")
+            + (f", each scoring {len(choices[0].ids)} prompt tokens" if p.prompt_logprobs is not None else ""))
+    try:
+        check_request_tokens(total, limits, what)
+    except LimitError as e:
+        raise OpenAIError(400, str(e), param="max_tokens") from None
 
 
 def request_id(request: Request) -> str:
@@ -276,7 +296,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
         gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close, extra)
         return EventStream(gen, headers={"Cache-Control": "no-cache"})
 
-    done = 0
+    done, arrived = 0, []
     watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         while done < len(choices):
@@ -289,16 +309,27 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
             c, out = getter.result()
             if isinstance(out, BaseException):
                 raise from_engine_error(out)
-            c.chunks(out)
+            arrived.append((c, out))
             done += out.finished
     finally:
         watcher.cancel()
         await close()
-    completion_tokens = sum(c.completion_tokens for c in choices)
+
+    def build() -> bytes:  # the choices' text and logprobs, then the JSON of {**head, choices, usage, **extra},
+        for c, out in arrived:  # a choice at a time (each encode holds the GIL throughout)
+            c.chunks(out)
+        tail = {"usage": usage_dict(prompt_tokens, sum(c.completion_tokens for c in choices)), **(extra or {})}
+        return b"".join((encode_json(head)[:-1], b',"choices":[', b",".join(encode_json(c.result()) for c in choices),
+                         b"],", encode_json(tail)[1:]))
+
+    size = sum(request_tokens(c.params.max_tokens, c.params.logprobs, len(c.ids), c.params.prompt_logprobs)
+               for c in choices)
+    # A large answer is built and encoded on a thread (issue 44: 76 MB of JSON held /health up 6.1 s),
+    # whose GIL the event loop gets back every switch interval; a small one here, without the hop.
+    body = build() if size <= BUILD_ON_LOOP else await asyncio.get_running_loop().run_in_executor(_BUILDERS, build)
     log.info("%s done: prompt_tokens=%d, completion_tokens=%d, finish_reason=%s", route.name, prompt_tokens,
-             completion_tokens, ",".join(sorted({str(c.finish_reason) for c in choices})))
-    return {**head, "choices": [c.result() for c in choices], "usage": usage_dict(prompt_tokens, completion_tokens),
-            **(extra or {})}
+             sum(c.completion_tokens for c in choices), ",".join(sorted({str(c.finish_reason) for c in choices})))
+    return Response(body, media_type="application/json")
 
 
 async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], choices: list[ChoiceBase], head: dict,

@@ -14,8 +14,15 @@ processes (`api_main`), then only supervises:
   --shutdown-grace (server/api/lifecycle.py), sends StopEngine and exits 0; the engine exits when
   every channel is closed. A second signal is forwarded too: abort now. The API processes ignore
   SIGINT themselves, so Ctrl+C, which reaches the whole process group, is one signal, not two.
-- An API process or the engine exits on its own (a crash; a dead engine makes every API process
-  exit 1): the others are told to stop, and the server exits 1 for a supervisor to restart it.
+- An API process exits on its own (a crash, a kill) while the engine runs: the engine has aborted
+  its requests and freed their blocks (server/bridge/engine_loop.py), the other API processes
+  serve on, and the parent starts another in its place on a new channel to the engine (handed over
+  the control pipe), sharing the same socket. Only its own clients lost their connections, and a
+  server that keeps serving is what a supervisor would restore anyway, without dropping every
+  other client. Restarting is bounded (`RestartBudget`: MAX_RESTARTS in RESTART_WINDOW_S): an API
+  process that keeps dying stops the server as below.
+- The engine exits on its own (a dead engine makes every API process exit 1), or API processes
+  keep dying: the others are told to stop, and the server exits 1 for a supervisor to restart it.
 
 Metrics: the API processes record histograms and counters in prometheus_client's multiprocess mode
 (a private directory per server, PROMETHEUS_MULTIPROC_DIR) and the engine sends its statistics to
@@ -35,7 +42,8 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
@@ -49,6 +57,7 @@ log = logging.getLogger("flashpage.servers")
 
 MAX_API_SERVERS = 64
 STOP_WAIT_S = 30.0  # after the drain: how long an API process or the engine may take to exit
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0  # API processes restarted in a window; one more stops the server
 
 
 def default_api_server_count(cpus: int | None = None) -> int:
@@ -102,28 +111,53 @@ def api_main(spec: ApiProcessSpec) -> None:
     sys.exit(code)
 
 
+@dataclass
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds."""
+
+    limit: int = MAX_RESTARTS
+    window: float = RESTART_WINDOW_S
+    times: deque = field(default_factory=deque)
+
+    def take(self, now: float) -> bool:
+        while self.times and now - self.times[0] > self.window:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
 def run_servers(config: EngineConfig, limits: ServerLimits, count: int, host: str, port: int,
                 log_level: str = "info", log_format: str = "text") -> int:
     """Serve with `count` API processes until a signal (exit code 0 after the drain) or a failure (1)."""
     import uvicorn
+    from prometheus_client import multiprocess
 
-    from server.bridge.engine_spawn import spawn_engine  # not engine_process: it imports torch and the models
+    # not engine_process: it imports torch and the models
+    from server.bridge.engine_spawn import reopen_channel, spawn_engine
 
     metrics_dir = tempfile.mkdtemp(prefix="flashpage-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API processes (spawned below)
     sock = uvicorn.Config(app=None, host=host, port=port, log_config=None).bind_socket()  # our logging, not its
     ctx = mp.get_context("spawn")
-    engine, channels = spawn_engine(config, count, log_level, log_format)
-    apis = [ctx.Process(target=api_main, name=f"flashpage-api-{i}",
-                        args=(ApiProcessSpec(i, config, limits, ch, sock, log_level, log_format),))
-            for i, ch in enumerate(channels)]
-    for p in apis:
+    control, engine_control = ctx.Pipe(duplex=True)  # a socket pair: new channels' descriptors go over it
+    engine, channels = spawn_engine(config, count, log_level, log_format, control=engine_control)
+
+    def start(i: int, channel) -> mp.Process:
+        p = ctx.Process(target=api_main, name=f"flashpage-api-{i}",
+                        args=(ApiProcessSpec(i, config, limits, channel, sock, log_level, log_format),))
         p.start()
+        channel.commands.close()  # the API process has its copies
+        channel.out.close()
+        return p
+
+    def restart(i: int, dead: mp.Process) -> mp.Process:
+        multiprocess.mark_process_dead(dead.pid)  # its live gauges; its counters stay summed
+        return start(i, reopen_channel(control, i, engine.pid, ctx))
+
+    apis = [start(i, ch) for i, ch in enumerate(channels)]
     port = sock.getsockname()[1]
-    sock.close()  # the API processes hold it now
-    for ch in channels:
-        ch.commands.close()
-        ch.out.close()
     log.info("%d API processes on http://%s:%d in front of one engine process (pid %d)", count, host,
              port, engine.pid)
     signals = []
@@ -136,17 +170,22 @@ def run_servers(config: EngineConfig, limits: ServerLimits, count: int, host: st
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(apis, engine, signals, limits.shutdown_grace + STOP_WAIT_S)
+        return _supervise(apis, engine, signals, limits.shutdown_grace + STOP_WAIT_S, restart)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        sock.close()
+        control.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _supervise(apis: list, engine, signals: list, patience: float) -> int:
-    """Wait for the API processes; on the first one to exit unasked (or the engine), stop the rest
-    and kill what is still running `patience` seconds later. Returns the server's exit code."""
+def _supervise(apis: list, engine, signals: list, patience: float, restart=None,
+               budget: RestartBudget | None = None) -> int:
+    """Wait for the API processes. One that exits unasked while the engine runs is replaced by
+    `restart(index, dead)` (within `budget`); past the budget, or when the engine exits, stop the
+    rest and kill what is still running `patience` seconds later. Returns the server's exit code."""
     failed_at = None
+    budget = budget or RestartBudget()
     while any(p.is_alive() for p in apis):
         wait([p.sentinel for p in apis if p.is_alive()] + ([engine.sentinel] if engine.is_alive() else []), 1.0)
         if failed_at is not None:
@@ -154,12 +193,25 @@ def _supervise(apis: list, engine, signals: list, patience: float) -> int:
                 for p in apis:
                     p.kill()
             continue
-        gone = [p for p in apis if not p.is_alive() and (p.exitcode != 0 or not signals)]
-        if gone or (not engine.is_alive() and not signals):
+        gone = [i for i, p in enumerate(apis) if not p.is_alive() and (p.exitcode != 0 or not signals)]
+        why = None if engine.is_alive() or signals else f"the engine process exited (code {engine.exitcode})"
+        for i in gone if why is None else ():
+            dead = apis[i]
+            if restart is None or signals or not budget.take(time.monotonic()):
+                why = f"API process {dead.name} exited (code {dead.exitcode})" + (
+                    f" after {budget.limit} restarts in {budget.window:g} s" if restart is not None and not signals
+                    else "")
+                break
+            log.error("API process %s exited (code %s): its requests were aborted; starting another in its place",
+                      dead.name, dead.exitcode)
+            try:
+                apis[i] = restart(i, dead)
+            except OSError as e:  # the engine went too (its control pipe is closed)
+                why = f"API process {dead.name} exited (code {dead.exitcode}) and could not be restarted: {e!r}"
+                break
+        if why is not None:
             failed_at = time.monotonic()
-            log.critical("%s: stopping the server, exit code 1",
-                         f"API process {gone[0].name} exited (code {gone[0].exitcode})" if gone else
-                         f"the engine process exited (code {engine.exitcode})")
+            log.critical("%s: stopping the server, exit code 1", why)
             for p in apis:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)

@@ -8,14 +8,23 @@ stay unique server-wide whatever process a client reaches.
 
 - When a channel's pipe is full (its API process is behind) the engine keeps stepping and merges
   each request's outputs until the pipe drains: the engine never waits on HTTP, and a slow reader
-  gets fewer, larger messages (`_Outbox`).
-- Engine statistics (server/engine/stats.py) go to one channel only, the first still open, so that
-  metrics summed across API processes count each event once (server/api/metrics.py).
+  gets fewer, larger messages (`_Outbox`). Idle, it sleeps until a command comes or a full pipe
+  with messages waiting for it drains: it never blocks on one API process's pipe (one that is
+  restarting reads nothing for seconds: issue 44, where the engine then stalled every request).
+- Engine statistics (server/engine/stats.py) go to one channel only, the first still open whose API
+  process has spoken (one restarted reads nothing until it has started), so that metrics summed
+  across API processes count each event once (server/api/metrics.py).
 - Every channel hears from the engine at least every SNAPSHOT_EVERY_S while it is busy and once
   when it goes idle, so every API process's snapshot (/metrics gauges, /debug/kv, the waiting-queue
   bound) is fresh even when none of its requests produced output.
-- A channel whose API process sent StopEngine or went away (EOF) is closed and its requests are
-  aborted, freeing their KV blocks; the loop returns once every channel is closed.
+- A channel whose API process sent StopEngine or went away (EOF on its commands, or a broken pipe
+  on any write to it: every send is guarded) is closed and its requests are aborted, freeing their
+  KV blocks; the engine and the other channels carry on. The loop returns once every channel is
+  closed and no API process can be restarted.
+- With several API processes the parent (server/api/servers.py) holds a control pipe to the loop:
+  when an API process dies it sends the engine's ends of a new channel for its index (the pipes'
+  descriptors, passed over the socket), and the loop reopens the channel with them and sends
+  EngineReady on it for the API process that replaces the dead one.
 
 The engine process ignores SIGINT/SIGTERM: the API processes own shutdown (they drain, then send
 StopEngine).
@@ -30,7 +39,8 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 
 from server.bridge.messages import (AbortRequest, AddRequest, EngineFailed, EngineReady, RequestRefused, StepOutputs,
                                     StopEngine, add_request, decode_down, encode)
@@ -83,39 +93,70 @@ class _Outbox:
             prev = self.outputs.get(o.request_id)
             self.outputs[o.request_id] = o if prev is None else merge_outputs(prev, o)
 
-    def flush(self, conn: Connection, snapshot, block: bool) -> None:
+    def flush(self, conn: Connection, snapshot, block: bool) -> bool:
         """Send what waits, unless `block` is off and the pipe is full; `snapshot()` is the
-        engine's, taken only when a message goes."""
+        engine's, taken only when a message goes. False: the pipe is broken (its API process is
+        gone; what waited is dropped)."""
         if not self.dirty:
-            return
+            return True
         if not block and not select.select([], [conn], [], 0)[1]:
-            return  # the pipe is full: keep stepping, send merged later
+            return True  # the pipe is full: keep stepping, send merged later
         outputs = list(self.outputs.values()) + self.failed
         for o in outputs:
             if not o.finished:  # the API side accumulates text and ids; only a final output carries them
                 o.text, o.token_ids = "", []
-        conn.send_bytes(encode(StepOutputs(outputs, self.refused, self.events, snapshot())))
+        message = encode(StepOutputs(outputs, self.refused, self.events, snapshot()))
         self.outputs, self.failed, self.refused, self.events = {}, [], [], []
         self.dirty = False
+        try:
+            conn.send_bytes(message)
+        except OSError:  # EPIPE: nobody reads this channel any more
+            return False
         self.sent_at = time.monotonic()
+        return True
 
 
 class _Router:
     """Which channel each request belongs to; applies each channel's commands in order."""
 
-    def __init__(self, engine, channels: list[EngineChannel]) -> None:
+    def __init__(self, engine, channels: list[EngineChannel], control: Connection | None = None) -> None:
+        """`control`: the parent's pipe that hands over new channels (server/api/servers.py), if any."""
         self.engine = engine
         self.channels = channels
+        self.control = control
         self.outboxes = [_Outbox() for _ in channels]
         self.open = list(range(len(channels)))  # channels whose API process has not stopped
+        self.heard = set(self.open)  # channels whose API process reads them (a reopened one: once it spoke)
         self.owner: dict[str, int] = {}
 
+    def greet(self, i: int) -> None:
+        """Send channel i EngineReady (its API process waits for it before it serves)."""
+        e = self.engine
+        try:
+            self.channels[i].out.send_bytes(encode(EngineReady(e.model_name, e.max_model_len, e.limits(), e.snapshot(),
+                                                               e.quantization, e.weight_bytes)))
+        except OSError:
+            log.warning("API process %d went away before the engine was ready", i)
+            self.close(i)
+
     def receive(self, block: bool) -> None:
-        """Apply every command waiting on the open channels; with `block`, wait for one first."""
-        conns = [self.channels[i].commands for i in self.open]
-        ready = wait(conns) if block else [c for c in conns if c.poll()]
+        """Apply every command waiting on the open channels (and a new channel from the parent);
+        with `block`, wait for one first, or for the pipe of a channel with messages waiting for it
+        to take them (then return: the caller flushes)."""
+        conns = [self.channels[i].commands for i in self.open] + ([self.control] if self.control else [])
+        if block:
+            waiting = [self.channels[i].out for i in self.open if self.outboxes[i].dirty]
+            ready = select.select(conns, waiting, [])[0]
+        else:
+            ready = [c for c in conns if c.poll()]
         for conn in ready:
-            i = next(i for i in self.open if self.channels[i].commands is conn)
+            if conn is self.control:
+                self._reopen()
+                continue
+            i = next((i for i in self.open if self.channels[i].commands is conn), None)
+            if i is None:  # closed by a reopen just now
+                continue
+            self.heard.add(i)
             try:
                 while conn.poll():
                     if self._apply(i, decode_down(conn.recv_bytes())):
@@ -123,6 +164,23 @@ class _Router:
             except (EOFError, OSError):  # the API process is gone
                 log.warning("API process %d went away: aborting its requests", i)
                 self.close(i)
+
+    def _reopen(self) -> None:
+        """The parent started an API process in place of a dead one: take its channel's ends."""
+        try:
+            i = self.control.recv()
+            commands, out = Connection(recv_handle(self.control), writable=False), \
+                Connection(recv_handle(self.control), readable=False)
+        except (EOFError, OSError):  # the parent is gone: no more restarts
+            self.control = None
+            return
+        self.close(i)  # the dead process's requests, if its end of the pipes was not seen closed yet
+        self.channels[i], self.outboxes[i] = EngineChannel(commands, out), _Outbox()
+        grow_pipe(out)
+        self.open = sorted(self.open + [i])
+        self.heard.discard(i)
+        log.info("API process %d restarted: its channel is open again", i)
+        self.greet(i)
 
     def _apply(self, i: int, commands: list) -> bool:
         """Returns True when the channel closed (StopEngine)."""
@@ -149,12 +207,19 @@ class _Router:
         return False
 
     def close(self, i: int) -> None:
+        """Close channel i: its requests are aborted (their blocks freed at once) and its pipes closed."""
         if i not in self.open:
             return
         self.open.remove(i)
         for rid in [rid for rid, o in self.owner.items() if o == i]:
             del self.owner[rid]
             self.engine.abort_request(rid)
+        self.outboxes[i] = _Outbox()
+        for conn in (self.channels[i].commands, self.channels[i].out):
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     def route(self, outputs: list[RequestOutput], events: list) -> None:
         owner, boxes = self.owner, self.outboxes
@@ -166,21 +231,39 @@ class _Router:
         for i, outs in mine.items():
             boxes[i].add(outs, [], [])
         if events and self.open:
-            boxes[self.open[0]].add([], [], events)
+            boxes[next((i for i in self.open if i in self.heard), self.open[0])].add([], [], events)
 
     def flush(self, block: bool, fresh: bool) -> None:
         """Send each open channel what waits for it (see _Outbox.flush); `fresh`: every channel
         gets a message, a snapshot alone if nothing else; otherwise so does any channel that has
         heard nothing for SNAPSHOT_EVERY_S."""
         now = time.monotonic()
-        for i in self.open:
+        for i in list(self.open):
             box = self.outboxes[i]
             if not box.dirty and (fresh or now - box.sent_at > SNAPSHOT_EVERY_S):
                 box.dirty = True
-            box.flush(self.channels[i].out, self.engine.snapshot, block)
+            if not box.flush(self.channels[i].out, self.engine.snapshot, block):
+                log.warning("API process %d went away (its pipe broke): aborting its requests", i)
+                self.close(i)
 
 
-def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: str, log_format: str) -> None:
+def turn(router: _Router, engine, recorder, stepped: bool) -> bool:
+    """One turn of the engine loop: take the commands (idle: sleep until one comes, or a full pipe
+    with messages waiting drains), step, send. `stepped`: the last turn stepped. Returns whether
+    this one did."""
+    busy = engine.has_unfinished()
+    if not busy:  # send what may go now (and, just gone idle, every channel the idle snapshot)
+        router.flush(block=False, fresh=stepped)
+    router.receive(block=not busy)
+    stepped = engine.has_unfinished()
+    outputs = engine.step() if stepped else []
+    router.route(outputs, recorder.take())
+    router.flush(block=False, fresh=False)
+    return stepped
+
+
+def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: str, log_format: str,
+                control: Connection | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the API
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # processes drain, then stop us
     from server.logs import setup_logging
@@ -199,33 +282,27 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
     except BaseException:
         failed = encode(EngineFailed(traceback.format_exc()))
         for ch in channels:
-            ch.out.send_bytes(failed)
+            try:
+                ch.out.send_bytes(failed)
+            except OSError:
+                pass
         return
     engine.stats = recorder = StatsRecorder()
     gc.collect()
     gc.freeze()  # what start-up built lives for good: no collection need scan it again (see server/api/lifecycle.py)
-    ready = encode(EngineReady(engine.model_name, engine.max_model_len, engine.limits(), engine.snapshot(),
-                               engine.quantization, engine.weight_bytes))
-    for ch in channels:
-        ch.out.send_bytes(ready)
-    router = _Router(engine, channels)
+    router = _Router(engine, channels, control)
+    for i in range(len(channels)):
+        router.greet(i)
     stepped = False
     try:
         while router.open:
-            busy = engine.has_unfinished()
-            if not busy:  # send what waits (and, just gone idle, every channel the idle snapshot)
-                router.flush(block=True, fresh=stepped)
-            router.receive(block=not busy)  # idle: sleep until there is something to do
-            stepped = engine.has_unfinished()
-            outputs = engine.step() if stepped else []
-            router.route(outputs, recorder.take())
-            router.flush(block=False, fresh=False)
+            stepped = turn(router, engine, recorder, stepped)
     except BaseException:
         log.exception("engine loop died")
         failed = encode(EngineFailed(traceback.format_exc()))
         for i in router.open:
             try:
-                channels[i].out.send_bytes(failed)
+                router.channels[i].out.send_bytes(failed)
             except OSError:
                 pass
         raise SystemExit(1)

@@ -68,7 +68,8 @@ class EngineClient:
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         self.bounds: RequestBounds = info.bounds
         self._snapshot: EngineSnapshot = info.snapshot
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model))
+        self.model_path = resolve_model_path(config.model)  # what compile workers load (server/api/controls.py)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.stats = None  # server/metrics.EngineStats: replays the engine process's hook calls
         self._text: dict[str, tuple[str, list[int]]] = {}  # text and ids so far, per request in flight
         self._commands: list[Command] = []

@@ -15,6 +15,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import send_handle
 
 from server.config import EngineConfig
 
@@ -39,25 +40,41 @@ def channel_pipes(count: int, ctx=mp) -> tuple[list[ClientChannel], list[tuple[C
     return ours, theirs
 
 
-def spawn_engine(config: EngineConfig, count: int, log_level: str = "info",
-                 log_format: str = "text") -> tuple[BaseProcess, list[ClientChannel]]:
-    """Start the engine process with `count` channels; returns it and the API ends of the channels."""
+def spawn_engine(config: EngineConfig, count: int, log_level: str = "info", log_format: str = "text",
+                 control: Connection | None = None) -> tuple[BaseProcess, list[ClientChannel]]:
+    """Start the engine process with `count` channels; returns it and the API ends of the channels.
+    `control`: the engine's end of a duplex pipe over which the caller hands it new channels
+    (`reopen_channel`; the caller keeps the other end, this one is closed here once passed on)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     ours, theirs = channel_pipes(count, ctx)
     # The target is this module's function, not engine_main itself: pickling a function by name
     # imports its module here, and server/bridge/engine_loop.py imports the engine (torch).
-    process = ctx.Process(target=_engine_entry, args=(config, theirs, log_level, log_format),
+    process = ctx.Process(target=_engine_entry, args=(config, theirs, log_level, log_format, control),
                           name="flashpage-engine", daemon=True)
     process.start()
     for pipes in theirs:  # the child has its copies; ours would keep the pipes open after it exits
         for end in pipes:
             end.close()
+    if control is not None:
+        control.close()
     return process, ours
 
 
+def reopen_channel(control: Connection, index: int, engine_pid: int, ctx=mp) -> ClientChannel:
+    """A new channel for API process `index` (in place of a dead one's): the engine's ends go to the
+    engine process over `control` (their descriptors passed on the socket); returns the API's ends.
+    The engine answers on it with EngineReady."""
+    [ours], [(commands, out)] = channel_pipes(1, ctx)
+    control.send(index)
+    for end in (commands, out):
+        send_handle(control, end.fileno(), engine_pid)
+        end.close()
+    return ours
+
+
 def _engine_entry(config: EngineConfig, pipes: list[tuple[Connection, Connection]], log_level: str,
-                  log_format: str) -> None:
+                  log_format: str, control: Connection | None = None) -> None:
     """The engine process's entry point: the engine loop over one EngineChannel per API process."""
     from server.bridge.engine_loop import EngineChannel, engine_main
 
-    engine_main(config, [EngineChannel(commands, out) for commands, out in pipes], log_level, log_format)
+    engine_main(config, [EngineChannel(commands, out) for commands, out in pipes], log_level, log_format, control)

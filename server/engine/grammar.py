@@ -56,7 +56,10 @@ class Grammars:
     """Compiles specs for one tokenizer (its vocabulary padded to the model's logits width) and
     makes matchers that stop on the model's end-of-sequence ids."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int], cache_bytes: int = -1) -> None:
+        """`cache_bytes`: XGrammar's cache of compiled grammars holds at most this many bytes, least
+        recently used going first (-1: no bound; issue 44: ~20 distinct specs took a process from 503
+        to 1,348 MB)."""
         import xgrammar as xgr  # here, not at the top: 0.7 s of imports a server without grammars skips
 
         self.xgr = xgr
@@ -67,7 +70,7 @@ class Grammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         threads = min(8, os.cpu_count() or 1)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_limit_bytes=cache_bytes)
         self.batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.accept_batch = _raw_batch_accept(xgr)
         self.stop_token_ids = stop_token_ids
@@ -203,7 +206,7 @@ def _raw_batch_accept(xgr):
     return accept
 
 
-@functools.lru_cache(maxsize=256)  # the conversion is ~0.5 ms, and most requests reuse a few schemas
+@functools.lru_cache(maxsize=64)  # the conversion is ~0.5 ms, and most requests reuse a few schemas
 def _json_schema_rewritten(spec: str) -> str | None:
     """XGrammar's EBNF for a JSON schema with its bounded strings unrolled and kept free of control
     characters (grammar_rewrite.py), or None when nothing changed (then the schema compiles
@@ -213,6 +216,11 @@ def _json_schema_rewritten(spec: str) -> str | None:
     text = str(xgr.Grammar.from_json_schema(spec, any_whitespace=False))
     rewritten = json_string_characters(unroll_bounded_strings(text))
     return None if rewritten == text else rewritten
+
+
+def spec_name(kind: str) -> str:
+    """What a kind of structured-output spec is called in messages."""
+    return _NAMES.get(kind, f"{kind} spec")
 
 
 def json_schema_ebnf(spec: str) -> str:

@@ -13,7 +13,7 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
 (`MaskLayout`, server/worker/grammar_rows.py).
   engine -> process: ("add", key, kind, spec)  compile (on a thread of its own: a new schema takes
                                                tens of milliseconds) and make key's matcher
-                     ("job", step, adds, drops, tokens, rows, drafts)
+                     ("job", step, adds, drops, tokens, rows, forgets, drafts)
                                                first make the matchers `adds` ([(key, kind, spec)]:
                                                specs this process compiled before, a cache hit)
                                                and drop the matchers `drops` (their sequences
@@ -23,17 +23,19 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
                                                unconstrained rows skipped); then (step not None)
                                                fill the step's masks, row j from matcher rows[j]
                                                (-1: unconstrained; rows None: the last fill's
-                                               rows), and write the step to the flag; `drafts`:
-                                               its verifications (server/engine/spec/), whose
-                                               ids next job are each one's run, then -1
+                                               rows), and write the step to the flag; `forgets`
+                                               ([(kind, spec)]): compiled specs to let go of;
+                                               `drafts`: its verifications (server/engine/spec/),
+                                               whose ids next job are each one's run, then -1
                      ("check", ref, [(key, proposals)])  how many proposals each matcher accepts
                      ("fail_at", n)            tests: the n-th fill from now fails (0: none)
-                     ("count",)                tests: how many matchers the process holds
-  process -> engine: ("added", key, error)     error None, or what is wrong with the spec
+                     ("count",)                tests: how many matchers and compiled specs it holds
+  process -> engine: ("added", key, (error, bytes))  error None, or what is wrong with the spec;
+                                               the compiled grammar's size
                      ("broken", key, error)    a job's matcher of `adds` could not be made (its row
                                                is left alone; the engine fails its request)
                      ("failed", step, message) a job failed (its rows left alone, live 0)
-                     ("count", n, None)        the answer to "count"
+                     ("count", n, compiled)    the answer to "count"
                      ("checked", ref, counts)  the answer to "check"
 A fill that succeeds sends nothing: its flag is the answer (the device reads it; the engine reads
 it after collecting the step). A failed one writes its step to the second flag first.
@@ -42,7 +44,13 @@ Why adds and drops ride on the jobs: a batch of 64 requests of one schema cost 1
 them (GPT-2 small on an H100, `bench_structured.py --timeline`: a run takes ~80 ms). A
 request whose spec the process has compiled is admitted at once; its matcher is made before the
 first fill that needs it, in the same message.
-The process reads until its socket closes (the engine closed it, or died), then exits.
+The process keeps each spec it compiled (a job's adds make their matchers from it, ~10 us) until
+the engine says to forget it: the engine keeps the list, least recently used first, within
+`cache_bytes` of compiled grammars (the sizes the process reports), so that what it admits at once
+is always there and the process's memory stays bounded (issue 44: unbounded, ~20 specs took it
+from 365 to 1,041 MB). XGrammar's own cache there has the same bound.
+The process reads until its socket closes (the engine closed it, or died), then exits; it ignores
+SIGINT and SIGTERM (they reach the whole process group; the engine closes it when it stops).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import logging
 import mmap
 import operator
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +69,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from server.engine.requests import RequestError
@@ -91,25 +100,28 @@ class GrammarProcess:
     """The engine's side: starts the process, sends it work, reads its replies without blocking."""
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: frozenset[int], fd: int,
-                 memory: MaskMemory, owed: dict[int, str] | None = None) -> None:
+                 memory: MaskMemory, owed: dict[int, str] | None = None, cache_bytes: int = -1) -> None:
         """`owed`: the failed steps of the process this one replaces (`abandon`), which the engine
-        checks with this one."""
+        checks with this one. `cache_bytes`: the compiled grammars it keeps, at most (-1: no bound)."""
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, str(theirs.fileno()), str(fd)],
                                      pass_fds=(theirs.fileno(), fd))
         theirs.close()
         self.conn = Connection(ours.detach())
         layout = memory.layout
-        self.conn.send((model_path, vocab_size, sorted(stop_token_ids), layout.rows, layout.words))
+        self.conn.send((model_path, vocab_size, sorted(stop_token_ids), layout.rows, layout.words, cache_bytes))
         self.flags = layout.views(memory.buffer)[0]
-        self.replies: dict[int, str | None] = {}  # key -> error of its matcher (None: made)
-        self.unwanted: set[int] = set()  # keys dropped before their reply came: it is not kept
+        self.replies: dict[int, tuple[str | None, int]] = {}  # key -> (error of its matcher (None: made), bytes)
+        self.unwanted: dict[int, StructuredOutput | None] = {}  # keys dropped before their reply came, their specs
         self.failures: dict[int | None, str] = dict(owed or {})  # step -> why its job failed
         self.broken: dict[int, str] = {}  # key -> why its matcher of a job's adds was not made
-        self.ready: OrderedDict[StructuredOutput, None] = OrderedDict()  # specs compiled there
+        self.ready: OrderedDict[StructuredOutput, int] = OrderedDict()  # specs compiled there -> their bytes
+        self.ready_bytes, self.cache_bytes = 0, cache_bytes
+        self.forgets: list[tuple[str, str]] = []  # specs it may let go of, with the next job
         self.adds: list[tuple[int, str, str]] = []  # matchers to make (key, kind, spec), with the next job
         self.drops: list[int] = []  # and matchers to drop
-        self.count: int | None = None  # the last answer to "count"
+        self.count: int | None = None  # the last answer to "count": matchers
+        self.cached: int | None = None  # and compiled specs
         self.checked: dict[int, list[int]] = {}  # the answers to "check", by their number
         self.checks = 0  # the last check's number
         self.filled: list | None = None  # the sequences of the last fill's rows (the process has their keys)
@@ -131,14 +143,16 @@ class GrammarProcess:
             while self.conn.poll(timeout):
                 timeout = 0.0
                 kind, ref, text = self.conn.recv()
-                if kind == "added" and ref in self.unwanted:
-                    self.unwanted.discard(ref)
+                if kind == "added" and ref in self.unwanted:  # its matcher is not kept; its spec is
+                    spec, (error, nbytes) = self.unwanted.pop(ref), text
+                    if error is None and spec is not None:  # compiled there: listed, so that it is let go of in turn
+                        self.compiled(spec, nbytes)
                 elif kind == "added":
                     self.replies[ref] = text
                 elif kind == "broken":
                     self.broken[ref] = text
                 elif kind == "count":
-                    self.count = ref
+                    self.count, self.cached = ref, text
                 elif kind == "checked":
                     self.checked[ref] = text
                 else:
@@ -159,18 +173,22 @@ class GrammarProcess:
         self._send(("add", key, spec.kind, spec.spec))
         return PendingMatcher(self, key, spec)
 
-    def compiled(self, spec: StructuredOutput) -> None:
-        """The process compiled `spec` (a matcher of it was made): later ones are made with a job."""
-        self.ready[spec] = None
+    def compiled(self, spec: StructuredOutput, nbytes: int = 0) -> None:
+        """The process compiled `spec` (a matcher of it was made): later ones are made with a job.
+        The least recently used go past READY_SPECS, or past `cache_bytes` (the newest stays)."""
+        self.ready_bytes += nbytes - self.ready.get(spec, 0)
+        self.ready[spec] = nbytes
         self.ready.move_to_end(spec)
-        if len(self.ready) > READY_SPECS:
-            self.ready.popitem(last=False)
+        while len(self.ready) > READY_SPECS or (len(self.ready) > 1 and 0 <= self.cache_bytes < self.ready_bytes):
+            old, size = self.ready.popitem(last=False)
+            self.ready_bytes -= size
+            self.forgets.append((old.kind, old.spec))
 
-    def drop(self, key: int, answered: bool = True) -> None:
+    def drop(self, key: int, answered: bool = True, spec: StructuredOutput | None = None) -> None:
         """The sequence ended: its matcher goes (with the next job). `answered`: the process's
-        reply about it was read (else it is not kept when it comes)."""
+        reply about it was read (else it is not kept when it comes; `spec` is listed compiled then)."""
         if not answered and self.replies.pop(key, self) is self:
-            self.unwanted.add(key)
+            self.unwanted[key] = spec
         self.broken.pop(key, None)
         for i, add in enumerate(self.adds):
             if add[0] == key:  # never sent: nothing to make or drop
@@ -185,13 +203,13 @@ class GrammarProcess:
         only when they changed: a decoding batch keeps its sequences step after step, and their
         keys cost the engine's thread a pass over them and the message a list. `drafts`: the
         step's constrained verifications, (first row, proposals) (server/engine/spec/)."""
-        adds, drops, self.adds, self.drops = self.adds, self.drops, [], []
+        adds, drops, forgets, self.adds, self.drops, self.forgets = self.adds, self.drops, self.forgets, [], [], []
         rows = None
         if seqs is not None:
             last, self.filled = self.filled, seqs
             if last is None or len(last) != len(seqs) or not all(map(operator.is_, last, seqs)):
                 rows = [-1 if s.grammar is None else s.grammar for s in seqs]
-        self._send(("job", step, adds, drops, tokens, rows, drafts))
+        self._send(("job", step, adds, drops, tokens, rows, forgets, drafts))
         if step is not None:
             self.sent = step
 
@@ -225,7 +243,7 @@ class GrammarProcess:
 
     def flush(self) -> None:
         """Send the matchers to make and drop now (no job is on its way to carry them)."""
-        if self.adds or self.drops:
+        if self.adds or self.drops or self.forgets:
             try:
                 self.job(None, None)
             except RuntimeError:
@@ -265,26 +283,33 @@ class GrammarProcess:
 
 @dataclass
 class PendingMatcher:
-    """A matcher the process is making: done() once it answered; result() the key, or RequestError."""
+    """A matcher the process is making: done() once it answered (or it is gone, or START_TIMEOUT_S
+    passed: a backstop, since its spec compiled in a compile process within the deadline before it
+    came here, server/engine/grammar_compile.py); result() the key, or RequestError."""
 
     process: GrammarProcess
     key: int
     spec: StructuredOutput
+    asked: float = field(default_factory=time.monotonic)
 
     def done(self) -> bool:
         self.process.drain()
-        return self.key in self.process.replies or not self.process.alive
+        return (self.key in self.process.replies or not self.process.alive
+                or time.monotonic() - self.asked > START_TIMEOUT_S)
 
     def result(self, timeout: float = START_TIMEOUT_S) -> int:
-        deadline = time.monotonic() + timeout
+        deadline = self.asked + timeout
         while self.key not in self.process.replies:
-            if not self.process.alive or time.monotonic() > deadline:
-                raise RequestError("the grammar process did not answer (it is gone, or stuck)")
+            if not self.process.alive:
+                raise RequestError("the grammar process did not answer (it is gone)")
+            if time.monotonic() > deadline:
+                self.process.drop(self.key, answered=False, spec=self.spec)  # should it still come, it is not kept
+                raise RequestError(f"the grammar process did not compile it within {timeout:g} s")
             self.process.drain(0.05)
-        error = self.process.replies.pop(self.key)
+        error, nbytes = self.process.replies.pop(self.key)
         if error is not None:
             raise RequestError(error)
-        self.process.compiled(self.spec)
+        self.process.compiled(self.spec, nbytes)
         return self.key
 
 
@@ -293,11 +318,12 @@ def serve(conn: Connection, fd: int) -> None:
     from models import load_tokenizer
     from server.engine.grammar import Grammars
 
-    model_path, vocab_size, stop_ids, rows, words = conn.recv()
+    model_path, vocab_size, stop_ids, rows, words, cache_bytes = conn.recv()
     layout = MaskLayout(rows, words)
     flags, lives, bitss = layout.views(mmap.mmap(fd, layout.nbytes))
-    grammars = Grammars(load_tokenizer(model_path), vocab_size, frozenset(stop_ids))
+    grammars = Grammars(load_tokenizer(model_path), vocab_size, frozenset(stop_ids), cache_bytes)
     matchers: dict[int, object] = {}
+    compiled: dict[StructuredOutput, object] = {}  # until the engine says to forget it (the module docstring)
     sending = threading.Lock()
     compiles = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
     held = threading.Lock()  # matchers, with the keys the compile thread is making
@@ -310,7 +336,13 @@ def serve(conn: Connection, fd: int) -> None:
 
     def matcher(spec: StructuredOutput) -> tuple[object | None, str | None]:
         try:
-            return grammars.matcher(spec), None
+            with held:
+                grammar = compiled.get(spec)
+            if grammar is None:  # new (on the compile thread); or, on a job, forgotten (never: see GrammarProcess)
+                grammar = grammars.compile(spec)
+                with held:
+                    compiled[spec] = grammar
+            return grammars.xgr.GrammarMatcher(grammar), None
         except RequestError as e:
             return None, str(e)
         except Exception as e:  # noqa: BLE001 - anything else is the request's error too, and said so
@@ -324,7 +356,8 @@ def serve(conn: Connection, fd: int) -> None:
                 gone.discard(key)
             elif m is not None:
                 matchers[key] = m
-        reply(("added", key, error))
+            nbytes = compiled[spec].memory_size_bytes if spec in compiled else 0
+        reply(("added", key, (error, nbytes)))
 
     def drop(key: int) -> None:
         with held:
@@ -353,11 +386,14 @@ def serve(conn: Connection, fd: int) -> None:
             os._exit(0)  # at once: an interpreter's teardown (torch, XGrammar) takes CPU a busy host lacks
         kind = msg[0]
         if kind == "job":
-            _, step, adds, drops, tokens, rows, drafts = msg
-            for key, spec_kind, spec in adds:  # compiled before: XGrammar's cache, ~10 us each
+            _, step, adds, drops, tokens, rows, forgets, drafts = msg
+            for key, spec_kind, spec in adds:  # compiled before: ~10 us each
                 matchers[key], error = matcher(StructuredOutput(spec_kind, spec))
                 if error is not None:  # held as None: its row is left alone until the engine drops it
                     reply(("broken", key, error))
+            for spec_kind, spec in forgets:  # after the adds: one may be of a spec the engine let go of since
+                with held:
+                    compiled.pop(StructuredOutput(spec_kind, spec), None)
             for key in drops:
                 drop(key)
             taking, taking_runs = filled, runs  # the rows whose ids `tokens` are
@@ -390,11 +426,13 @@ def serve(conn: Connection, fd: int) -> None:
         elif kind == "fail_at":
             fail_at = fills + msg[1] if msg[1] else 0
         elif kind == "count":
-            reply(("count", len(matchers), None))
+            reply(("count", len(matchers), len(compiled)))
         elif kind == "check":
             reply(("checked", msg[1], [grammars.valid_prefix(get(key), p) for key, p in msg[2]]))
 
 
 def main(argv: list[str]) -> None:
     """The process's entry (`ENTRY`): the socket's fd, the masks' memfd."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the group's Ctrl+C and TERM: the engine closes it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(Connection(int(argv[0])), int(argv[1]))

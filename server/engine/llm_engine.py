@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvcache import BlockManager
+from kvcache import BlockManager, dtype_name
 from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
@@ -24,7 +24,7 @@ from server.engine.requests import EngineFatalError, RequestBounds, RequestError
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.spec import make_speculator
-from server.engine.grammar import Grammars
+from server.engine.grammar_compile import CompileSetup, SpecCompiler
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
 from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
@@ -51,7 +51,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or (config.model or "flashpage-embedded")
         self.tokenizer = load_tokenizer(path)
-        worker = start_worker(config, path)
+        worker = start_worker(config, path, self.tokenizer)
+        self.cache_spec = worker.cache_spec  # what the cache stores (its dtype) and a block's bytes
         self.device, self.spec, self.max_model_len = worker.device, worker.spec, worker.max_model_len
         self.runner = worker.runner
         # what /v1/models reports of the weights: their format (None: 16-bit) and bytes on the device
@@ -67,8 +68,8 @@ class LLMEngine:
         self._grammars: GrammarProcess | None = None  # started when the first structured request comes
         self._mask_fd = -1  # the memory it fills masks into (a memfd), made with it, kept for a restart
         self._grammar_keys = 0  # each constrained sequence's matcher is a key in the process
-        self._compiler: Grammars | None = None  # compiles the specs of requests no front end checked
-        self.compiling: list[Sequence] = []  # waiting requests whose grammar compiles
+        self._compiler: SpecCompiler | None = None  # checks the specs of requests no front end checked
+        self.compiling: list[Sequence] = []  # requests whose grammar compiles: queued once it has
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
@@ -99,7 +100,8 @@ class LLMEngine:
             self._mask_fd, self.runner.grammar_memory = mask_memory(
                 self.config.max_num_seqs, covered, lambda: self._grammars is not None and self._grammars.alive)
         self._grammars = GrammarProcess(self.model_path, self.spec.vocab_size, self.eos_token_ids, self._mask_fd,
-                                        self.runner.grammar_memory, owed=proc.abandon() if proc is not None else None)
+                                        self.runner.grammar_memory, owed=proc.abandon() if proc is not None else None,
+                                        cache_bytes=self.config.structured.structured_cache_memory)
         return self._grammars
 
     def limits(self) -> RequestBounds:
@@ -112,11 +114,14 @@ class LLMEngine:
         """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
         sched, bm = self.scheduler, self.block_manager
         prefix = bm.allocator.stats
-        return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting), sequences=len(self.seqs),
+        return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting) + len(self.compiling),
+                              sequences=len(self.seqs),
                               preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
                               prefix_hits=prefix.hits, prompt_tokens=self.num_prompt_tokens,
                               generation_tokens=self.num_generated_tokens,
+                              kv_cache_dtype=dtype_name(self.cache_spec.dtype), kv_block_size=bm.block_size,
+                              kv_bytes_per_token=self.cache_spec.bytes_per_block // bm.block_size,
                               **(self.speculator.snapshot() if self.speculator is not None else {}))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -132,20 +137,26 @@ class LLMEngine:
         if self.speculator is not None:
             seq.spec = self.speculator.state(params)
         if params.structured is not None:
-            # The front end compiles it before queueing; offline callers get the error here (a spec
-            # the grammar process compiled is valid: not again, ~10 us a request).
+            # The front end checks it before queueing; offline callers get the error here (a spec
+            # the grammar process compiled is valid: not again, ~10 us a request). Either way it is
+            # bounded and compiled first in a sacrificial process (server/engine/grammar_compile.py):
+            # the grammar process only ever compiles specs that compiled there within the deadline.
             if not validated and params.structured not in self.grammars.ready:
                 if self._compiler is None:
-                    self._compiler = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
-                self._compiler.compile(params.structured)  # RequestError if invalid (cached per spec)
+                    limits = self.config.structured
+                    self._compiler = SpecCompiler(CompileSetup(self.model_path, self.spec.vocab_size,
+                                                               tuple(sorted(self.eos_token_ids)),
+                                                               limits.structured_cache_memory), limits)
+                self._compiler.check(params.structured)  # RequestError if over a bound or invalid (remembered)
             self._grammar_keys += 1
-            seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # admitted once made
-            if seq.compiling is None:  # a spec the process compiled before: admitted now
+            seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # queued once made
+            if seq.compiling is None:  # a spec the process compiled before: queued now
                 seq.grammar = self._grammar_keys
-            else:
+            else:  # held out of the queue meanwhile, so that it holds up no request behind it
                 self.compiling.append(seq)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if seq.compiling is None:
+            self.scheduler.add(seq)
         if deadline is not None:
             heapq.heappush(self.deadlines, (deadline, request_id))
 
@@ -163,7 +174,7 @@ class LLMEngine:
         if self._grammars is not None and seq.grammar is not None:
             self._grammars.drop(seq.grammar)
         elif self._grammars is not None and seq.compiling is not None:  # its matcher may still be in the making
-            self._grammars.drop(seq.compiling.key, answered=False)
+            self._grammars.drop(seq.compiling.key, answered=False, spec=seq.compiling.spec)
         if self.stats is not None:
             now = time.monotonic()
             n = len(seq.output_token_ids)
@@ -177,9 +188,12 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
+        if self._compiler is not None:
+            self._compiler.close()
+            self._compiler = None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None
+        return self.scheduler.has_work() or self.inflight is not None or bool(self.compiling)
 
     def _expire(self) -> list[RequestOutput]:
         """End every request whose deadline has passed (queued or running), with the text so far."""
@@ -197,8 +211,9 @@ class LLMEngine:
         return outputs
 
     def _compiled(self, wait: bool) -> list[RequestOutput]:
-        """Hand each request whose grammar has compiled its matcher (it may be admitted now); one
-        whose compile failed ends with finish_reason "error". `wait`: nothing runs, so wait a little
+        """Queue each request whose grammar has compiled, with its matcher (issue 44: one that waited
+        in the queue for a compile of seconds held up every request behind it); one whose compile
+        failed ends with finish_reason "error". `wait`: nothing runs, so wait a little
         (COMPILE_WAIT_S) for the matchers asked for, rather than admit them a few at a time."""
         if wait:
             deadline = time.monotonic() + COMPILE_WAIT_S
@@ -215,6 +230,8 @@ class LLMEngine:
                 seq.grammar = future.result()
             except Exception as e:
                 outputs.append(self._fail(seq, f"the request's grammar failed to compile: {e}"))
+                continue
+            self.scheduler.add(seq)
         self.compiling = still
         return outputs
 

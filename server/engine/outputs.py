@@ -54,6 +54,11 @@ class EngineSnapshot:
     prefix_hits: int
     prompt_tokens: int
     generation_tokens: int
+    # what the cache holds, fixed at start-up: its storage dtype (fp8_e4m3, bfloat16, ...), tokens a
+    # block, bytes a token (every layer's K and V)
+    kv_cache_dtype: str = ""
+    kv_block_size: int = 0
+    kv_bytes_per_token: int = 0
     # speculative decoding (server/engine/spec/speculator.py SpecCounters), when on: verifications,
     # proposals, accepted proposals, and accepted proposals by position (empty when off)
     spec_drafts: int = 0

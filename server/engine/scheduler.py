@@ -125,8 +125,8 @@ class Scheduler:
         self.steps_waited = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if seq.compiling is not None or not self.bm.can_allocate(seq.num_tokens):
-                break  # its grammar is still compiling (milliseconds), or there are no blocks
+            if not self.bm.can_allocate(seq.num_tokens):
+                break  # no blocks (a request whose grammar compiles is queued only once it has: llm_engine.py)
             num_cached = self._admit(seq)
             n = self._prefill_chunk(seq.num_tokens - num_cached, budget, bool(out.prefills))
             if n == 0:

@@ -6,8 +6,12 @@ the engine's `ScheduledSeq` and `Sequence` satisfy it, and the worker never impo
 Every int32 array a step needs goes through one pinned buffer and one host-to-device copy, and comes
 out as views of one device buffer (no per-step device allocation). There are two pinned host
 buffers, used in turn: with asynchronous scheduling step k is packed while step k-1 may not have
-started on the device, so its upload may still be reading the other buffer; the engine has waited
-for step k-2 to finish before packing step k.
+started on the device, so its upload may still be reading the other buffer. A buffer is refilled
+only once the copy that last read it has run (an event per buffer): the engine has waited for step
+k-2 anyway, but start-up runs steps back to back without waiting (server/worker/warmup.py): where
+the device ran far behind the host (an 8B model's int4 prefill GEMMs on an H100) a step's upload
+read its buffer after a later step had refilled it, the step ran on another step's arrays, and the
+warm-up died in the embedding's gather (a device-side assert: an input id out of range).
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def align16(n: int) -> int:
 
 class Staging:
     """One int32 device buffer and two pinned host mirrors, filled in turn (why two: see above).
-    `next_host()` hands out the mirror to fill for this step, `upload()` copies it over; on the
-    CPU the one buffer is both."""
+    `next_host()` hands out the mirror to fill for this step (after the copy that last read it has
+    run), `upload()` copies it over; on the CPU the one buffer is both."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
@@ -71,15 +75,20 @@ class Staging:
         self.host_nps = [h.numpy() for h in self.hosts]
         self.turn = 0
         self.dev = torch.zeros(size, dtype=torch.int32, device=device) if self.on_cuda else self.hosts[0]
+        self.copied = [torch.cuda.Event() for _ in self.hosts] if self.on_cuda else []  # each mirror's last upload
 
     def next_host(self) -> np.ndarray:
         self.turn = (self.turn + 1) % len(self.hosts)
+        if self.copied:  # (pinned mirrors only: a CPU staging has none to wait for)
+            self.copied[self.turn].synchronize()  # at once in serving (step k-2 is done); never recorded: at once
         return self.host_nps[self.turn]
 
     def upload(self, n: int | None = None, non_blocking: bool = True) -> None:
         """Copy the first n (default all) values of the current mirror to the device buffer."""
         if self.on_cuda:
             self.dev[:n].copy_(self.hosts[self.turn][:n], non_blocking=non_blocking)
+            if self.copied:
+                self.copied[self.turn].record()
 
 
 Spans = dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape) of each array a pack laid out

@@ -77,8 +77,9 @@ class ModelRunner:
         meta = self.model.attention.metadata(rows)
         return self.model.forward(input_ids, positions, caches, meta, sampled_ids=sampled_ids)
 
-    def allocate_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device)
+    def allocate_cache(self, num_blocks: int, scales=None) -> None:
+        """`scales`: an fp8 cache's KVScales (kvcache/fp8.py)."""
+        self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device, scales)
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""

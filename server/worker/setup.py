@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from kvcache import CacheSpec
-from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model, shard_spec,
-                    tensor_parallel, weights_info)
+from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
+from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model,
+                    load_tokenizer, quantization_scheme, shard_spec, tensor_parallel, weights_info)
 from server.config import EngineConfig
+from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
 from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
@@ -40,34 +41,43 @@ class Worker:
     device: torch.device
     weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
     draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
+    kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py), this rank's KV heads
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def start_worker(config: EngineConfig, path: Path) -> Worker:
+def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
+    """`tokenizer` (the checkpoint's; loaded where needed when not given) encodes the calibration
+    text of an fp8 cache without checkpoint scales."""
     if config.tensor_parallel_size == 1:
-        return bring_up(config, path, resolve_device(config))
+        return bring_up(config, path, resolve_device(config), tokenizer=tokenizer)
     from server.worker.parallel.peers import rank_device, start_peers
 
-    # what does not divide, or does not combine yet, stops the start here, before any process starts
-    hf_config = load_config(path)
-    shard_spec(ModelSpec.from_hf_config(hf_config), TensorParallel(0, config.tensor_parallel_size))
-    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
-        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
-    if config.quantization is not None or getattr(hf_config, "quantization_config", None):
-        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
-                         "(a quantized linear's scales are not split by rank)")
+    check_tensor_parallel(config, path)
     peers = start_peers(config, path)
     try:
-        return bring_up(config, path, rank_device(config, 0), peers)
+        return bring_up(config, path, rank_device(config, 0), peers, tokenizer)
     except BaseException:
         peers.close(graceful=False)
         raise
 
 
-def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None) -> Worker:
+def check_tensor_parallel(config: EngineConfig, path: Path) -> None:
+    """What does not divide, or does not combine with tensor parallelism yet, stops the start here,
+    before any process starts (ValueError)."""
+    shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
+    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
+        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
+    # quantized weights only: a checkpoint whose quantization_config carries an FP8 KV cache's scales
+    # alone has 16-bit weights, and its per-head scales are cut by rank like the heads
+    if quantization_scheme(path, config.quantization) is not None:
+        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
+                         "(a quantized linear's scales are not split by rank)")
+
+
+def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
     """This process's worker (under tensor parallelism, its rank's; `peers`: rank 0's other ranks)."""
     on_cuda = device.type == "cuda"
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else auto_dtype(path, on_cuda)
@@ -75,6 +85,10 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None)
     if attention == "triton" and dtype == torch.float32:
         raise ValueError("--attention triton runs in float16 or bfloat16: pass --dtype float16/bfloat16, "
                          "or use --attention sdpa for float32")
+    if config.kv_cache_dtype != "auto" and on_cuda and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a GPU with fp8 conversions (compute "
+                         f"capability 8.9 or later: Ada, Hopper); this one is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     tp = tensor_parallel()
     if tp.size != config.tensor_parallel_size:  # models are built for the process's group
         raise RuntimeError(f"this process runs a tensor-parallel group of {tp.size}: an engine of "
@@ -109,17 +123,26 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None)
         raise ValueError(f"this model attends over a sliding window of {spec.sliding_window} tokens, which flashpage "
                          f"does not implement; serve it with --max-model-len {spec.sliding_window} or less "
                          f"(the context would be {max_model_len})")
-    cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+    cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, dtype)
+    cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, cache_dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     runner.peers = peers
+    scales = None
+    if is_fp8_cache(cache_dtype):
+        # under tensor parallelism every rank decides its own heads' scales (a calibration pass's
+        # forwards meet in the same collectives on every rank)
+        tokenizer = tokenizer or load_tokenizer(path)
+        scales = decide_kv_scales(runner, cache_dtype, dtype, path, config.calculate_kv_scales,
+                                  tokenizer(CALIBRATION_TEXT)["input_ids"], max_model_len,
+                                  from_checkpoint=config.load_format != "dummy")
+        log.info("KV cache %s: scales %s%s", dtype_name(cache_dtype), scales.describe(),
+                 f" (rank {tp.rank}'s {spec.num_kv_heads} KV heads)" if tp.size > 1 else "")
     draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
     num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
     if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
         num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %d concurrent full-length (%d-token) sequences",
-             num_blocks, cache_spec.block_size, num_blocks * cache_spec.bytes_per_block / 2**20,
-             num_blocks * cache_spec.block_size // max_model_len, max_model_len)
-    runner.allocate_cache(num_blocks)
+    log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
+    runner.allocate_cache(num_blocks, scales)
     if draft is not None:
         draft.allocate_cache(num_blocks)
     if on_cuda:
@@ -132,7 +155,21 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None)
             log.info("capturing CUDA graphs")
             runner.capture_graphs()
             capture_spec_graphs(config.speculative_config, runner, draft)
-    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights, draft)
+    return Worker(runner, spec, cache_spec, num_blocks, max_model_len, device, weights, draft, scales)
+
+
+def log_cache_size(cache_spec: CacheSpec, num_blocks: int, max_model_len: int, model_dtype: torch.dtype) -> None:
+    """The cache's capacity in blocks, tokens and bytes; an fp8 cache's relative to the model's dtype."""
+    tokens = num_blocks * cache_spec.block_size
+    per_token = cache_spec.bytes_per_block // cache_spec.block_size
+    ratio = ""
+    if cache_spec.dtype != model_dtype:
+        wide = model_dtype.itemsize / cache_spec.dtype.itemsize
+        ratio = f", {wide:g}x the tokens a {dtype_name(model_dtype)} cache holds in this memory"
+    log.info("KV cache (%s): %d blocks of %d tokens = %d tokens, %d bytes a token, %.1f MiB%s; %d concurrent "
+             "full-length (%d-token) sequences", dtype_name(cache_spec.dtype), num_blocks, cache_spec.block_size,
+             tokens, per_token, num_blocks * cache_spec.bytes_per_block / 2**20, ratio, tokens // max_model_len,
+             max_model_len)
 
 
 def auto_dtype(path: Path, on_cuda: bool) -> torch.dtype:

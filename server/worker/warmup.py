@@ -35,13 +35,16 @@ def profile_peak_memory(runner: ModelRunner) -> int:
 
 
 def prefill_rows(runner: ModelRunner, positions: np.ndarray, lens: list[int], prefix: list[int],
-                 tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
-    """A start-up prefill step of these chunks that writes nothing (slots -1), packed as
-    prepare_step packs a real one, the backend's own arrays included, so that it launches (and
-    compiles) exactly the kernel variants serving will."""
+                 tables: np.ndarray, ids: np.ndarray | None = None,
+                 slots: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
+    """A start-up prefill step of these chunks, packed as prepare_step packs a real one, the
+    backend's own arrays included, so that it launches (and compiles) exactly the kernel variants
+    serving will. Without `slots` it writes nothing (slots -1), without `ids` its tokens are 0."""
     n = len(positions)
     extra = runner.model.attention.prefill_arrays(lens, prefix, runner.device)
-    v = runner.packer.pack(ids=np.zeros(n), pos=positions, slots=np.full(n, -1), cu=np.concatenate([[0], np.cumsum(lens)]),
+    ids = np.zeros(n) if ids is None else ids
+    slots = np.full(n, -1) if slots is None else slots
+    v = runner.packer.pack(ids=ids, pos=positions, slots=slots, cu=np.concatenate([[0], np.cumsum(lens)]),
                            prefix=prefix, bt=tables, **extra)
     rows = StepRows(v["slots"], n, v["cu"], v["prefix"], v["bt"], lens, prefix, extra={k: v[k] for k in extra})
     return v["ids"], v["pos"], rows
@@ -53,6 +56,7 @@ def warmup(runner: ModelRunner) -> None:
     page tables of several widths), then the backend's own warm-up."""
     caches, bs = runner.kv_caches, runner.block_size
     blocks = caches[0][0].shape[0] - 1
+    dtype = None
     steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)]
     if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
         steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
@@ -61,7 +65,7 @@ def warmup(runner: ModelRunner) -> None:
         if nb > min(blocks, runner.max_blocks) or new > runner.max_tokens:
             continue
         ids, pos, rows = prefill_rows(runner, np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None])
-        runner.forward(caches, ids, pos, rows)
+        dtype = runner.forward(caches, ids, pos, rows).dtype
     for nb in sorted({1, 2, 4, 8, runner.max_blocks}):
         if nb > blocks:
             continue
@@ -69,7 +73,8 @@ def warmup(runner: ModelRunner) -> None:
             v = runner.packer.pack(ids=np.zeros(n), pos=np.full(n, nb * bs - 1), slots=np.full(n, -1),
                                    ctx=np.full(n, nb * bs), bt=np.tile(np.arange(nb), (n, 1)))
             rows = StepRows(v["slots"], 0, context_lens=v["ctx"], decode_block_tables=v["bt"])
-            runner.forward(caches, v["ids"], v["pos"], rows)
-    runner.model.attention.warmup(caches, runner.model.spec.num_heads)
+            dtype = runner.forward(caches, v["ids"], v["pos"], rows).dtype
+    # the queries' dtype is the model's (hidden states'), not an fp8 cache's
+    runner.model.attention.warmup(caches, runner.model.spec.num_heads, dtype)
     if runner.on_cuda:
         torch.cuda.synchronize(runner.device)

@@ -5,12 +5,13 @@ runner end to end on flashpage's engine. The GPU runs themselves are benchmarks,
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks.peers import engines, report, run, vllm_bench, workloads
-from benchmarks.peers.engines import SERVED_NAME, Flags
+from benchmarks.peers.engines import SERVED_NAME, Flags, llm_kwargs, serve_cmd
 from server.cli import build_parser, config_from_args
 
 DATA = Path(__file__).parent / "data"
@@ -98,6 +99,11 @@ def test_workloads_selected_together_share_an_engine_start():
     assert len({tuple(p) for p in batch1["prompts"]}) == 9 and max(max(p) for p in batch1["prompts"]) < 1000
     assert not jobs[0].flags.enable_prefix_caching  # repeated offline runs must not hit the cache
     assert 5 < workloads.estimate_minutes(sel) < 40
+    fp8 = workloads.jobs_for("long-fp8", "llama-3.1-8b", vocab=1000)[0]  # the long workload, fp8 caches
+    assert fp8.flags == replace(jobs[2].flags, kv_cache_dtype="fp8") and fp8.tasks[0]["workload"] == "long-fp8"
+    assert fp8.tasks[0]["prompts"] == jobs[2].tasks[0]["prompts"]
+    assert "--kv-cache-dtype" in serve_cmd("vllm", "/m", 1, fp8.flags) and llm_kwargs("flashpage", "/m", fp8.flags)[
+        "kv_cache_dtype"] == "fp8"
     with pytest.raises(SystemExit):
         run.parse_selection(["offline:gpt-5"])
 
@@ -240,3 +246,31 @@ def test_a_server_under_our_client(tiny_ckpt, tmp_path):
     assert (row["impl"], row["client"], row["level"], row["api"]) == ("flashpage", "flashpage-load", "c2", "completions")
     assert row["completed"] == 4 and row["errors"] == 0 and row["output_tokens"] == 16 and row["length_mismatches"] == 0
     assert (tmp_path / "tiny_flashpage_server.log").exists()
+
+
+def test_quantized_shapes_are_the_16_bit_checkpoints_quantized_copy(tmp_path, monkeypatch):
+    """`<shape>.<format>`: the 16-bit random checkpoint made first (once), then quant_checkpoint.py's
+    copy of it in that format; formats vLLM cannot read, and unknown shapes, refused by name."""
+    from benchmarks.quant_checkpoint import FORMATS
+
+    assert set(workloads.QUANT_FORMATS) <= set(FORMATS)
+    sel = run.parse_selection(["offline:llama-3.1-8b.fp8-dynamic,qwen2.5-0.5b.awq", "batch1:llama-3.1-8b.awq"])
+    assert sel == [("offline", "llama-3.1-8b.fp8-dynamic"), ("offline", "qwen2.5-0.5b.awq"),
+                   ("batch1", "llama-3.1-8b.awq")]
+    plain = workloads.estimate_minutes([("offline", "llama-3.1-8b"), ("batch1", "llama-3.1-8b")])
+    assert workloads.estimate_minutes([("offline", "llama-3.1-8b.fp8-dynamic"), ("batch1", "llama-3.1-8b.awq")]) > plain
+    for bad in ("offline:llama-3.1-8b.gptq-desc-act", "offline:gpt-5.awq", "offline:llama-3.1-8b.int3"):
+        with pytest.raises(SystemExit, match="unknown shape"):
+            run.parse_selection([bad])
+    calls = []
+
+    def fake_run(cmd, **kw):  # the GPU's part: record what would run, make the directory it would write
+        calls.append(cmd[3:])
+        Path(cmd[3]).mkdir(parents=True)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    for shape in ("llama-3.1-8b.awq", "llama-3.1-8b.fp8-dynamic"):
+        assert run.ensure_checkpoint(shape, tmp_path, tmp_path) == tmp_path / shape
+    base = str(tmp_path / "llama-3.1-8b")
+    assert calls == [[base, "llama-3.1-8b"], [str(tmp_path / "llama-3.1-8b.awq"), "awq", base],
+                     [str(tmp_path / "llama-3.1-8b.fp8-dynamic"), "fp8-dynamic", base]]

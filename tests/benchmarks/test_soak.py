@@ -1,7 +1,9 @@
-"""A shortened soak (benchmarks/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, bursts
-beyond the queue limit) against its own server with a 24-block KV cache: nothing lost, no 5xx on
-valid requests, no leaked blocks, and the server drains and exits 0 on SIGTERM; with one API process
-and with four (--api-server-count 4, server/api/servers.py)."""
+"""A shortened soak (benchmarks/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, hostile
+structured outputs and large asks, bursts beyond the queue limit) against its own server with a
+24-block KV cache: nothing lost, no 5xx on valid requests, every hostile request a 400 (and every
+valid constrained one matching its spec), no leaked blocks, and the server drains and exits 0 on
+SIGTERM; with one API process and with four (--api-server-count 4, server/api/servers.py; there
+without the hostile share, whose compiles would start a compile process in each of the four: CI time)."""
 
 import json
 
@@ -15,7 +17,8 @@ def test_short_soak(tiny_ckpt, tmp_path, api_servers):
     out = tmp_path / "soak.json"
     rc = main(["--model", str(tiny_ckpt), "--server-arg=--device", "--server-arg=cpu",
                "--server-arg=--api-server-count", f"--server-arg={api_servers}", "--requests", "300",
-               "--time-limit", "45", "--max-tokens", "24", "--burst-every", "100", "--seed", "1", "--out", str(out)])
+               "--time-limit", "45", "--max-tokens", "24", "--burst-every", "100", "--seed", "1", "--out", str(out),
+               "--hostile", "0.05" if api_servers == 1 else "0"])
     report = json.loads(out.read_text())
     assert rc == 0 and report["ok"], report
     assert all(report[key] == 0 for key in MUST_BE_ZERO)
@@ -26,6 +29,8 @@ def test_short_soak(tiny_ckpt, tmp_path, api_servers):
     assert set(status["valid"]) <= {"200", "503"} and status["valid"].get("200", 0) > 100
     assert sum(status["malformed"].values()) > 10 and set(status["malformed"]) <= {"400", "413", "422"}
     assert status["dropped"].get("dropped", 0) > 0
+    if api_servers == 1:  # 400s, and 200s matching their specs (hostile_wrong, above, counts the rest)
+        assert set(status["hostile"]) <= {"200", "400", "503"} and status["hostile"].get("400", 0) > 3
     assert status["burst"].get("503", 0) > 0  # bursts beyond --max-waiting-requests are turned away
     assert report["kv"]["kv_blocks_free"] == report["kv"]["kv_blocks_total"] == 24
     assert report["preemptions"] > 0  # the small cache was actually under pressure

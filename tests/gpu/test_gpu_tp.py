@@ -119,3 +119,26 @@ def test_deterministic_mode_at_two_gpus_keeps_a_requests_bits_whatever_its_batch
     finally:
         eng.close()
     assert alone[0]["0"] == crowded[0]["0"] and alone[1]["0"] == crowded[1]["0"]
+
+
+def test_fp8_cache_at_two_gpus(ckpt, two_gpus):
+    """--kv-cache-dtype fp8 at two GPUs: each rank's cache holds its 4 K/V heads and their scales
+    (calibrated on both ranks at once, server/worker/kv_scales.py), and the greedy tokens and
+    log-probabilities are one GPU's over an fp8 cache, up to bf16 near-ties."""
+    two_gpus.close()  # (one group per process)
+    prompts = _workload()
+    one = _engine(ckpt, 1, kv_cache_dtype="fp8")
+    try:
+        ref = _logprobs(one, prompts)
+        whole = one.runner.kv_caches[0][0].scale.clone()
+    finally:
+        one.close()
+    two = _engine(ckpt, 2, kv_cache_dtype="fp8")
+    try:
+        got = _logprobs(two, prompts)
+        k_cache = two.runner.kv_caches[0][0]
+        assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[2] == 4
+        torch.testing.assert_close(k_cache.scale, whole[:4], rtol=1e-2, atol=0)  # rank 0's heads
+    finally:
+        two.close()
+    _compare(ckpt, prompts, got, ref)

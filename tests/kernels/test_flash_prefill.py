@@ -20,6 +20,8 @@ import kernels.flash_prefill as fp
 from kernels.flash_prefill import PrefillConfig, _pick_config, block_m, config_bounds, flash_prefill, tile_map
 from kernels.reference import prefill_attention_ref
 
+from tests.helpers import FP8_DTYPES, fp8_cache
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -67,7 +69,7 @@ def _paged_prefix(g, prefix_lens, block_size, kv_heads, head_dim, dtype, spare_b
     return dev(k_cache), dev(v_cache), dev(tables), dev(torch.tensor(prefix_lens, dtype=torch.int32))
 
 
-def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block_size=16, config=None):
+def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block_size=16, config=None, fp8=None):
     total = sum(lens)
     q = _randn(g, total, heads, head_dim, dtype=dtype)
     k = _randn(g, total, kv_heads, head_dim, dtype=dtype)
@@ -77,6 +79,9 @@ def _run_case(g, lens, heads, kv_heads, head_dim, dtype, prefix_lens=None, block
     if prefix_lens is not None:
         kc, vc, bt, pl = _paged_prefix(g, prefix_lens, block_size, kv_heads, head_dim, dtype)
         cache = dict(k_cache=kc, v_cache=vc, block_tables=bt, prefix_lens=pl)
+        if fp8 is not None:  # NaN slots become NaN bytes
+            (cache["k_cache"], cache["k_scale"]), (cache["v_cache"], cache["v_scale"]) = \
+                fp8_cache(kc, fp8, 1), fp8_cache(vc, fp8, 2)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     got = flash_prefill(q, k, v, cu, max(lens), scale, out=out, _config=config, **cache)
@@ -155,6 +160,15 @@ def test_paged_prefix(gen, block_size, dtype, head_dim, heads, kv_heads):
     prefix = [37, 2 * block_size, 0, 300, 5]
     lens = [1, 70, 33, 1, 65]
     _run_case(gen, lens, heads, kv_heads, head_dim, dtype, prefix_lens=prefix, block_size=block_size)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(2, 2, 64, torch.float16), (8, 2, 128, torch.bfloat16)])
+def test_fp8_prefix(gen, heads, kv_heads, head_dim, dtype, fp8):
+    """An fp8 cache's prefix (per-head scales, NaN bytes in every unowned slot) against the reference
+    over the dequantized prefix, the new tokens as given: a chunk after a prefix ending mid-block, one
+    token after a long prefix (a decode-like chunk), no prefix, MHA and packed GQA tiles."""
+    _run_case(gen, [1, 37, 64, 5], heads, kv_heads, head_dim, dtype, prefix_lens=[300, 19, 0, 16], fp8=fp8)
 
 
 @pytest.mark.parametrize("dtype,heads,kv_heads",

@@ -40,3 +40,18 @@ def test_block_scales_apply_per_group():
     out = fp8_matmul(a, sa, b, sb, 128, torch.float32)
     torch.testing.assert_close(out.cpu(), fp8_matmul_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), 128, torch.float32),
                                atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [128, 1 << 30])
+def test_split_k_sums_the_splits_in_order(group):
+    # decode rows with K split three ways (the last split shorter): fp32 partials, then one rounding
+    from kernels.fp8_matmul import Fp8MatmulConfig
+
+    a, sa, b, sb = _operands(5, 40, 640, group, 3)
+    bias = (torch.randn(40) * 0.1).to(torch.bfloat16).to(DEVICE)
+    ref = fp8_matmul_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), group, torch.float32, bias.cpu())
+    out = fp8_matmul(a, sa, b, sb, group, torch.bfloat16, bias, cfg=Fp8MatmulConfig(16, 32, 1, 1, 128, 3))
+    torch.testing.assert_close(out.cpu().float(), ref, atol=1e-2, rtol=8e-3)
+    exact = fp8_matmul(a, sa, b, sb, group, torch.float32, cfg=Fp8MatmulConfig(16, 32, 1, 1, 128, 3))
+    torch.testing.assert_close(exact.cpu(), fp8_matmul_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), group,
+                                                           torch.float32), atol=1e-5, rtol=1e-5)

@@ -1,17 +1,19 @@
 """FP8 activation quantization (kernels/fp8_quant.py) against its reference, under the interpreter on
-the CPU: per token, per 128-column group, static; alone and fused into the residual add + RMSNorm.
-q and the scales must equal the reference bit for bit (the rounding to e4m3 is exact), on awkward
-row lengths (a partial last group, one row, no row) and all-zero rows."""
+the CPU: per token, per 128-column group, static; alone, fused into the residual add + RMSNorm, and
+into silu_mul. q and the scales must equal the reference bit for bit (the rounding to e4m3 is
+exact), on awkward row lengths (a partial last group, one row, no row) and all-zero rows; and a
+row's q and scale depend on that row alone (a CUDA graph's padding rows, NaN included, change none)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fp8_quant import add_rmsnorm_fp8, quant_fp8, rmsnorm_fp8
+from kernels.fp8_quant import add_rmsnorm_fp8, quant_fp8, rmsnorm_fp8, silu_mul_fp8
 from kernels.quant_reference import quant_fp8_ref
-from kernels.reference import add_rmsnorm_ref, rmsnorm_ref
+from kernels.reference import add_rmsnorm_ref, rmsnorm_ref, silu_mul_ref
 from kernels.rms_norm import add_rmsnorm
+from kernels.silu_mul import silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GROUP_CASES = [("token", 1 << 30, None), ("group128", 128, None), ("static", 1 << 30, 0.02)]
@@ -68,3 +70,31 @@ def test_fused_norm_quant_matches_reference(name, group, static, m, k):
     # h may differ from torch's by an ulp (kernels/rms_norm.py): q within one fp8 step where it does
     assert torch.equal(s.cpu(), ref_s) or torch.allclose(s.cpu(), ref_s, rtol=1e-2)
     assert (q.cpu().float() - ref_q.float()).abs().le(ref_q.float().abs() * 0.07 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name,group,static", GROUP_CASES)
+@pytest.mark.parametrize("m,inter", [(1, 256), (5, 200), (0, 128)])
+def test_silu_mul_fp8_quantizes_silu_mul(name, group, static, m, inter):
+    gate_up = _x(m, 2 * inter, torch.bfloat16, inter)
+    st = torch.tensor([static], device=DEVICE) if static else None
+    q, s = silu_mul_fp8(gate_up, group, st)
+    _same(q, s, *quant_fp8(silu_mul(gate_up), group, st))  # the same bits as the two launches it replaces
+    ref_q, ref_s = quant_fp8_ref(silu_mul_ref(gate_up.cpu()), group, st.cpu() if st is not None else None)
+    # against torch: exp may differ in its last bit (kernels/silu_mul.py), so q within one fp8 step
+    torch.testing.assert_close(s.cpu(), ref_s, rtol=1e-2, atol=0)
+    assert (q.cpu().float() - ref_q.float()).abs().le(ref_q.float().abs() * 0.07 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name,group,static", GROUP_CASES)
+def test_a_rows_quantization_depends_on_that_row_only(name, group, static):
+    x, y = _x(3, 320, torch.bfloat16, 5), _x(3, 320, torch.bfloat16, 6)
+    rows = torch.stack([torch.full((320,), float("nan")), torch.full((320,), 3e4)]).to(torch.bfloat16).to(DEVICE)
+    px, py = torch.cat([x, rows]), torch.cat([y, rows])  # a graph's padding rows: anything, NaN included
+    w = torch.ones(320, dtype=torch.bfloat16, device=DEVICE)
+    st = torch.tensor([static], device=DEVICE) if static else None
+    for fn in (lambda a, b: quant_fp8(a, group, st), lambda a, b: rmsnorm_fp8(a, w, 1e-5, group, st),
+               lambda a, b: add_rmsnorm_fp8(a.clone(), b, w, 1e-5, group, st)[1:],
+               lambda a, b: silu_mul_fp8(torch.cat([a, b], 1), group, st)):
+        q, s = fn(x, y)
+        pq, ps = fn(px, py)
+        _same(pq[:3], ps[:3], q, s)

@@ -19,9 +19,9 @@ import torch
 
 from kernels.flash_prefill import tile_map
 from kernels.invariant_attention import SEGMENT, invariant_attention, positions_per_tile
-from kernels.reference import prefill_attention_ref
+from kernels.reference import fp8_dequantize_ref, fp8_quantize_ref, prefill_attention_ref
 
-from tests.helpers import bits
+from tests.helpers import FP8_DTYPES, bits, fp8_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
@@ -54,6 +54,14 @@ class Cache:
             self.values.append(v)
         self.k, self.v, self.tables = self.k.to(DEVICE), self.v.to(DEVICE), self.tables.to(DEVICE)
         self.max_segments = -(-width * BLOCK // SEGMENT)
+        self.scales = {}
+
+    def to_fp8(self, fp8: str) -> None:
+        """The cache as fp8 (NaN slots NaN bytes), keys and values as the attention reads them."""
+        (self.k, ks), (self.v, vs) = fp8_cache(self.k, fp8, 1), fp8_cache(self.v, fp8, 2)
+        self.scales = dict(k_scale=ks, v_scale=vs)
+        self.keys = [fp8_dequantize_ref(fp8_quantize_ref(k.to(DEVICE), ks, self.k.dtype), ks) for k in self.keys]
+        self.values = [fp8_dequantize_ref(fp8_quantize_ref(v.to(DEVICE), vs, self.v.dtype), vs) for v in self.values]
 
 
 def _run(cache, q_rows, chunks, group, split):
@@ -67,7 +75,7 @@ def _run(cache, q_rows, chunks, group, split):
     out = torch.full_like(q_rows, float("nan"))
     d = q_rows.shape[-1]
     return invariant_attention(q_rows, cache.k, cache.v, tables, cu, torch.tensor(prefix, dtype=torch.int32, device=DEVICE),
-                               tiles, d**-0.5, cache.max_segments, split=split, out=out)
+                               tiles, d**-0.5, cache.max_segments, split=split, out=out, **cache.scales)
 
 
 CASES = [  # (heads, kv_heads, head_dim, dtype, context lengths)
@@ -80,9 +88,11 @@ CASES = [  # (heads, kv_heads, head_dim, dtype, context lengths)
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,lens", CASES)
 @pytest.mark.parametrize("split", [False, True])
-def test_matches_reference(heads, kv_heads, head_dim, dtype, lens, split):
+def test_matches_reference(heads, kv_heads, head_dim, dtype, lens, split, fp8=None):
     g = torch.Generator().manual_seed(sum(lens) + heads)
     cache = Cache(g, lens, kv_heads, head_dim, dtype)
+    if fp8 is not None:
+        cache.to_fp8(fp8)
     # every sequence's last 5 positions as a chunk (a prefill after a prefix), plus a decode each
     chunks = [(s, max(0, n - 5), min(n, 5)) for s, n in enumerate(lens)] + [(s, n - 1, 1) for s, n in enumerate(lens)]
     q = torch.randn(sum(c[2] for c in chunks), heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
@@ -100,19 +110,33 @@ def test_matches_reference(heads, kv_heads, head_dim, dtype, lens, split):
         row += n
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,lens", CASES[:2])
-def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens):
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_cache_matches_reference(split, fp8):
+    """An fp8 cache (per-head scales, NaN bytes in every unowned slot): prompt chunks and decodes
+    against the reference over the dequantized keys and values, MQA at a head size off the powers
+    of two (the second case)."""
+    test_matches_reference(*CASES[1], split, fp8=fp8)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,lens,fp8", [(*CASES[0], None), (*CASES[1], None),
+                                                                    (*CASES[0], "float8_e4m3fn")])
+def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens, fp8):
     """One sequence's positions computed in one chunk, in several chunks, by decodes, and among
-    other sequences' rows in batches of 1, 7 and 64 rows, split or not: bitwise equal."""
+    other sequences' rows in batches of 1, 7 and 64 rows, split or not: bitwise equal (over an
+    fp8 cache too, with fewer chunkings and batches: what differs there is only the loads)."""
     g = torch.Generator().manual_seed(11)
     n = max(lens)
     others = [int(x) for x in torch.randint(1, SEGMENT + 40, (64,), generator=g)]
     cache = Cache(g, [n] + others, kv_heads, head_dim, dtype)
+    if fp8 is not None:
+        cache.to_fp8(fp8)
     group = heads // kv_heads
     q_all = torch.randn(n, heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
     whole = _run(cache, q_all, [(0, 0, n)], group, split=False)
     results = {"split whole": _run(cache, q_all, [(0, 0, n)], group, split=True)}
-    for cuts in ([1, n // 3, n - 7], [SEGMENT - 1, SEGMENT + 1], list(range(0, n, 97))):
+    cuttings = ([1, n // 3, n - 7], [SEGMENT - 1, SEGMENT + 1], list(range(0, n, 97)))
+    for cuts in cuttings if fp8 is None else cuttings[1:2]:
         bounds = sorted({0, *[c for c in cuts if 0 < c < n], n})
         pieces = [_run(cache, q_all[a:b], [(0, a, b - a)], group, split=(a % 2 == 0))
                   for a, b in zip(bounds, bounds[1:])]
@@ -121,7 +145,7 @@ def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens):
     for split in (False, True):
         results[f"decodes alone split={split}"] = torch.cat(
             [_run(cache, q_all[p : p + 1], [(0, p, 1)], group, split) for p in probe])
-        for batch in (7, 64):  # the probes' decode rows, then other sequences' decode rows
+        for batch in (7, 64) if fp8 is None else (7,):  # the probes' decode rows, then other sequences' decode rows
             chunks = [(0, p, 1) for p in probe] + [(s, cache.keys[s].shape[0] - 1, 1) for s in range(1, batch - 4)]
             q = torch.randn(len(chunks), heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
             q[: len(probe)] = q_all[probe]
@@ -139,7 +163,7 @@ def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,lens", CASES)
 @pytest.mark.parametrize("max_programs", [None, 1])
-def test_decode_writes_its_own_kv(heads, kv_heads, head_dim, dtype, lens, max_programs, monkeypatch):
+def test_decode_writes_its_own_kv(heads, kv_heads, head_dim, dtype, lens, max_programs, monkeypatch, fp8=None):
     """A decode launch given new_kv writes this step's K/V into the cache (slot -1 skipped) and
     gives the bits of kv_write followed by the launch without it; also when the split grid is
     capped (max_programs 1: one program per (kv head, tile) walks every segment) and the write
@@ -153,6 +177,9 @@ def test_decode_writes_its_own_kv(heads, kv_heads, head_dim, dtype, lens, max_pr
     g = torch.Generator().manual_seed(5 + heads)
     cache = Cache(g, lens, kv_heads, head_dim, dtype)
     fused = Cache(torch.Generator().manual_seed(5 + heads), lens, kv_heads, head_dim, dtype)
+    if fp8 is not None:
+        cache.to_fp8(fp8)
+        fused.to_fp8(fp8)
     rows = len(lens) + 1  # one decode per sequence at its last position, then a padding row
     chunks = [(s, n - 1, 1) for s, n in enumerate(lens)]
     q = torch.randn(rows, heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
@@ -160,13 +187,21 @@ def test_decode_writes_its_own_kv(heads, kv_heads, head_dim, dtype, lens, max_pr
     v_new = torch.randn(rows, kv_heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
     slots = torch.tensor([int(cache.tables[s, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for s, n in enumerate(lens)]
                          + [-1], dtype=torch.int64, device=DEVICE)
-    kv_write(k_new, v_new, cache.k, cache.v, slots)
+    kv_write(k_new, v_new, cache.k, cache.v, slots, **cache.scales)
     want = _run(cache, q[:-1], chunks, heads // kv_heads, split=False)
     cu = torch.arange(rows + 1, dtype=torch.int32, device=DEVICE)
     prefix = torch.tensor([n - 1 for n in lens] + [-1], dtype=torch.int32, device=DEVICE)
     tables = torch.cat([fused.tables, fused.tables[:1]])
     tiles = (torch.arange(rows, dtype=torch.int32, device=DEVICE), torch.zeros(rows, dtype=torch.int32, device=DEVICE))
     got = invariant_attention(q, fused.k, fused.v, tables, cu, prefix, tiles, head_dim**-0.5, fused.max_segments,
-                              split=True, new_kv=(k_new, v_new, slots))
+                              split=True, new_kv=(k_new, v_new, slots), **fused.scales)
     assert torch.equal(bits(got[:-1]), bits(want))
-    assert torch.equal(bits(fused.k), bits(cache.k)) and torch.equal(bits(fused.v), bits(cache.v))
+    raw = (lambda t: t.view(torch.uint8)) if fp8 is not None else bits
+    assert torch.equal(raw(fused.k), raw(cache.k)) and torch.equal(raw(fused.v), raw(cache.v))
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+def test_fp8_decode_writes_its_own_kv(fp8, monkeypatch):
+    """new_kv over an fp8 cache: the reference quantizer's bytes, and the bits of kv_write then the
+    launch without it."""
+    test_decode_writes_its_own_kv(*CASES[2], None, monkeypatch, fp8=fp8)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kernels.kv_write import kv_write
-from kernels.reference import kv_write_ref
+from kernels.reference import fp8_dequantize_ref, kv_write_ref
+
+from tests.helpers import FP8_DTYPES, fp8_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,3 +77,36 @@ def test_kv_write_strided_input_and_cast() -> None:
     before_k, before_v = k_cache.clone(), v_cache.clone()
     kv_write(k, v, k_cache, v_cache, torch.full((num_tokens,), -1, dtype=torch.int32, device=DEVICE))
     assert torch.equal(_bits(k_cache), _bits(before_k)) and torch.equal(_bits(v_cache), _bits(before_v))
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+def test_kv_write_fp8_matches_reference_quantizer(fp8: str) -> None:
+    """An fp8 cache: each written row holds exactly the reference quantizer's bytes with its head's
+    scale, padding rows and every other slot (NaN bytes included) are untouched; bf16 rows and
+    rows of fp32 as a strided view of a fused projection. The written rows of k and v become what
+    the cache holds (dequantized, in their dtype), the padding rows stay as they were."""
+    fp8_dtype = getattr(torch, fp8)
+    g = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_dim, n = 5, 16, 3, 64, 21
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, k_scale = fp8_cache(_poisoned_cache(shape, torch.bfloat16, g) * 40, fp8, seed=1)
+    v_cache, v_scale = fp8_cache(_poisoned_cache(shape, torch.bfloat16, g), fp8, seed=2)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(DEVICE)
+    slots[::5] = -1
+    qkv = (torch.randn(n, 3, kv_heads, head_dim, generator=g) * 30).to(DEVICE)
+    for k, v in ((qkv[:, 1].to(torch.bfloat16), qkv[:, 2].to(torch.bfloat16)), (qkv[:, 1], qkv[:, 2])):
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        k_in, v_in = k.clone(), v.clone()
+        kv_write_ref(k_in.clone(), v_in.clone(), k_ref, v_ref, slots, k_scale, v_scale)
+        kv_write(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+        assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8)), f"{fp8}: k cache differs"
+        assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8)), f"{fp8}: v cache differs"
+        keep = slots >= 0
+        for x, x_in, cache, scale in ((k, k_in, k_cache, k_scale), (v, v_in, v_cache, v_scale)):
+            back = fp8_dequantize_ref(cache.view(-1, kv_heads, head_dim)[slots[keep]], scale)
+            if x is k:  # (v's scales are those of a smaller cache: its rows saturate)
+                assert ((back - x_in[keep].float()).abs() <= x_in[keep].float().abs() / 8 + scale[:, None] * 2**-6).all()
+            assert torch.equal(x[keep], back.to(x.dtype)), f"{fp8}: a written row is not what the cache holds"
+            assert torch.equal(x[~keep], x_in[~keep]), f"{fp8}: a padding row changed"
+    with pytest.raises(ValueError, match="needs k_scale"):
+        kv_write(k, v, k_cache, v_cache, slots)

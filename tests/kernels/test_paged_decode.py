@@ -12,9 +12,11 @@ import random
 import pytest
 import torch
 
-from kernels.decode_config import MAX_SPLITS, choose_gpu_config, merge_heads, merge_split_cap
+from kernels.decode_config import MAX_SPLITS, choose_fp8_config, choose_gpu_config, merge_heads, merge_split_cap
 from kernels.paged_decode import choose_config, paged_decode
 from kernels.reference import kv_write_ref, paged_decode_ref
+
+from tests.helpers import FP8_DTYPES, fp8_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -157,10 +159,12 @@ def test_split_count_from_shapes_only() -> None:
 
 
 def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: int, lens: list[int],
-                          splits: tuple, config: dict | None = None) -> None:
+                          splits: tuple, config: dict | None = None, fp8: str | None = None) -> None:
     """k_new/v_new/slot_mapping: this step's K/V (the last token of each sequence) are written by
     the kernel and attended to from registers. Their slots hold NaN before the call, so reading
-    one from the cache would poison the output; the last row (slot -1) writes nothing."""
+    one from the cache would poison the output; the last row (slot -1) writes nothing. With `fp8`
+    the cache is fp8 (NaN bytes in every unowned slot): the kernel stores the reference quantizer's
+    bytes and attends to the quantized values, as the reference over the cache it wrote does."""
     num_heads, num_kv_heads = heads
     n = len(lens)
     seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, head_dim=head_dim, extra_table_cols=3)
@@ -172,23 +176,30 @@ def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: 
     flat = (-1, num_kv_heads, head_dim)
     kc.view(flat)[slots[:-1]] = float("nan")  # not yet written: must not be read
     vc.view(flat)[slots[:-1]] = float("nan")
+    sc = {}
+    if fp8 is not None:
+        (kc, ks), (vc, vs) = fp8_cache(kc, fp8, seed), fp8_cache(vc, fp8, seed + 1)
+        sc = dict(k_scale=ks, v_scale=vs)
     pad_slot = int(slots[-1])
     slots[-1] = -1  # padding: attends to its new token (not the cache's), writes nothing
     ref_kc, ref_vc = kc.clone(), vc.clone()
-    kv_write_ref(k_new, v_new, ref_kc, ref_vc, slots)
+    kv_write_ref(k_new, v_new, ref_kc, ref_vc, slots, **sc)
     # The reference attends over a cache that holds every new token, the padding row's included.
     att_kc, att_vc = ref_kc.clone(), ref_vc.clone()
-    kv_write_ref(k_new[-1:], v_new[-1:], att_kc, att_vc, torch.tensor([pad_slot], device=DEVICE))
-    ref = paged_decode_ref(q, att_kc, att_vc, bt, ctx, head_dim**-0.5)
+    kv_write_ref(k_new[-1:], v_new[-1:], att_kc, att_vc, torch.tensor([pad_slot], device=DEVICE), **sc)
+    ref = paged_decode_ref(q, att_kc, att_vc, bt, ctx, head_dim**-0.5, **sc)
     for ns in splits:
         kc_t, vc_t = kc.clone(), vc.clone()
         out = torch.full_like(q, float("nan"))
         paged_decode(q, kc_t, vc_t, bt, ctx, head_dim**-0.5, num_splits=ns, out=out, k_new=k_new, v_new=v_new,
-                     slot_mapping=slots.to(torch.int32), _config=config)
+                     slot_mapping=slots.to(torch.int32), _config=config, **sc)
         assert not torch.isnan(out).any(), f"seed={seed} num_splits={ns}: NaN output"
-        _close(out, ref, dtype, f"seed={seed} heads={heads} d={head_dim} num_splits={ns} config={config}")
+        _close(out, ref, dtype, f"seed={seed} heads={heads} d={head_dim} num_splits={ns} config={config} {fp8}")
         for cache, want in ((kc_t, ref_kc), (vc_t, ref_vc)):  # written where asked, nowhere else
-            assert torch.equal(cache.view(flat).nan_to_num(7.0), want.view(flat).nan_to_num(7.0)), f"seed={seed}"
+            if fp8 is not None:
+                assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), f"seed={seed}"
+            else:
+                assert torch.equal(cache.view(flat).nan_to_num(7.0), want.view(flat).nan_to_num(7.0)), f"seed={seed}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -227,6 +238,45 @@ def test_gqa_llama_shapes(group: int, head_dim: int, dtype: torch.dtype) -> None
     _check_fused_kv_write((group * kvh, kvh), dtype, head_dim, [17, 1, 70], (1, 3), gpu_tile)
 
 
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+# (2, 2, 64, fp16): the lane-wise path; (8, 2, 128, bf16): GQA at head 128 with the fp8 tile the GPU
+# picks for it; (4, 1, 64, bf16): MQA at head 64
+@pytest.mark.parametrize("heads,head_dim,dtype", [((2, 2), 64, torch.float16), ((8, 2), 128, torch.bfloat16),
+                                                  ((4, 1), 64, torch.bfloat16)])
+def test_fp8_cache(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, fp8: str) -> None:
+    """An fp8 cache (per-head scales, NaN bytes in every unowned slot and block tail) against the
+    reference over the dequantized cache: contexts of 1 and off the block and tile sizes, split and
+    unsplit, the fp8 tile config the GPU would pick, and the fused K/V write."""
+    num_heads, kvh = heads
+    lens = [1, 15, 17, 140]
+    random.shuffle(lens)
+    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, kvh, 16, dtype, head_dim=head_dim, extra_table_cols=2)
+    (k8, ks), (v8, vs) = fp8_cache(kc, fp8, seed), fp8_cache(vc, fp8, seed + 1)
+    assert k8.view(torch.uint8).eq(0x7F).any(), "the unowned slots must hold NaN bytes"
+    ref = paged_decode_ref(q, k8, v8, bt, ctx, head_dim**-0.5, k_scale=ks, v_scale=vs)
+    gpu = choose_fp8_config(len(lens), kvh, num_heads // kvh, bt.shape[1] * 16, 132, head_dim)
+    gpu_tile = {k: gpu[k] for k in ("BLOCK_N", "PREFETCH", "DOT") if k in gpu}  # not warps and stages
+    for cfg in (None, gpu_tile):
+        for ns in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            paged_decode(q, k8, v8, bt, ctx, head_dim**-0.5, num_splits=ns, out=out, k_scale=ks, v_scale=vs,
+                         _config=cfg)
+            assert not torch.isnan(out).any(), f"seed={seed} splits={ns}: unwritten or NaN output"
+            _close(out, ref, dtype, f"seed={seed} {fp8} heads={heads} d={head_dim} splits={ns} config={cfg}")
+    _check_fused_kv_write(heads, dtype, head_dim, [17, 1, 70], (1, 3), gpu_tile, fp8=fp8)
+
+
+def test_fp8_gpu_config() -> None:
+    """An fp8 cache's GPU configs (from shapes only): splits within the bounds the warm-up compiles,
+    a long single sequence split, a large batch not."""
+    for group, d in ((4, 128), (4, 64), (1, 64), (1, 128), (8, 80)):
+        for batch, ctx in ((1, 65536), (64, 4096), (256, 1024), (3, 16)):
+            f8 = choose_fp8_config(batch, 8, group, ctx, 132, d)
+            assert 1 <= f8["num_splits"] <= MAX_SPLITS and f8["BLOCK_N"] in (32, 64, 128), f8
+    assert choose_fp8_config(1, 8, 4, 65536, 132, 128)["num_splits"] > 1
+    assert choose_fp8_config(256, 8, 4, 1024, 132, 128)["num_splits"] == 1
+
+
 def test_merge_heads_per_round() -> None:
     """The fused merge combines as many query heads per round as fit its register budget."""
     assert merge_heads(4, 64, 128, 4) == 1  # [64 splits, 128] fp32 already fills 64 registers a thread
@@ -261,7 +311,7 @@ def test_warmup_covers_every_stage_count_the_gpu_config_picks(group: int, monkey
 
     monkeypatch.setattr(dc, "_INTERPRET", False)
     warmed = set(dc.stage_variants(group))
-    picked = {choose_gpu_config(batch, kv, group, ctx, sms, d)["num_stages"]
+    picked = {choose(batch, kv, group, ctx, sms, d)["num_stages"] for choose in (choose_gpu_config, choose_fp8_config)
               for batch in (1, 3, 16, 64, 256, 1024) for kv in (1, 2, 8) for ctx in (16, 512, 4096, 131072)
               for sms in (108, 132) for d in (64, 80, 128)}
     assert picked <= warmed, f"group {group}: configs pick stages {picked}, warm-up compiles {warmed}"

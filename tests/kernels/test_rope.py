@@ -14,9 +14,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.reference import rope_kv_write_ref, rope_ref
+from kernels.reference import fp8_dequantize_ref, rope_kv_write_ref, rope_ref
 from kernels.rope import rope, rope_kv_write
 from models.llama import Rotary
+
+from tests.helpers import FP8_DTYPES, fp8_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POS = 300
@@ -141,3 +143,32 @@ def test_rotation_only_and_all_padding(dtype):
 
     q0, k0 = rope_kv_write(q[:0], k[:0], v[:0], positions[:0], rot.cos, rot.sin, k_cache, v_cache, pad[:0])
     assert q0.shape == (0, heads, d) and k0.shape == (0, kv_heads, d)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_kv_write_fp8_cache(dtype, fp8):
+    """An fp8 cache: q and k rotated exactly as with a 16-bit cache, and the cache holds the reference
+    quantizer's bytes of the rotated k (in x's dtype) and of v, per-head scales, padding skipped."""
+    g = torch.Generator().manual_seed(9)
+    n, heads, kv_heads, d, block_size = 11, 8, 2, 128, 16
+    rot = _rotary(d, True)
+    qkv, q, k, v = _qkv(n, heads, kv_heads, d, dtype, g)
+    positions = torch.randint(0, MAX_POS, (n,), generator=g).to(DEVICE)
+    shape = (3, block_size, kv_heads, d)
+    k_cache, k_scale = fp8_cache(_poisoned_cache(shape, dtype, g) * 3, fp8, seed=4)
+    v_cache, v_scale = fp8_cache(_poisoned_cache(shape, dtype, g) * 3, fp8, seed=5)
+    slots = torch.randperm(3 * block_size, generator=g)[:n].to(DEVICE)
+    slots[[2, 7]] = -1
+    ref_qkv, rq, rk, rv = _qkv(n, heads, kv_heads, d, dtype, torch.Generator().manual_seed(0))
+    ref_qkv.copy_(qkv)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    rope_kv_write_ref(rq, rk, rv, positions, rot.cos, rot.sin, ref_kc, ref_vc, slots, k_scale=k_scale, v_scale=v_scale)
+    rope_kv_write(q, k, v, positions, rot.cos, rot.sin, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(_bits(qkv), _bits(ref_qkv)), "rotated q/k differ"
+    assert torch.equal(k_cache.view(torch.uint8), ref_kc.view(torch.uint8)), "k cache differs"
+    assert torch.equal(v_cache.view(torch.uint8), ref_vc.view(torch.uint8)), "v cache differs"
+    keep = slots >= 0  # the written rows of k and v are what the cache holds (the qkv check: padding too)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        held = fp8_dequantize_ref(cache.view(-1, kv_heads, d)[slots[keep]], scale).to(dtype)
+        assert torch.equal(_bits(x[keep]), _bits(held))

@@ -89,3 +89,14 @@ def test_every_fp8_code_decodes_exactly():
                         torch.ones(1, 1, device=DEVICE), None, 1 << 30)
         assert torch.equal(out.cpu()[:, 0].float(), dequant_fp8(w[row:row + 1], torch.ones(1, 1), 1 << 30,
                                                                 torch.bfloat16)[0].float())
+
+
+def test_split_k_sums_the_splits_in_order():
+    # decode rows with K split three ways over 128-column groups (the last split shorter), and a bias
+    g = torch.Generator().manual_seed(9)
+    qweight, scale, zero = _int4(24, 640, 128, g)
+    x = torch.randn(6, 640, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(24, generator=g) * 0.1).to(torch.bfloat16)
+    out = wo_matmul(x.to(DEVICE), qweight.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 128, bias.to(DEVICE),
+                    cfg=WoConfig(16, 16, 128, 1, 1, 3))
+    torch.testing.assert_close(out.cpu(), wo_matmul_ref(x, qweight, scale, zero, 128, bias), atol=2e-2, rtol=1e-2)

@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import kv_write_ref, rope_ref
+from kernels.reference import kv_write_ref, paged_decode_ref, prefill_attention_ref, rope_ref
+from kvcache.fp8 import with_scale
 from models.attention import BACKENDS, Rope, StepRows, make_backend
+
+from tests.helpers import FP8_DTYPES, fp8_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the backends run; references stay on the CPU
 
@@ -73,15 +76,18 @@ def worker_metadata(backend, rows: StepRows):
     return backend.metadata(rows)
 
 
-def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale, rope: Rope | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(backend, q, k, v, storage, rows: StepRows, metadata, scale, rope: Rope | None = None,
+             kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     dev = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
     storage = storage.to(DEVICE, copy=True)
     rows = StepRows(*(dev(getattr(rows, f)) for f in StepRows.__slots__))
     if rope is not None:
         rope = Rope(dev(rope.positions), dev(rope.cos), dev(rope.sin))
-    # Copies: a backend may rotate q and k in place.
-    out = backend.forward(dev(q).clone(), dev(k).clone(), dev(v), storage[1, 0], storage[1, 1],
+    k_cache, v_cache = storage[1, 0], storage[1, 1]
+    if kv_scales is not None:  # an fp8 cache's views carry their scales, as kvcache allocates them
+        k_cache, v_cache = with_scale(k_cache, dev(kv_scales[0])), with_scale(v_cache, dev(kv_scales[1]))
+    # Copies: a backend may rotate q and k in place, and an fp8 cache's write changes k and v.
+    out = backend.forward(dev(q).clone(), dev(k).clone(), dev(v).clone(), k_cache, v_cache,
                           metadata(backend, rows), scale, rope)
     return out.cpu(), storage.cpu()
 
@@ -285,6 +291,37 @@ def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, 
     want, want_cache = _forward(backend, q, k, step.v, step.storage, step.rows, meta, step.scale)
     assert torch.equal(got, want), f"{kind}: output with Rope differs from attention over pre-rotated q, k"
     _check_cache(got_cache, want_cache, kind)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_fp8_cache_step(kind, dtype, fp8):
+    """Every backend over an fp8 cache (per-head scales, NaN bytes in every unowned slot): a mixed
+    step with padding rows stores the reference quantizer's bytes, and attends as the kernels'
+    references do over the cache after the step: every key and value as the cache holds it (the
+    write leaves a prefill chunk's own K/V so, which kv_write_ref does to step.k and step.v here),
+    the prefix and decodes' tokens dequantized."""
+    step = _build(4, 2, 64, dtype, pad=2, seed=3)
+    storage = torch.empty(step.storage.shape, dtype=getattr(torch, fp8))
+    scales = {}
+    for layer, kv in itertools.product(range(2), range(2)):
+        storage[layer, kv], scales[layer, kv] = fp8_cache(step.storage[layer, kv], fp8, seed=2 * layer + kv)
+    ks, vs = scales[1, 0], scales[1, 1]
+    want = storage.clone()
+    kv_write_ref(step.k, step.v, want[1, 0], want[1, 1], step.rows.slot_mapping, ks, vs)
+    out, got = _forward(_backend(kind, 64, 2), step.q, step.k, step.v, storage, step.rows, worker_metadata,
+                        step.scale, kv_scales=(ks, vs))
+    r, p = step.rows, step.rows.num_prefill_tokens
+    k, v = step.k[:p], step.v[:p]
+    ref = torch.cat([
+        prefill_attention_ref(step.q[:p], k, v, r.cu_seqlens, step.scale, want[1, 0], want[1, 1],
+                              r.prefill_block_tables, r.prefix_lens, ks, vs),
+        paged_decode_ref(step.q[p:], want[1, 0], want[1, 1], r.decode_block_tables, r.context_lens, step.scale,
+                         ks, vs)])
+    _check_rows(out[: step.real], ref[: step.real].float(), dtype, f"{kind} {fp8}")
+    # padding writes of eager/sdpa land in the scratch block: only the real blocks are specified
+    assert torch.equal(got[:, :, :NUM_BLOCKS].view(torch.uint8), want[:, :, :NUM_BLOCKS].view(torch.uint8)), \
+        f"{kind} {fp8}: the cache after the step"
 
 
 @pytest.mark.parametrize("kind", ["eager", "sdpa"])

@@ -2,7 +2,12 @@
 gloo ranks against the whole model: GPT-2, Llama with its K/V heads split, Mistral (one K/V head)
 with it replicated, from checkpoint files and from --load-format dummy. The logits agree within
 fp32 rounding (a row-parallel projection sums two halves of its dot products, which the whole
-model sums in one), and so does every position's argmax."""
+model sums in one), and so does every position's argmax.
+
+The same ranks bring up an fp8 KV cache as the server does (server/worker/setup.py `bring_up`):
+per-KV-head checkpoint scales sliced to each rank's head, or calibrated on both ranks together; a
+prompt prefilled in two chunks (the second reads the first's K/V from the fp8 cache) gives the
+one-rank fp8 cache's logits."""
 
 import multiprocessing as mp
 import queue
@@ -13,7 +18,7 @@ import torch
 from models.parallel import TensorParallel, kv_heads, shard_spec
 from models.parallel.layers import Shard, qkv_parts, split_parts, vocab_rows
 from models.spec import ModelSpec
-from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits
+from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits, with_tensors
 
 IDS = [5, 17, 99, 3, 250, 7, 42, 300, 11, 64, 128, 9, 77, 1, 2, 180, 33]  # 17 tokens: past a block
 
@@ -51,8 +56,21 @@ def test_rank_parts_of_merged_projections_and_the_vocabulary():
         shard_spec(spec, TensorParallel(0, 3))
 
 
-def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
-    """One rank of the group: each case's prefill logits (rank 0 reports them), then the collectives."""
+def _fp8_worker(path, size: int):
+    """bring_up's worker with an fp8 KV cache (as a server of `size` ranks brings up this rank's),
+    and the logits of IDS prefilled in two chunks into its cache."""
+    from server.config import EngineConfig
+    from server.worker.setup import bring_up
+
+    config = EngineConfig(model=str(path), device="cpu", kv_cache_dtype="fp8", num_blocks=4, tensor_parallel_size=size)
+    worker = bring_up(config, path, torch.device("cpu"))
+    logits = prefill_logits(worker.runner.model, IDS, caches=worker.runner.kv_caches, split=9)
+    return worker.kv_scales, logits
+
+
+def _rank(rank: int, size: int, port: int, cases: list, fp8_cases: list, out) -> None:
+    """One rank of the group: each case's prefill logits (rank 0 reports them), each fp8 case's
+    scales (every rank) and logits, then the collectives."""
     from torch.distributed import TCPStore
 
     from models import close_tensor_parallel, init_tensor_parallel, load_model
@@ -68,6 +86,9 @@ def _rank(rank: int, size: int, port: int, cases: list, out) -> None:
                 # numpy, not tensors: a torch queue shares a tensor's storage through a descriptor
                 # the rank must outlive, and the ranks exit before the test reads everything
                 out.put((name, logits.numpy(), (model.spec.num_heads, model.spec.num_kv_heads)))
+        for name, path in fp8_cases:
+            scales, logits = _fp8_worker(path, size)
+            out.put((f"{name}:{rank}", scales.k.cpu().numpy(), scales.v.cpu().numpy(), logits.numpy()))
         x = torch.tensor([[1.0 + rank, 1e-8 * rank]])
         summed = tp.all_reduce(x.clone(), invariant=True), tp.all_reduce(x.clone())
         gathered = tp.gather_columns(torch.full((2, 3), float(rank)))
@@ -92,19 +113,30 @@ def cases(tmp_path_factory):
              "dummy")]
 
 
-def test_two_ranks_give_the_whole_models_logits(cases):
+@pytest.fixture(scope="module")
+def fp8_cases(cases, tmp_path_factory):
+    """The K/V-split Llama with its scales calibrated, and with per-KV-head k_scale and per-tensor
+    v_scale tensors (llm-compressor's names) whose heads differ."""
+    llama = cases[1][1]
+    k = torch.tensor([[0.03, 0.06], [0.05, 0.02]])
+    scales = {f"model.layers.{i}.self_attn.{n}_scale": t for i in range(2)
+              for n, t in (("k", k[i]), ("v", torch.tensor([0.04 + 0.01 * i])))}
+    return [("fp8-calibrated", llama), ("fp8-checkpoint", with_tensors(llama, tmp_path_factory.mktemp("s") / "m", scales))]
+
+
+def test_two_ranks_give_the_whole_models_logits(cases, fp8_cases):
     from benchmarks.common import free_port
     from models import load_model
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    ranks = [ctx.Process(target=_rank, args=(r, 2, port, cases, out)) for r in range(2)]
+    ranks = [ctx.Process(target=_rank, args=(r, 2, port, cases, fp8_cases, out)) for r in range(2)]
     for p in ranks:
         p.start()
     got = {}
     try:
-        while len(got) < len(cases) + 1:
+        while len(got) < len(cases) + 2 * len(fp8_cases) + 1:
             item = out.get(timeout=300)
             got[item[0]] = item[1:]
     except queue.Empty:
@@ -120,6 +152,15 @@ def test_two_ranks_give_the_whole_models_logits(cases):
         assert heads == (whole.spec.num_heads // 2, max(1, whole.spec.num_kv_heads // 2)), name
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4, msg=name)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1)), name
+    for name, path in fp8_cases:
+        scales, ref = _fp8_worker(path, 1)
+        for rank in range(2):  # one K/V head each: head `rank`'s scales
+            k, v = (torch.from_numpy(s) for s in got[f"{name}:{rank}"][:2])
+            assert k.shape == v.shape == (2, 1), name
+            torch.testing.assert_close(k, scales.k[:, rank : rank + 1], rtol=1e-5, atol=0, msg=name)
+            torch.testing.assert_close(v, scales.v[:, rank : rank + 1], rtol=1e-5, atol=0, msg=name)
+        torch.testing.assert_close(torch.from_numpy(got[f"{name}:0"][2]), ref, rtol=0, atol=1e-3, msg=name)
+    assert scales.k[0].tolist() == pytest.approx([0.03, 0.06]) and scales.source == "from the checkpoint"
     (plain_sum, ordered_sum), gathered, ids, whole_columns = got["collectives"]
     plain_sum, ordered_sum = torch.from_numpy(plain_sum), torch.from_numpy(ordered_sum)
     assert whole_columns == vocab_rows(load_model(cases[0][1], torch.float32, "cpu", "sdpa").vocab_size, 1)
@@ -147,3 +188,15 @@ def test_dummy_weights_need_no_weight_files_and_repeat(tmp_path):
     assert torch.all(a.embed_tokens.weight[a.vocab_size:] == 0)  # the padding rows
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_model(path, torch.float32, "cpu", "sdpa")
+
+
+def test_a_rank_refuses_quantized_weights(tmp_path, monkeypatch):
+    """A model built inside a tensor-parallel group (a rank's process) refuses a quantized scheme by
+    name before building anything: the linears' shards cut 16-bit weights only."""
+    import models.loader
+    from models import load_model
+
+    path = make_llama_checkpoint(tmp_path, "llama")
+    monkeypatch.setattr(models.loader, "tensor_parallel", lambda: TensorParallel(1, 2))
+    with pytest.raises(ValueError, match=r"quantized weights \(fp8 \(quantized at load.*tensor parallelism"):
+        load_model(path, torch.float32, "cpu", "sdpa", quantization="fp8")

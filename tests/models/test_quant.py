@@ -24,16 +24,15 @@ import models.quant as quant
 from benchmarks.quant_checkpoint import FORMATS, quantize_checkpoint
 from models import load_model, weights_info
 from models.quant import compute_mode, detect
+from tests.helpers import QUANT_LLAMA as LLAMA
 from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits
 
-# head_dim 64, 2 KV heads: every part of the merged QKV is a multiple of the 128-row blocks
-LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
 IDS = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    return make_llama_checkpoint(tmp_path_factory.mktemp("src16"), "llama", **LLAMA)
+@pytest.fixture
+def src(quant_src):  # tests/models/conftest.py: shared with test_quant_http.py
+    return quant_src
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +41,11 @@ def calm_src(tmp_path_factory):  # one layer: the interpreter runs every GEMM of
                                  num_hidden_layers=1, **LLAMA)
 
 
-@pytest.fixture(scope="module")
-def quantized(src, tmp_path_factory):
-    """format -> (checkpoint path, dequantized weights by source name)."""
-    root = tmp_path_factory.mktemp("quantized")
-    return {fmt: (root / fmt, quantize_checkpoint(src, root / fmt, fmt)) for fmt in FORMATS}
+# what the start-up log and /v1/models call each format (weights_info(...).quantization)
+NAMES = {"fp8-dynamic": "compressed-tensors FP8_DYNAMIC", "fp8-static": "compressed-tensors FP8 (static)",
+         "w4a16": "compressed-tensors W4A16 (symmetric)", "w4a16-asym": "compressed-tensors W4A16 (asymmetric)",
+         "fp8-block": "fp8 (128x128 blocks)", "awq": "AWQ", "gptq": "GPTQ", "gptq-desc-act": "GPTQ",
+         "online-fp8": "fp8 (quantized at load"}
 
 
 def reference(src, deq) -> torch.nn.Module:
@@ -68,6 +67,9 @@ def ref_logits(model, ids=IDS) -> torch.Tensor:
 def test_logits_equal_the_dequantized_reference(src, quantized, fmt):
     path, deq = quantized[fmt]
     ours = load_model(path, torch.float32, "cpu", "sdpa")
+    assert weights_info(ours).quantization.startswith(NAMES[fmt])
+    if fmt.startswith("gptq"):
+        assert ("no desc_act" in weights_info(ours).quantization) == (fmt == "gptq")
     want = ref_logits(reference(src, deq))
     torch.testing.assert_close(prefill_logits(ours, IDS), want, atol=2e-4, rtol=2e-4)
     # and the quantization did something: the 16-bit model's logits are elsewhere
@@ -170,8 +172,9 @@ def test_transformers_loads_the_compressed_tensors_files(src, quantized, fmt):
 @pytest.mark.parametrize("fmt,mode,dtype", [("fp8-dynamic", "w8a8", torch.bfloat16),  # torch._scaled_mm (CPU)
                                             ("fp8-block", "w8a8", torch.float32),  # kernels/fp8_matmul.py
                                             ("fp8-static", "w8a8", torch.float32),
-                                            ("fp8-dynamic", "weight_only", torch.bfloat16),  # kernels/wo_matmul.py
-                                            ("awq", "weight_only", torch.bfloat16),
+                                            ("fp8-dynamic", "weight_only", torch.bfloat16),  # kernels/dequant.py
+                                            # int4 (g_idx: the gather AWQ's plain groups skip; both in
+                                            # test_quant_gemms.py at every row count)
                                             ("gptq-desc-act", "weight_only", torch.float16)])
 def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fmt, mode, dtype):
     """The linear methods' GPU paths (Triton kernels under the interpreter): the quantized storage is
@@ -194,9 +197,26 @@ def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fm
 
 def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
     ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8")
+    assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])
     _, deq = quantized["fp8-dynamic"]  # the writer's per-channel FP8: what --quantization fp8 computes
     torch.testing.assert_close(prefill_logits(ours, IDS), ref_logits(reference(src, deq)), atol=2e-4, rtol=2e-4)
     assert detect(src, "fp8").online and detect(src) is None
+
+
+def test_dummy_weights_quantized_at_load_and_quantized_checkpoints_refused(src, quantized):
+    """--load-format dummy with --quantization fp8 (a benchmark's FP8 model from config.json alone):
+    the dummy 16-bit weights quantized per channel (the CPU then serves them dequantized); a
+    quantized checkpoint's own tensors cannot be made up, so dummy refuses it by name."""
+    from kernels.quant_reference import dequant_fp8
+    from models.quant.fp8 import quantize_per_channel
+
+    plain = load_model(src, torch.float32, "cpu", "sdpa", load_format="dummy")
+    ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8", load_format="dummy")
+    assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])
+    w = plain.layers[1].mlp.down_proj.weight
+    assert torch.equal(ours.layers[1].mlp.down_proj.weight, dequant_fp8(*quantize_per_channel(w), 1 << 30, w.dtype))
+    with pytest.raises(ValueError, match="--load-format dummy makes a 16-bit checkpoint's tensors"):
+        load_model(quantized["awq"][0], torch.float32, "cpu", "sdpa", load_format="dummy")
 
 
 def test_gpt2_conv1d_weights_quantized(tmp_path):
@@ -275,3 +295,30 @@ def test_quantization_flag_must_agree_with_the_checkpoint(src, quantized):
     with pytest.raises(ValueError, match="this one is 16-bit"):
         detect(src, "gptq")
     assert detect(quantized["awq"][0], "awq").method == "awq"
+
+
+def test_speculative_decoding_with_a_quantized_target(quantized):
+    """An AWQ target verifying the proposals of a draft model that is itself quantized (the same AWQ
+    checkpoint, so nearly every proposal stands): the greedy tokens of decoding without
+    speculation, no block lost. (The n-gram method verifies through the same target step.)"""
+    from server.config import EngineConfig, SpeculativeConfig
+    from server.engine import LLMEngine
+    from server.sampling_params import SamplingParams
+
+    path, _ = quantized["awq"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(spec=None):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", num_blocks=64, speculative_config=spec))
+        outs = [o.token_ids for o in engine.generate(prompts, params)]
+        assert engine.block_manager.check_all_free()
+        return outs, engine
+
+    spec = SpeculativeConfig.parse(f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 3}}')
+    got, engine = run(spec)
+    assert got == run()[0]
+    assert engine.speculator.proposer.runner.model.quant_scheme.method == "awq"
+    c = engine.speculator.counters
+    assert c.drafts > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens  # the draft is the target

@@ -49,6 +49,9 @@ from server.cli import build_parser
     (["--header-timeout", "-1"], ["> 0"]),
     (["--body-timeout", "0"], ["> 0"]),
     (["--max-header-bytes", "100"], [">= 1024"]),
+    (["--max-structured-spec-bytes", "0"], ["a size in bytes", ">= 1"]),
+    (["--max-structured-depth", "0"], [">= 1"]),
+    (["--structured-compile-timeout", "0"], ["> 0"]),
     (["--device", "gpu"], ["cpu, cuda or cuda:N"]),
     (["--api-server-count", "0"], ["from 1 to 64"]),
     (["--api-key", ""], ["non-empty", "leave the flag out"]),  # `--api-key "$UNSET"` must not turn auth off

@@ -83,12 +83,13 @@ def test_structured_outputs_on_completions(client, model, spec, check):
 
 def test_generate_in_both_shapes(server):
     ours = httpx.post(server + "/generate", json={"prompt": "Pick:", "max_tokens": 20, "temperature": 0,
-                                                  "structured_outputs": {"choice": ["left", "right"]}}).json()
+                                                  "structured_outputs": {"choice": ["left", "right"]}},
+                      timeout=60).json()  # each new spec compiles in a compile process first: seconds on a busy host
     assert ours["text"] in ("left", "right") and ours["finish_reason"] == "stop"
     for field, spec, pattern in [("regex", "[0-9]{4}", r"[0-9]{4}"), ("ebnf", 'root ::= "x" [a-c] "y"', r"x[a-c]y"),
                                  ("json_schema", json.dumps(SCHEMAS[2]), r'\{"color": "(red|green|blue)"\}')]:
         sg = httpx.post(server + "/generate", json={"text": "Go:", "sampling_params": {
-            "max_new_tokens": 40, "temperature": 0, field: spec}}).json()
+            "max_new_tokens": 40, "temperature": 0, field: spec}}, timeout=60).json()
         assert re.fullmatch(pattern, sg["text"]), (field, sg)
 
 

@@ -91,3 +91,69 @@ def test_an_abort_counts_only_from_the_owner_and_a_closed_channel_frees_its_requ
     router.receive(block=False)
     assert router.open == [] and not engine.seqs and not router.owner
     assert engine.block_manager.check_all_free()
+
+
+def test_a_dead_api_process_is_closed_on_a_broken_pipe_and_a_new_channel_takes_its_place(engine):
+    """Issue 44, case 2: with one of two API processes killed, the engine's next write to its pipe
+    raised BrokenPipeError out of the loop, and the engine and the other API process died. Now the
+    write closes that channel (its requests aborted, blocks freed), the other carries on, and the
+    channel the parent hands over for the process it starts in its place (server/api/servers.py)
+    is greeted with EngineReady and served."""
+    import multiprocessing as mp
+    import os
+
+    from server.bridge.engine_spawn import reopen_channel
+    from server.bridge.messages import EngineReady
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ends, api = channels(2)
+    parent, theirs = mp.Pipe(duplex=True)
+    router = _Router(engine, ends, theirs)
+    api[0].commands.send_bytes(encode([AddRequest("x", [1, 2, 3], params)]))
+    api[1].commands.send_bytes(encode([AddRequest("z", [5, 5], params)]))
+    router.receive(block=False)
+    router.route(engine.step(), engine.stats.take())
+    api[0].out.close()  # API process 0 is killed: nobody reads its outputs (its commands pipe not yet at EOF)
+    router.route(engine.step(), engine.stats.take())
+    router.flush(block=False, fresh=True)  # before: BrokenPipeError
+    assert router.open == [1] and set(engine.seqs) == {"z"} and set(router.owner) == {"z"}
+
+    new = reopen_channel(parent, 0, os.getpid())  # the parent's new API process 0
+    router.receive(block=False)
+    assert router.open == [0, 1] and isinstance(decode_up(new.out.recv_bytes()), EngineReady)
+    new.commands.send_bytes(encode([AddRequest("x", [1, 2, 3], params)]))  # its ids may reuse the dead one's
+    run(router, engine)
+    assert len(tokens(received(new.out), "x")) == 30 and len(tokens(received(api[1].out), "z")) == 30
+    assert engine.block_manager.check_all_free()
+
+
+def test_an_api_process_that_reads_nothing_never_stalls_the_engine(engine):
+    """Issue 44: an API process restarted in place of a dead one reads nothing for the seconds it
+    takes to start; the engine's idle flush blocked on its full pipe, and every other API process's
+    requests waited. Now the engine sleeps on commands and on pipes that can take what waits."""
+    import select
+    import threading
+
+    from server.bridge.engine_loop import turn
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    ends, api = channels(2)
+    router = _Router(engine, ends)
+    while select.select([], [ends[0].out], [], 0)[1]:  # channel 0's reader is not reading: its pipe fills
+        ends[0].out.send_bytes(b"x" * 60)
+    done = []
+
+    def loop():
+        stepped = True  # just gone idle: every channel gets the idle snapshot (channel 0's cannot go)
+        for _ in range(50):
+            stepped = turn(router, engine, engine.stats, stepped)
+            if any(o.finished for m in received(api[1].out) for o in m.outputs):
+                done.append(True)
+                return
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    api[1].commands.send_bytes(encode([AddRequest("z", [5, 5], params)]))
+    worker.join(30)
+    assert done, "the engine stalled on a pipe nobody reads"
+    assert router.open == [0, 1] and engine.block_manager.check_all_free()

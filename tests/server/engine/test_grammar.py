@@ -153,6 +153,25 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
     assert engine.block_manager.check_all_free() and not engine.compiling
 
 
+def test_a_request_whose_grammar_compiles_holds_up_no_request_behind_it(engine):
+    """Issue 44, case 3: a request whose grammar compiled for seconds in the grammar process sat
+    first in the waiting queue and the scheduler admitted nothing behind it (a plain completion sent
+    alongside waited 41.8 s). Now it is queued only once its matcher is made."""
+    slow = StructuredOutput("regex", "." * 3000 + "!")  # ~1.3 s to compile here (the embedded model's vocabulary)
+    engine.add_request("slow", prompt(engine), SamplingParams(max_tokens=4, temperature=0, structured=slow),
+                       validated=True)
+    engine.add_request("plain", prompt(engine), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       validated=True)
+    assert engine.snapshot().waiting == 2  # counted as waiting (the queue's bound sees it) while it compiles
+    final = {}
+    while "plain" not in final:
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.seqs["slow"].compiling is not None  # the plain one finished while the grammar still compiled
+    final.update(run_to_end(engine))
+    assert len(final["plain"].token_ids) == 3 and final["slow"].finish_reason in ("stop", "length")
+    assert engine.block_manager.check_all_free() and not engine.compiling
+
+
 def test_a_constrained_step_is_chosen_once_its_masks_are_filled(engine):
     """A constrained step is launched like any other and the grammar process is sent its job at
     once (no tokens to take yet: it is the prompts' step); on the CPU its choice waits, pending, for
@@ -230,6 +249,9 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_schedul
     otherwise wait for ever), the step's requests end with "error", no block leaks, and the next
     constrained requests are served."""
     eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=async_scheduling))
+    # compiled first, so that x is queued at once and shares its steps with y (a request whose
+    # grammar compiles is queued only once it has)
+    eng.generate([prompt(eng)], SamplingParams(max_tokens=1, temperature=0, structured=SCHEMA))
     with failing_fill(eng, at=3):
         eng.add_request("x", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
         eng.add_request("y", prompt(eng), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
@@ -462,4 +484,32 @@ def test_speculative_steps_keep_constrained_outputs(engine):
             assert set(json.loads(o.text)) == {"n", "tags"}
         else:
             assert re.fullmatch(REGEX.spec, o.text)
+
+
+def test_compiled_grammars_are_kept_within_their_memory_bound(engine, grammars):
+    """Issue 44, case 6: compiler caches were unbounded in every process that compiles (~20 distinct
+    specs took one from 365 to 1,041 MB). XGrammar's cache takes a byte bound; the grammar process
+    keeps exactly the specs the engine lists as ready, which stay within theirs. (Last in the module:
+    it leaves the engine's process with one compiled spec.)"""
+    from server.engine.grammar import Grammars
+
+    specs = [StructuredOutput("regex", "[a-z]{2,40}-" + "." * 40 + str(i)) for i in range(6)]
+    bounded = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.eos_token_ids, cache_bytes=400 << 10)
+    sizes = [bounded.compile(s).memory_size_bytes for s in specs]
+    assert sum(sizes) > 3 * (400 << 10) and bounded.compiler.get_cache_size_bytes() <= (400 << 10) + max(sizes)
+
+    proc = engine.grammars
+    kept, proc.cache_bytes = proc.cache_bytes, max(sizes) + 1  # room for one of them at a time
+    try:
+        outs = engine.generate([prompt(engine)] * 6, [SamplingParams(max_tokens=8, temperature=0, structured=s)
+                                                      for s in specs])
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        assert len(proc.ready) == 1 and proc.ready_bytes <= proc.cache_bytes
+        proc.flush()  # the forgets ride on the next message
+        assert proc.held() == 0 and proc.cached == 1  # the process let go of what the engine no longer lists
+        engine.add_request("again", prompt(engine), SamplingParams(max_tokens=4, temperature=0, structured=specs[-1]))
+        assert engine.seqs["again"].compiling is None  # still listed: admitted at once
+        run_to_end(engine)
+    finally:
+        proc.cache_bytes = kept
     assert engine.block_manager.check_all_free()

@@ -13,7 +13,8 @@ xgr = pytest.importorskip("xgrammar")
 
 from models import load_tokenizer, resolve_model_path  # noqa: E402
 from server.engine.grammar import Grammars, _json_schema_rewritten  # noqa: E402
-from server.engine.grammar_rewrite import MAX_UNROLLED, json_string_characters, unroll_bounded_strings  # noqa: E402
+from server.engine.grammar_rewrite import (MAX_UNROLLED, MAX_UNROLLED_RULES, json_string_characters,  # noqa: E402
+                                           unroll_bounded_strings)
 from server.sampling_params import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
@@ -84,6 +85,17 @@ def test_long_bounds_and_unknown_shapes_are_left_alone():
     # a name the chain would take is already a rule: left alone rather than clobbered
     taken = 'root ::= (("\\"" ch{0, 1} "\\""))\nch ::= (([a-z]))\nroot_left_0 ::= (("x"))\n'
     assert unroll_bounded_strings(taken) == taken
+
+
+def test_chains_stop_at_the_rule_budget():
+    """Issue 44: every chain rule costs compile time (2,000 strings of maxLength 128 compiled for over
+    a minute); past the budget, strings keep XGrammar's own repetition, in order."""
+    many = ebnf({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 99} for i in range(8)},
+                 "required": [f"p{i}" for i in range(8)]})
+    text = unroll_bounded_strings(many, max_rules=350)  # three chains of 100 rules fit, the fourth does not
+    assert text.count("_left_0 ::=") == 3 and text.count("{0, 99}") == 5
+    assert unroll_bounded_strings(many).count("_left_0 ::=") == 5  # the default budget, 512 rules
+    assert MAX_UNROLLED_RULES == 512
 
 
 def test_the_rewritten_grammar_accepts_exactly_the_same_documents(compiler):

@@ -1,6 +1,7 @@
 """Worker start-up decisions that need no device: --dtype auto, and the sliding-window refusal."""
 
 import json
+import shutil
 
 import torch
 
@@ -8,6 +9,7 @@ from server.worker.setup import auto_dtype
 
 
 def _config(tmp_path, **fields):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
     return tmp_path
 
@@ -59,3 +61,24 @@ def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_ran
         start_worker(EngineConfig(**tp, speculative_config=spec), tiny_ckpt)
     with pytest.raises(ValueError, match="quantized"):
         start_worker(EngineConfig(**tp, quantization="fp8"), tiny_ckpt)
+    quantized = tmp_path / "fp8-blocks"  # a quantized checkpoint, no flag: its config.json says so
+    shutil.copytree(tiny_ckpt, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized"):
+        start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
+
+
+def test_tensor_parallelism_takes_a_quantization_config_of_kv_cache_scales_alone(tmp_path):
+    """A compressed-tensors config whose quantization_config carries only an FP8 KV cache's scheme has
+    16-bit weights: tensor parallelism takes it (the scales are cut by rank like the heads)."""
+    from server.config import EngineConfig
+    from server.worker.setup import check_tensor_parallel
+
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 num_hidden_layers=2, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-6)
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    kv_only = _config(tmp_path / "kv", **shape, quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}, "kv_cache_scheme": kv})
+    check_tensor_parallel(EngineConfig(tensor_parallel_size=2), kv_only)  # no ValueError

@@ -63,7 +63,7 @@ _REFS = {}  # family -> (prompts, outputs without speculation): one reference ru
 
 
 @pytest.mark.parametrize("family,method", [("gpt2", "self"), ("gpt2", "other"), ("gpt2", "ngram"),
-                                           ("llama", "self"), ("llama", "ngram")])
+                                           ("llama", "self"), ("llama", "ngram"), ("llama-fp8", "ngram")])
 def test_greedy_tokens_unchanged_with_preemption_prefix_hits_and_chunks(tiny_ckpt, llama_ckpt, other_gpt2, family,
                                                                         method):
     """A shared prefix (hits), a 40-token step budget (prompts in chunks beside verifications) and 20
@@ -73,6 +73,8 @@ def test_greedy_tokens_unchanged_with_preemption_prefix_hits_and_chunks(tiny_ckp
     shared = _prompts(400, 1, seed=9, repeat=False)[0] * 2
     prompts = [shared + p for p in _prompts(400, 6, seed=1)] + _prompts(400, 6, seed=2)
     kw = dict(num_blocks=20, max_num_batched_tokens=40, max_num_seqs=64)
+    if family == "llama-fp8":  # the target's cache in fp8, written and read by the verifications too
+        kw |= dict(kv_cache_dtype="fp8", num_blocks=40)
     if family not in _REFS:
         _REFS[family] = _run(path, prompts, GREEDY, **kw)[0]
     ref = _REFS[family]

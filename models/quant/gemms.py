@@ -1,0 +1,70 @@
+"""Which kernel a quantized linear's GEMM runs, by its row count (the linear methods of methods.py
+call these; benchmarks/bench_quant.py times them as "ours"):
+
+  rows       fp8 weights, FP8 activations (w8a8)             int4 (or fp8) weights, 16-bit activations
+  1          kernels/gemv.py fp8_gemv: the input quantized      kernels/gemv.py wo_gemv
+             in the GEMV where no norm or silu_mul did it
+  2 - 16     kernels/fp8_matmul.py, K split to fill the SMs     kernels/wo_matmul.py, K split likewise
+  more       torch._scaled_mm (rowwise scales, bf16 out,        kernels/dequant.py into a transient
+             aligned), else kernels/fp8_matmul.py               16-bit weight, then cuBLAS
+
+At up to 16 rows a GEMM streams its weight once and its cost is the weight's bytes; from there on
+it is compute bound, where cuBLAS (and cuBLASLt's FP8 GEMM) beat in-register dequantization once
+per row tile. The row count alone decides, so a decode step of 13 rows and its CUDA graph, padded
+to 16, run the same kernels with the same tiles: a row's bits do not depend on the padding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dequant import dequantize
+from kernels.fp8_matmul import fp8_matmul
+from kernels.fp8_quant import quant_fp8
+from kernels.gemv import fp8_gemv, wo_gemv
+from kernels.wo_matmul import wo_matmul
+
+DECODE_ROWS = 16  # rows up to which the weight is streamed by the decode kernels
+
+
+class QuantizedInput(NamedTuple):
+    """A linear's input already quantized to FP8 (by the norm or silu_mul before it): q [M, K],
+    scale [M, groups]."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+               act_group: int, input_scale: torch.Tensor | None, dtype: torch.dtype, bias: torch.Tensor | None,
+               scaled_mm: bool) -> torch.Tensor:
+    """x [M, K] (16-bit, or quantized) @ the FP8 weight [N, K].T, activations in FP8: per token
+    (act_group >= K), per act_group columns (128-block weights, group == act_group == 128), or
+    with input_scale; `scaled_mm`: torch._scaled_mm's rowwise mode fits this weight."""
+    quantized = isinstance(x, QuantizedInput)
+    rows = x.q.shape[0] if quantized else x.shape[0]
+    if rows == 1:
+        if quantized:
+            return fp8_gemv(x.q, x.scale, weight, weight_scale, group, dtype, bias)
+        return fp8_gemv(x, None, weight, weight_scale, group, dtype, bias, act_group, input_scale)
+    q, scale = x if quantized else quant_fp8(x, act_group, input_scale)
+    if scaled_mm and rows > DECODE_ROWS:
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
+        return out if bias is None else out.add_(bias)
+    return fp8_matmul(q, scale, weight, weight_scale, group, dtype, bias)
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       group: int, bias: torch.Tensor | None, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit) @ the int4 (zero given) or fp8 weight dequantized, [N, K].T."""
+    rows = x.shape[0]
+    if rows == 1:
+        return wo_gemv(x, weight, scale, zero, group, bias, g_idx)
+    if rows <= DECODE_ROWS:
+        return wo_matmul(x, weight, scale, zero, group, bias, g_idx)
+    return F.linear(x, dequantize(weight, scale, zero, group, x.dtype, g_idx), bias)
+
+
+__all__ = ["DECODE_ROWS", "QuantizedInput", "fp8_linear", "weight_only_linear"]

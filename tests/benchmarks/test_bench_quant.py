@@ -1,0 +1,30 @@
+"""benchmarks/bench_quant.py's bookkeeping on the CPU (its measurements need a GPU): the ratios
+against bf16 and the goals (4-bit judged by the 4-bit goal), the fastest GEMV tiles per linear and
+kind, and the table's lines (a format whose engine failed says why)."""
+
+from benchmarks.bench_quant import best_configs, linear_shapes, summarize, table
+
+
+def test_summary_goals_tuned_tiles_and_table():
+    rows = [dict(step="tpot", format="bf16", tpot_ms=6.0, weight_bytes=16 * 2**30),
+            dict(step="tpot", format="fp8-dynamic", tpot_ms=3.3, weight_bytes=8 * 2**30),
+            dict(step="tpot", format="awq", tpot_ms=2.7, weight_bytes=5 * 2**30),
+            dict(step="throughput", format="bf16", tok_per_s=1000.0),
+            dict(step="throughput", format="fp8-dynamic", tok_per_s=1250.0),
+            dict(step="engine", format="fp8-block", error="exit status 1"),
+            dict(step="sweep", impl="fp8_gemv", n=6144, k=4096, config=[16, 512, 4, 0], us=30.0),
+            dict(step="sweep", impl="fp8_gemv", n=6144, k=4096, config=[8, 512, 4, 0], us=25.0),
+            dict(step="sweep", impl="int4_gemv", n=6144, k=4096, config=[4, 512, 2, 0], error="OutOfResources"),
+            dict(step="gemm", linear="qkv_proj", m=1, impl="ours_fp8", us=31.5)]
+    s = summarize(rows)
+    assert s["tpot_ratio_fp8-dynamic"] == 0.55 and s["tpot_goal_met_fp8-dynamic"]  # <= 0.6
+    assert s["tpot_ratio_awq"] == 0.45 and not s["tpot_goal_met_awq"]  # 4-bit: <= 0.4
+    assert s["throughput_ratio_fp8-dynamic"] == 1.25 and not s["throughput_goal_met_fp8-dynamic"]  # >= 1.3
+    assert "tpot_goal_met_fp8-block" not in s
+    assert best_configs(rows) == {"fp8 6144 4096": [8, 512, 4, 0]}  # failed configs never win
+    text = table(dict(rows=rows, summary=s, shape="llama-3.1-8b"))
+    assert "fp8-dynamic: TPOT 3.300 ms (x0.55), 1250.0 tok/s (x1.25)" in text
+    assert "fp8-block: exit status 1" in text
+    assert "qkv_proj: - | - | 31.5 |" in text
+    assert linear_shapes("llama-3.1-8b") == {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
+                                             "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}

@@ -1,0 +1,98 @@
+"""The decode GEMVs (kernels/gemv.py) against their references, under the interpreter on the CPU:
+FP8 weights per channel and in 128-column blocks, the input quantized before or in the GEMV (bit
+for bit the same row as kernels/fp8_quant.py's), int4 in groups (a partial last group, groups of
+32), per channel and with GPTQ's g_idx, fp8 weights decoded from their bits; N not a multiple of
+the tile, K splits that do not divide K evenly, bias, output dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_quant import quant_fp8
+from kernels.gemv import GemvConfig, fp8_gemv, wo_gemv
+from kernels.quant_reference import fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPLITS = [GemvConfig(32, 256, 1, 1), GemvConfig(16, 128, 1, 3)]  # one split; three over K (uneven)
+
+
+def _fp8_operands(n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, k, generator=g) * 3).to(torch.bfloat16)
+    w, ws = quant_fp8_ref(torch.randn(n, k, generator=g) * 0.05, group)
+    return x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE)
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("group,n,k", [(1 << 30, 40, 200), (128, 33, 384), (128, 50, 200)])
+def test_fp8_gemv_matches_reference(cfg, group, n, k):
+    x, w, ws = _fp8_operands(n, k, group, n + k)
+    xq, xs = quant_fp8(x, group)
+    bias = (torch.randn(n) * 0.1).to(torch.bfloat16).to(DEVICE) if n % 2 else None
+    out = fp8_gemv(xq, xs, w, ws, group, torch.bfloat16, bias, cfg=cfg)
+    ref = fp8_matmul_ref(xq.cpu(), xs.cpu(), w.cpu(), ws.cpu(), group, torch.float32,
+                         None if bias is None else bias.cpu())
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().float(), ref, atol=1e-2, rtol=8e-3)  # one bf16 rounding
+    exact = fp8_gemv(xq, xs, w, ws, group, torch.float32, cfg=cfg)
+    torch.testing.assert_close(exact.cpu(), fp8_matmul_ref(xq.cpu(), xs.cpu(), w.cpu(), ws.cpu(), group,
+                                                           torch.float32), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("act", ["token", "group128", "static"])
+def test_fp8_gemv_quantizes_its_input_as_quant_fp8_does(cfg, act):
+    # A 16-bit row quantized in the GEMV gives the bits of quant_fp8's row through the same GEMV
+    # (every program quantizes its own K range; the per-token scale needs the whole row's amax).
+    group = 128 if act == "group128" else 1 << 30
+    x, w, ws = _fp8_operands(40, 392, group, 7)
+    x[0, 5] = 40.0  # one large value sets the token's scale, wherever its split is
+    static = torch.tensor([0.03], device=DEVICE) if act == "static" else None
+    fused = fp8_gemv(x, None, w, ws, group, torch.float32, None, group, static, cfg=cfg)
+    xq, xs = quant_fp8(x, group, static)
+    assert torch.equal(fused, fp8_gemv(xq, xs, w, ws, group, torch.float32, cfg=cfg))
+
+
+def _int4(n, k, group, seed, gidx=False):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group) if group < k else 1
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zero = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    g_idx = (torch.randperm(k, generator=g) // group).to(torch.int32) if gidx else None
+    return x, pack_int4(q), scale, zero, g_idx
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("group,n,k,gidx", [(128, 40, 256, False), (128, 33, 200, False), (32, 17, 136, False),
+                                            (1 << 30, 24, 264, False), (128, 24, 384, True)])
+def test_int4_gemv_matches_reference(cfg, group, n, k, gidx):
+    x, qw, scale, zero, g_idx = _int4(n, k, group, n * k, gidx)
+    bias = (torch.randn(n) * 0.1).to(torch.bfloat16) if n % 2 else None
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, qw, scale, zero, bias, g_idx)]
+    out = wo_gemv(*dev[:4], group, dev[4], dev[5], cfg=cfg)
+    ref = wo_matmul_ref(x, qw, scale, zero, group, bias, g_idx)
+    # the weight stays in fp32 here (the reference rounds it to bf16 first): within bf16's rounding
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=2e-2, rtol=1e-2)
+    if gidx:
+        assert not torch.allclose(ref, wo_matmul_ref(x, qw, scale, zero, group), atol=0.1)  # g_idx matters
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("group", [128, 1 << 30])
+def test_fp8_weight_only_gemv_matches_reference(cfg, group):
+    g = torch.Generator().manual_seed(group % 97)
+    n, k = 36, 272
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, -(-k // group) if group < k else 1, generator=g) * 0.01
+    x = torch.randn(1, k, generator=g).to(torch.float16)
+    out = wo_gemv(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None, group, cfg=cfg)
+    torch.testing.assert_close(out.cpu(), wo_matmul_ref(x, w, scale, None, group), atol=2e-2, rtol=1e-2)
+
+
+def test_no_output_channels():
+    x, w, ws = _fp8_operands(0, 128, 1 << 30, 0)
+    xq, xs = quant_fp8(x)
+    assert fp8_gemv(xq, xs, w, ws.reshape(0, 1), 1 << 30, torch.bfloat16).shape == (1, 0)

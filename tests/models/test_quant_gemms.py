@@ -1,0 +1,63 @@
+"""models/quant/gemms.py: at each row count's kernel (one row: the GEMVs, the input quantized in the
+GEMV where no norm did it; 2-16 rows: the split tiles; more: torch._scaled_mm, the FP8 Triton GEMM,
+or the weight dequantized into memory for a 16-bit GEMM) a quantized linear computes its
+reference: FP8 activations quantized per token, per 128 columns or statically times the FP8
+weight; 16-bit activations times the dequantized int4 or fp8 weight. The CPU runs the Triton kernels
+under the interpreter and torch._scaled_mm's CPU implementation; a GPU runs them for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant_reference import fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
+from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N, K = 48, 384
+ROWS = [1, 5, 24]
+
+
+def _x(m, seed):
+    return (torch.randn(m, K, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+
+
+def _dev(*tensors):
+    return [t.to(DEVICE) if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("kind", ["token", "block", "static"])
+def test_fp8_linear_at_each_row_count(m, kind):
+    group = 128 if kind == "block" else 1 << 30
+    static = torch.tensor([0.02]) if kind == "static" else None
+    w, ws = quant_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(1)) * 0.05, group)
+    bias = (torch.randn(N) * 0.1).to(torch.bfloat16)
+    x = _x(m, m)
+    q, s = quant_fp8_ref(x, group, static)
+    want = fp8_matmul_ref(q, s, w, ws, group, torch.float32, bias)
+    x, q, s, w, ws, bias, static = _dev(x, q, s, w, ws, bias, static)
+    for scaled_mm in ([False, True] if kind == "token" else [False]):
+        got = fp8_linear(x, w, ws, group, group, static, torch.bfloat16, bias, scaled_mm)
+        torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=8e-3)  # one bf16 rounding, sum order
+        # the norm's quantized input gives the same row as the raw one quantized by the linear
+        assert torch.equal(fp8_linear(QuantizedInput(q, s), w, ws, group, group, static, torch.bfloat16, bias,
+                                      scaled_mm), got)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("kind", ["int4", "int4-g_idx", "fp8"])
+def test_weight_only_linear_at_each_row_count(m, kind):
+    g = torch.Generator().manual_seed(2)
+    x = _x(m, m + 10)
+    bias = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16)
+    if kind == "fp8":
+        w = (torch.randn(N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        args = (w, torch.rand(N, 1, generator=g) * 0.01, None, 1 << 30, bias, None)
+    else:
+        q = pack_int4(torch.randint(0, 16, (N, K), generator=g))
+        scale, zero = torch.rand(N, K // 128, generator=g) * 0.02, torch.randint(0, 16, (N, K // 128), generator=g)
+        g_idx = (torch.randperm(K, generator=g) // 128).to(torch.int32) if kind == "int4-g_idx" else None
+        args = (q, scale, zero.to(torch.uint8), 128, bias, g_idx)
+    got = weight_only_linear(*_dev(x, *args[:3]), args[3], *_dev(*args[4:]))
+    torch.testing.assert_close(got.cpu().float(), wo_matmul_ref(x, *args[:5], args[5]).float(), atol=3e-2, rtol=1e-2)
