@@ -20,20 +20,20 @@ sys.path.insert(0, str(ROOT))
 
 # results file prefix -> (module with report(), section title)
 SECTIONS = [
-    ("prefill_", "benchmarks.bench_prefill", "Flash prefill kernel"),
-    ("decode_", "benchmarks.bench_decode", "Paged decode kernel"),
-    ("throughput_", "benchmarks.bench_throughput", "Engine throughput (offline)"),
-    ("nanovllm_", "benchmarks.bench_throughput", "Engine throughput, nano-vllm's benchmark protocol"),
-    ("ab_throughput_", "benchmarks.ab_commits", "Engine throughput, two commits side by side"),
-    ("load_", "benchmarks.compare", "HTTP load test"),
-    ("prefix_", "benchmarks.bench_prefix", "Prefix caching and chunked prefill"),
-    ("scaleout_", "benchmarks.scaleout_report", "Scale-out behind vllm-router"),
-    ("structured_", "benchmarks.bench_structured", "Structured outputs and penalties"),
-    ("determinism_", "benchmarks.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
-    ("invariant_kernels_", "benchmarks.bench_invariant_kernels", "Batch-invariant kernels"),
-    ("tp_", "benchmarks.bench_tp", "Tensor parallelism"),
+    ("prefill_", "benchmarks.kernels.bench_prefill", "Flash prefill kernel"),
+    ("decode_", "benchmarks.kernels.bench_decode", "Paged decode kernel"),
+    ("throughput_", "benchmarks.engine.bench_throughput", "Engine throughput (offline)"),
+    ("nanovllm_", "benchmarks.engine.bench_throughput", "Engine throughput, nano-vllm's benchmark protocol"),
+    ("ab_throughput_", "benchmarks.engine.ab_commits", "Engine throughput, two commits side by side"),
+    ("load_", "benchmarks.serving.compare", "HTTP load test"),
+    ("prefix_", "benchmarks.engine.bench_prefix", "Prefix caching and chunked prefill"),
+    ("scaleout_", "benchmarks.scaleout.scaleout_report", "Scale-out behind vllm-router"),
+    ("structured_", "benchmarks.engine.bench_structured", "Structured outputs and penalties"),
+    ("determinism_", "benchmarks.engine.bench_determinism", "Deterministic mode (batch invariance) over HTTP"),
+    ("invariant_kernels_", "benchmarks.kernels.bench_invariant_kernels", "Batch-invariant kernels"),
+    ("tp_", "benchmarks.scaleout.bench_tp", "Tensor parallelism"),
     ("peers_", "benchmarks.peers.report", "Side by side with vLLM"),
-    ("spec_", "benchmarks.bench_spec", "Speculative decoding against its acceptance"),
+    ("spec_", "benchmarks.engine.bench_spec", "Speculative decoding against its acceptance"),
 ]
 BEGIN, END = "<!-- BEGIN results -->", "<!-- END results -->"
 

@@ -107,7 +107,7 @@ class PrefillConfig(NamedTuple):
     diag: int = 0
 
 
-# Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/bench_prefill.py --sweep; numbers
+# Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/kernels/bench_prefill.py --sweep; numbers
 # in benchmarks/results/sweep_prefill_gqa_h100.json, pointer-only MHA tiles in
 # sweep_prefill_h100.json). Fixed tables rather than triton.autotune: a live server must not
 # stall to compile and time a dozen variants whenever a new shape arrives, and the choice should

@@ -40,7 +40,7 @@ class Fp8MatmulConfig(NamedTuple):
 
 def config(m: int, n: int) -> Fp8MatmulConfig:
     """Tiles by row count: decode rows stream b (small tiles, many programs, 256-column K steps: the
-    best of benchmarks/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
+    best of benchmarks/quant/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
     for the 28672-row gate/up projection), prefill is compute bound."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return Fp8MatmulConfig(16, 64, 1, 1)

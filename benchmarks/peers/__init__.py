@@ -1,13 +1,13 @@
 """vLLM beside flashpage: the same checkpoint directory, GPU, device call, flags, prompts and clients.
 
 Here (network, no GPU):
-  bash benchmarks/peers/fetch_vllm.sh                 # -> /work/main/.vllm: parts, SHA256SUMS, MANIFEST.tsv
+  bash benchmarks/peers/fetch/fetch_vllm.sh                 # -> /work/main/.vllm: parts, SHA256SUMS, MANIFEST.tsv
   PYTHONPATH=<site> python benchmarks/peers/vllm_probe.py --cpu-stub   # the import chain, before any GPU time
 
 There (an H100, Python 3.12, torch 2.11.0+cu130, no network), from the repo root, the parts carried
 one a call (`carry` names each part file; a warm machine keeps them between back-to-back calls):
   python3 benchmarks/peers/run.py --workloads offline --checkpoints-only     # with the first part: checkpoints
-  bash benchmarks/peers/unpack_vllm.sh --probe        # /tmp/vllm-site and /tmp/site; vLLM's version; imports
+  bash benchmarks/peers/fetch/unpack_vllm.sh --probe        # /tmp/vllm-site and /tmp/site; vLLM's version; imports
   export VLLM_SITE=/tmp/vllm-site PYTHONPATH=/tmp/site:$PWD
   timeout -s TERM 540 python3 benchmarks/peers/run.py --workloads offline:qwen2.5-0.5b structured --out-dir $OUT
   timeout -s TERM 540 python3 benchmarks/peers/run.py --workloads http prefix --out-dir $OUT

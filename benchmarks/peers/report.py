@@ -100,7 +100,7 @@ def http_table(result: dict, client: str) -> list[str]:
 
 
 CLIENT_TITLES = {"vllm-bench": "driven by `vllm bench serve` (vLLM's client)",
-                 "flashpage-load": "driven by benchmarks/load_test.py (ours, /v1/completions)"}
+                 "flashpage-load": "driven by benchmarks/serving/load_test.py (ours, /v1/completions)"}
 
 
 def report(result: dict) -> str:
@@ -112,7 +112,7 @@ def report(result: dict) -> str:
         out += ["Batch 1, one request at a time (TTFT: a 1-token request; TPOT: (end to end − TTFT) / (outputs − 1)):",
                 "", *latency_table(result)]
     elif kind == "structured":
-        out += ["64 prompts of 128 tokens under benchmarks/bench_structured.py's JSON schema (XGrammar in both), "
+        out += ["64 prompts of 128 tokens under benchmarks/engine/bench_structured.py's JSON schema (XGrammar in both), "
                 "greedy, to the grammar's end, against the same prompts unconstrained at the same lengths:", "",
                 *structured_table(result)]
     elif kind in ("http", "prefix"):

@@ -5,7 +5,7 @@
   python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
 
 A workload may name its shapes (`offline:qwen3-0.6b,llama-3.2-1b`); without, it runs its default
-ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/unpack_vllm.sh,
+ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/fetch/unpack_vllm.sh,
 VLLM_SITE=/tmp/vllm-site) and the flashpage server's wheels on PYTHONPATH. Random checkpoints at
 the shapes' real sizes are made once under --ckpt-root (both engines load the same directory).
 For each merged job, flashpage runs first, then vLLM, each in its own process(es); a failure of one
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import gpu_slug, write_result  # noqa: E402
+from benchmarks.shared.common import gpu_slug, write_result  # noqa: E402
 from benchmarks.peers.engines import ENGINES, REPO_ROOT, engine_env, versions  # noqa: E402
 from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, SHAPES, WORKLOADS, Job,  # noqa: E402
                                         estimate_minutes, jobs_for, merge_jobs)
@@ -70,7 +70,7 @@ def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
     path = root / shape
     if (path / ".complete").exists():
         return path
-    code = ("import sys; from benchmarks.checkpoint import make_random_llama; "
+    code = ("import sys; from benchmarks.shared.checkpoint import make_random_llama; "
             "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
     with open(log_dir / f"checkpoint_{shape}.log", "w") as log:
         subprocess.run([sys.executable, "-c", code, str(path), shape], cwd=REPO_ROOT, env=engine_env("flashpage"),
@@ -185,7 +185,7 @@ def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> 
             continue
         engines = {e: {k: v for k, v in g.items() if k != "rows"} for e, g in got.items()}
         result = dict(head, workload=workload, shape=job.shape, flags=job.flags.record(), engines=engines,
-                      model=f"random-initialised {job.shape} shape (benchmarks/checkpoint.py), bfloat16, "
+                      model=f"random-initialised {job.shape} shape (benchmarks/shared/checkpoint.py), bfloat16, "
                             "the embedded model's tokenizer", rows=rows)
         paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}"))
     return paths

@@ -84,7 +84,7 @@ def latency_task(workload: str, name: str, vocab: int, prompt_len: int, max_toke
 
 
 def structured_task(vocab: int, repeats: int = 3) -> dict:
-    from benchmarks.bench_structured import SCHEMA
+    from benchmarks.engine.bench_structured import SCHEMA
 
     rng = random.Random(0)
     return dict(workload="structured", name="json-schema", kind="structured", schema=SCHEMA, max_tokens=256,

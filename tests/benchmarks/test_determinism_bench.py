@@ -1,4 +1,4 @@
-"""benchmarks/bench_determinism.py: its --quick run against a real CPU server (default mode only: the
+"""benchmarks/engine/bench_determinism.py: its --quick run against a real CPU server (default mode only: the
 deterministic mode may run its kernels in Triton's interpreter, too slow here), the JSON it writes,
 and its pieces (probe plan, prompts, the exact comparison of outputs, the mode ratios) on their own."""
 
@@ -8,7 +8,7 @@ import math
 
 import httpx
 
-from benchmarks.bench_determinism import Probe, Prompt, compare_modes, main, make_prompts, plan_probes, send_probe
+from benchmarks.engine.bench_determinism import Probe, Prompt, compare_modes, main, make_prompts, plan_probes, send_probe
 
 
 def test_quick_default_mode_writes_counts_and_timings(tmp_path, capsys):

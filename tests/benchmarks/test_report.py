@@ -27,8 +27,8 @@ def test_load_report_takes_the_offline_reference_of_a_throughput_file():
     import json
     import re
 
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import read_offline
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import read_offline
 
     results = make_report.ROOT / "benchmarks" / "results"
     load = json.loads((results / "load_h100.json").read_text())
@@ -42,8 +42,8 @@ def test_load_report_takes_the_offline_reference_of_a_throughput_file():
 
 
 def test_report_api_sweep_only_and_merge_checks():
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import add_row, merge
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import add_row, merge
 
     rows = [{"impl": "triton", "concurrency": 256, "api_server_count": n, "output_tokens_per_s": 1000.0 * n,
              "errors": 0, "ttft_p50_ms": 50.0} for n in (1, 2)]
@@ -70,8 +70,8 @@ def test_report_api_sweep_only_and_merge_checks():
 def test_merged_rows_of_another_day_say_so():
     """A file whose triton rows were measured again after the peers' says which rows are of which
     day (the header's single date would claim the peers ran beside the new code)."""
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import merge
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import merge
 
     settings = {"input_len": 16, "concurrency": [1], "impls": ["triton", "eager"]}
     row = {"concurrency": 1, "output_tokens_per_s": 10.0, "errors": 0, "ttft_p50_ms": 1.0}

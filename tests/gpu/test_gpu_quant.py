@@ -1,5 +1,5 @@
 """Quantized checkpoints on a GPU (skipped without CUDA), every format of
-benchmarks/quant_checkpoint.py on a small Llama (bf16, Triton attention):
+benchmarks/quant/quant_checkpoint.py on a small Llama (bf16, Triton attention):
 
 - the GPU paths (FP8 through torch._scaled_mm and the fused RMSNorm-quantization on FP8 tensor cores,
   the Triton FP8 GEMM for 128x128 blocks, int4 dequantized in registers, and FP8 weight-only, the
@@ -24,7 +24,7 @@ LLAMA = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, int
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from benchmarks.quant_checkpoint import quantize_checkpoint
+    from benchmarks.quant.quant_checkpoint import quantize_checkpoint
     from tests.helpers import make_llama_checkpoint
 
     root = tmp_path_factory.mktemp("gpu-quant")

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from benchmarks.common import ServerProcess
-from benchmarks.quant_checkpoint import FORMATS, quantize_checkpoint
+from benchmarks.shared.common import ServerProcess
+from benchmarks.quant.quant_checkpoint import FORMATS, quantize_checkpoint
 from tests.helpers import hf_greedy, make_llama_checkpoint
 from tests.models.test_quant import LLAMA, reference
 

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from benchmarks import slow_clients
-from benchmarks.common import ServerProcess
+from benchmarks.serving import slow_clients
+from benchmarks.shared.common import ServerProcess
 
 KEEP_ALIVE, HEADER, BODY = 2.0, 1.0, 3.0  # the server's connection timeouts (seconds)
 
