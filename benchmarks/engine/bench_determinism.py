@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                   "context": ctx, "targets": TARGETS, "modes": {},
                   "config": {k: v for k, v in vars(cfg).items() if k not in ("quick", "merge", "out_dir")}}
         # one file per model: determinism_<gpu>.json for GPT-2 small, determinism_<shape>_<gpu>.json else
-        name = "determinism" if cfg.model or cfg.model_shape in ("gpt2", "embedded") else f"determinism_{cfg.model_shape}"
+        name = "determinism" if cfg.model else f"determinism_{cfg.model_shape}"
         path = out_dir / f"{name}_{gpu_slug(info['device'])}.json"
         if cfg.merge and path.exists():  # one mode per device call: the other's results come from the file
             old = json.loads(path.read_text())

@@ -3,7 +3,7 @@ second in each pair (plain/plain: a ratio of 1 is no bias), then the penalties p
 Medians and quartiles of each pair's own ratio (the first run's throughput over the second's), in
 one process on the GPU, GPT-2 small random fp16, batch 64, 256 tokens, greedy.
 
-  python -m benchmarks.engine.bench_pair_order --repeats 15 > benchmarks/results/pair_order_h100.txt
+  python -m benchmarks.engine.bench_pair_order --repeats 15 > benchmarks/results/experiments/pair_order_h100.txt
 """
 
 from __future__ import annotations

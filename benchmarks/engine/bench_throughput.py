@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
                                                      f"{spec.num_heads}/{spec.num_kv_heads} heads x {spec.head_dim}, "
                                                      f"vocab {spec.vocab_size}), bfloat16")),
                   rows=rows)
-    name = "throughput" if gpt2 else f"throughput_{args.family}"
+    name = ("throughput_gpt2" if gpt2 else f"throughput_{args.family}") + ("_deterministic" if args.deterministic else "")
     write_result(result, args.out_dir, f"nanovllm_{args.family}" if args.protocol else name)
     print(report(result))
     return result

@@ -49,7 +49,7 @@ PEERS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa
 IMPLS = ["flashpage", *PEERS, "eager"]
 GQA_IMPLS = ["flashpage", *PEERS]  # eager's N^2 scores for 32 heads would not fit at 16k
 # Candidate PrefillConfigs (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack, tma, maxnreg, diag) per
-# shape, around flash_prefill's picks (results: benchmarks/results/sweep_prefill_gqa_h100.json).
+# shape, around flash_prefill's picks (results: benchmarks/results/experiments/sweep_prefill_gqa_h100.json).
 # Earlier sweeps (sweep_prefill_h100.json) also had pointer tiles (128,64,4,*), (128,128,8,*),
 # (256,64,8,*), (64,32,4,*); the GQA sweep 2-stage TMA tiles without a register cap and 64-row
 # packed tiles: all slower. Triton 3.6's Hopper warp specialization (tl.range(warp_specialize=True),

@@ -1,8 +1,8 @@
 """vLLM and flashpage side by side on one GPU: the same checkpoints, flags, prompts and clients.
 
-  python benchmarks/peers/run.py --workloads offline batch1 --out-dir $OUT
-  python benchmarks/peers/run.py --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
-  python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
+  python -m benchmarks.peers.run --workloads offline batch1 --out-dir $OUT
+  python -m benchmarks.peers.run --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
+  python -m benchmarks.peers.run --workloads offline batch1 http --estimate      # minutes, nothing run
 
 A workload may name its shapes (`offline:qwen3-0.6b,llama-3.2-1b`); without, it runs its default
 ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/fetch/unpack_vllm.sh,
@@ -240,7 +240,7 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
 
     head = dict(device=device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
                 date=datetime.date.today().isoformat(),
-                command="python benchmarks/peers/run.py " + " ".join(args.argv))
+                command="python -m benchmarks.peers.run " + " ".join(args.argv))
     failed = False
     for shape in dict.fromkeys(s for _, s in selection):  # shapes in the order given
         model = ensure_checkpoint(shape, root, logs)

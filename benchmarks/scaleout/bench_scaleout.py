@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "max_tokens", "client_processes", "chat_system_prompts",
                                                             "turns")}},
               "router": router_version(), "rows": rows}
-    # GPT-2 small's file keeps its name (scaleout_<gpu>.json); a shape's is scaleout_<shape>_<gpu>.json
-    prefix = "scaleout" if args.model or args.model_shape == "gpt2" else f"scaleout_{args.model_shape}"
+    # scaleout_<shape>_<gpu>.json (scaleout_<gpu>.json for a --model of one's own)
+    prefix = "scaleout" if args.model else f"scaleout_{args.model_shape}"
     prefix += f"_{args.tag}" if args.tag else ""
     result["plot"] = f"{prefix}_{gpu_slug(device_name)}.png"
     path = write_result(result, args.out_dir, prefix)

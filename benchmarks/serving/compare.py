@@ -24,7 +24,7 @@ figure in as the offline reference. See benchmarks/serving/load_sweep.py:
 
     python -m benchmarks.serving.compare --impls triton sdpa && python -m benchmarks.serving.compare --impls eager naive_hf --merge
     python -m benchmarks.engine.bench_throughput --out-dir /tmp/off && python -m benchmarks.serving.compare \\
-        --api-server-counts 1 2 4 --offline-json /tmp/off/throughput_h100.json
+        --api-server-counts 1 2 4 --offline-json /tmp/off/throughput_gpt2_h100.json
 
 Writes `<out-dir>/load_<gpu>.json` ({device, torch, triton, date, command, rows: [{impl,
 concurrency, output_tokens_per_s, requests_per_s, ttft_p50_ms, ...}]}) and the plots

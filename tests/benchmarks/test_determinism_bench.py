@@ -16,7 +16,7 @@ def test_quick_default_mode_writes_counts_and_timings(tmp_path, capsys):
     rc = main(["--quick", "--modes", "default", "--out-dir", str(tmp_path), "--server-args", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    result = json.loads((tmp_path / "determinism_cpu.json").read_text())
+    result = json.loads((tmp_path / "determinism_embedded_cpu.json").read_text())
     assert result["device"] == "cpu" and result["model"] == "embedded" and "--quick" in result["command"]
     assert {"torch", "date", "vocab_size", "context", "targets"} <= set(result)
     cfg = result["config"]

@@ -32,7 +32,7 @@ def test_load_report_takes_the_offline_reference_of_a_throughput_file():
 
     results = make_report.ROOT / "benchmarks" / "results"
     load = json.loads((results / "load_h100.json").read_text())
-    off = read_offline(results / "throughput_h100.json", load["device"])
+    off = read_offline(results / "throughput_gpt2_h100.json", load["device"])
     assert off["output_tokens_per_s"] > 0 and len(off["workload"]["input_len"]) == 2
     md = report({**load, "offline": off})
     assert re.search(r"At 256 clients: [\d,]+ tok/s = \d+% of offline", md)
