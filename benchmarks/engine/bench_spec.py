@@ -229,5 +229,21 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def acceptance_report(result: dict) -> str:
+    """embedded_draft_acceptance.json (tools/embedded/measure_acceptance.py): what each proposer's
+    proposals are worth on the embedded model's held-out documents, real acceptance, no oracle."""
+    lines = [f"{result['documents']} held-out documents, prompts of {result['prompt_tokens']} tokens, "
+             f"{result['max_tokens']} greedy tokens each, k = {result['k']}, the embedded model as the target:", "",
+             "| method | acceptance rate | mean accepted length | accepted by position | same tokens as without | wall s |",
+             "|---|---:|---:|---|---|---:|"]
+    for r in result["rows"]:
+        by_pos = " / ".join(f"{x:.2f}" for x in r.get("accepted_by_position", []))
+        same = {True: "yes", False: "**no**"}.get(r.get("identical_to_no_speculation"), "")
+        rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
+        length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
+        lines.append(f"| {r['method']} | {rate} | {length} | {by_pos} | {same} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()

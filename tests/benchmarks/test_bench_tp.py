@@ -27,4 +27,4 @@ def test_the_readme_report_of_a_tp_file():
     result["goals"] = bench_tp.goals("llama-3.1-70b", result["rows"])
     text = bench_tp.report(result)
     assert "| 4 | 14.20 | 11.76 | 1.21 | 3,100 | 70 | 2,900 |" in text and "(met)" in text
-    assert ("tp_", "benchmarks.scaleout.bench_tp", "Tensor parallelism") in make_report.SECTIONS  # make_report finds it
+    assert make_report.Kind("tp_", "benchmarks.scaleout.bench_tp", "Tensor parallelism") in make_report.KINDS  # found

@@ -163,15 +163,15 @@ def test_report_puts_both_engines_in_each_row():
 def test_make_report_renders_a_peers_file(tmp_path, monkeypatch):
     from benchmarks import make_report
 
-    assert ("peers_", "benchmarks.peers.report", "Side by side with vLLM") in make_report.SECTIONS
+    assert make_report.Kind("peers_", "benchmarks.peers.report", "Side by side with vLLM") in make_report.KINDS
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "peers_offline_qwen2.5-0.5b_h100.json").write_text(json.dumps(fake_result("offline", [
         dict(impl="flashpage", task="random", output_tokens_per_s=3.0), dict(impl="vllm", task="random",
                                                                             output_tokens_per_s=2.0)])))
     monkeypatch.setattr(make_report, "ROOT", tmp_path)
-    text = make_report.render(results)
-    assert "### Side by side with vLLM: offline, qwen2.5-0.5b, h100" in text and "| 1.50× |" in text
+    text = make_report.render_doc(results)
+    assert "#### Side by side with vLLM: offline, qwen2.5-0.5b, h100" in text and "| 1.50× |" in text
 
 
 def test_offline_runner_end_to_end_on_flashpage(tiny_ckpt, tmp_path, monkeypatch):
