@@ -117,10 +117,11 @@ def headline(results: Path) -> str:
             rows.append(row)
     lines = ["| workload | model (random weights) | flashpage | vLLM | transformers | device | date |",
              "|---|---|---:|---:|---:|---|---|", *(r.line() for r in rows), "",
-             "Offline: 256 requests of 128–512 tokens in and out (transformers: `generate` in static batches, "
-             "its faster attention); HTTP: streamed requests, 512-token prompts and 256 outputs against "
-             "flashpage (vLLM's own client) or prompts 512 ± 128, outputs 256 ± 64 (GPT-2 small, ours, "
-             "the naive transformers server); batch 1: a 512-token prompt, 256 outputs. — : not run. "
+             "Offline: 256 requests of 128–512 tokens in and out (transformers: `generate` in static batches, the "
+             "faster of its eager and SDPA attention). HTTP, streamed: Qwen2.5-0.5B with 512-token prompts and 256 "
+             "outputs, driven by vLLM's client (`vllm bench serve`); GPT-2 small with prompts of 512 ± 128 and "
+             "outputs of 256 ± 64 tokens, driven by ours, transformers behind the naive server "
+             "(`benchmarks/serving/naive_server.py`). Batch 1: a 512-token prompt, 256 outputs. —: not run. "
              f"Every run, its command and the rest: [{DOC}]({DOC})."]
     if failed:
         lines += ["", f"¹ {VLLM_FAILURE}."]

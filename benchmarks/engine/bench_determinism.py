@@ -336,7 +336,7 @@ def summary_rows(result: dict) -> list[dict]:
 
 
 def report(result: dict) -> str:
-    """The README's table (benchmarks/make_report.py) and the run's closing print."""
+    """docs/benchmarks.md's table (benchmarks/make_report.py) and the run's closing print."""
     levels = result["config"]["concurrency"]
     head = ["mode", "probe requests", "max distinct outputs per prompt (greedy / seeded)",
             "prompts with one output (greedy / seeded)", *(f"tok/s @{c}" for c in levels), "batch-1 TPOT ms"]

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(result: dict) -> str:
-    """The README's table of a result file (benchmarks/make_report.py)."""
+    """docs/benchmarks.md's table of a result file (benchmarks/make_report.py)."""
     lines = [f"{result['target']} target, {result['draft']}-shaped draft, k = {result['k']}, prompts of "
              f"{result['prompt_len']} random tokens, {result['max_tokens']} greedy tokens each; the oracle sets "
              f"the acceptance (p: each proposal the target's own token with that probability); speedups against "

@@ -288,7 +288,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def report(result: dict) -> str:
-    """The README's table (benchmarks/make_report.py)."""
+    """docs/benchmarks.md's table (benchmarks/make_report.py)."""
     lines = [f"Batch {result['rows'][0]['batch']}, prompts of {result['prompt_len']} random ids, {result['model']}; "
              f"median of {result['repeats']} alternating runs per side (paired: the median of each pair's own "
              "ratio), after one discarded pair (the first run of each "

@@ -19,7 +19,7 @@ K/V write, kv_write) and, per shape, ours vs SDPA (or eager where SDPA refuses).
   python -m benchmarks.kernels.bench_decode [--out-dir benchmarks/results] [--sweep | --sweep-only] [--quick]
 Writes decode_<gpu>.json and decode_<gpu>.png (with --sweep also decode_sweep_<gpu>.txt: host cost
 per call, register counts, config and split-count sweeps at GQA shapes); ``report(result)`` renders
-the README section. FLASHPAGE_DECODE_MERGE=launch times the two-launch split merge instead.
+the docs/benchmarks.md section. FLASHPAGE_DECODE_MERGE=launch times the two-launch split merge instead.
 Compilation (hundreds of kernel variants) runs in a pool of processes first: serially it would
 take most of a device session.
 """

@@ -177,7 +177,7 @@ def _attention(quick: bool) -> list[dict]:
 
 
 def report(result: dict) -> str:
-    """README section: cuBLAS's batch variance vs ours, and the GEMM and attention times."""
+    """docs/benchmarks.md section: cuBLAS's batch variance vs ours, and the GEMM and attention times."""
     inv = result.get("invariance", {})
     changed = {k: max(v["cublas"].values()) for k, v in inv.items() if max(v["cublas"].values())}
     ours = sum(max(v["ours"].values()) for v in inv.values())

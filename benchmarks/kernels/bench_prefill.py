@@ -403,7 +403,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def report(result: dict) -> str:
-    """README markdown for one result file: TFLOP/s per impl per config, ratios, roofline link.
+    """docs/benchmarks.md markdown for one result file: TFLOP/s per impl per config, ratios, roofline link.
     Called by benchmarks/make_report.py for every benchmarks/results/prefill_*.json."""
     rows, slug = result["rows"], gpu_slug(result["device"])
     tf = {(r["impl"], r["N"], _shape_of(r), r.get("varlen")): r.get("tflops")

@@ -1,5 +1,5 @@
 """What the paged-decode benchmark (benchmarks/kernels/bench_decode.py) reports, none of it needing a GPU:
-the head geometry of the MHA rows, the README section for a decode_<gpu>.json (`report`, which
+the head geometry of the MHA rows, the docs/benchmarks.md section for a decode_<gpu>.json (`report`, which
 make_report.py reaches as `benchmarks.kernels.bench_decode.report`) and its bandwidth plot.
 
 Rows carry heads, kv_heads and head_dim; a row without kv_heads (older files) is MHA. The MHA rows
@@ -75,7 +75,7 @@ def _gqa_section(rows: list[dict], copy: dict) -> list[str]:
 
 
 def report(result: dict) -> str:
-    """README markdown section for one result file (tables + plot link)."""
+    """docs/benchmarks.md section for one result file (tables + plot link)."""
     rows = result["rows"]
     copy = next(r for r in rows if r["impl"] == "copy")
     cells = _cells(rows, gqa=False)

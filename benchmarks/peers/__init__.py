@@ -19,6 +19,6 @@ Then commit the peers_*.json files that came back to benchmarks/results/ and run
 Modules: fetch_vllm.sh, fatbin.py and fetch_manifest.py make the parts; unpack_vllm.sh and
 vllm_probe.py bring vLLM up; engines.py (one `Flags` to both engines' commands), workloads.py,
 offline.py (one engine's offline tasks in its own process), serving.py and vllm_bench.py (a server
-under both clients), run.py (the command) and report.py (the README tables). docs/architecture.md
+under both clients), run.py (the command) and report.py (docs/benchmarks.md's tables). docs/architecture.md
 has a row for each.
 """

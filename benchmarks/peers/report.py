@@ -1,4 +1,4 @@
-"""The README's tables for the side-by-side files (benchmarks/results/peers_<workload>_<shape>_<gpu>.json):
+"""docs/benchmarks.md's tables for the side-by-side files (benchmarks/results/peers_<workload>_<shape>_<gpu>.json):
 `report(result)` renders one file, with both engines' numbers in each row, flashpage's as a share of
 vLLM's, the versions and the flags both ran under. benchmarks/make_report.py calls it."""
 

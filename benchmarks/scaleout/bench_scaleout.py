@@ -32,7 +32,7 @@ Before the router runs, two `direct` runs on the nosharing workload: one replica
 baseline N replicas are compared with) and the N replicas with the clients dealt evenly over them,
 no router (what the replicas scale to before any router cost). Writes scaleout_<device>.json (GPT-2
 small) or scaleout_<shape>[_<tag>]_<device>.json and its plot; benchmarks/scaleout/scaleout_report.py renders
-the README section. The clients are benchmarks/scaleout/scaleout_load.py's.
+the docs/benchmarks.md section. The clients are benchmarks/scaleout/scaleout_load.py's.
 """
 
 from __future__ import annotations

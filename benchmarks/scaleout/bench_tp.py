@@ -130,7 +130,7 @@ def goals(shape: str, rows: list[dict]) -> list[dict]:
 
 
 def report(result: dict) -> str:
-    """The README's section of one tp_*.json (benchmarks/make_report.py)."""
+    """docs/benchmarks.md's section of one tp_*.json (benchmarks/make_report.py)."""
     levels = [row["concurrency"] for row in result["rows"][0].get("load", [])] if result["rows"] else []
     head = ["TP", "batch-1 TPOT ms", "floor ms", "x floor", "offline tok/s"] + [f"tok/s @{c}" for c in levels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -1,5 +1,5 @@
 """What the scale-out benchmark (benchmarks/scaleout/bench_scaleout.py) reports, none of it needing a GPU: a
-progress line per run, the README section for a scaleout_<gpu>.json (`report`, called by
+progress line per run, the docs/benchmarks.md section for a scaleout_<gpu>.json (`report`, called by
 benchmarks/make_report.py) and its plot.
 
 Rows carry replicas, policy ("direct": clients talk to the replicas themselves, dealt evenly; any
@@ -78,7 +78,7 @@ def _workloads(result: dict) -> str:
 
 
 def report(result: dict) -> str:
-    """README section: one row per (replicas, policy, workload), the throughput against one replica."""
+    """docs/benchmarks.md section: one row per (replicas, policy, workload), the throughput against one replica."""
     rows, w = result["rows"], result["workload"]
     base = baseline(rows)
     clients = (f"{w['clients_per_replica']} clients per replica" if "clients_per_replica" in w

@@ -29,7 +29,7 @@ figure in as the offline reference. See benchmarks/serving/load_sweep.py:
 Writes `<out-dir>/load_<gpu>.json` ({device, torch, triton, date, command, rows: [{impl,
 concurrency, output_tokens_per_s, requests_per_s, ttft_p50_ms, ...}]}) and the plots
 `load_<gpu>_throughput.png`, `load_<gpu>_latency.png` (and `load_<gpu>_api_servers.png` with an
-API-process sweep). `report(result)` turns the JSON into the README section. Metric definitions:
+API-process sweep). `report(result)` turns the JSON into the docs/benchmarks.md section. Metric definitions:
 see benchmarks/serving/load_metrics.py.
 
 With no --model, a random-initialised GPT-2 small (transformers.GPT2Config() defaults: 124M,

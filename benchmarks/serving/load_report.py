@@ -1,4 +1,4 @@
-"""The README section for one HTTP load-test result file (load_<gpu>.json, written by
+"""The docs/benchmarks.md section for one HTTP load-test result file (load_<gpu>.json, written by
 benchmarks/serving/compare.py): the impl x concurrency table, triton's throughput ratios against its peers
 at each level, the offline reference (`offline`, from bench_throughput.py) when the file has one,
 the API-process table when it has rows with `api_server_count` (compare.py --api-server-counts),
@@ -42,7 +42,7 @@ def _pct(v, ref) -> str:
 
 
 def report(result: dict) -> str:
-    """The README markdown for one load_<gpu>.json: a table impl x concurrency, the triton/eager and
+    """The docs/benchmarks.md markdown for one load_<gpu>.json: a table impl x concurrency, the triton/eager and
     triton/naive_hf throughput ratios at each concurrency, the offline reference, the API-process
     sweep, and links to the plots."""
     api_rows = [r for r in result["rows"] if r.get("api_server_count") is not None and r.get("concurrency")]

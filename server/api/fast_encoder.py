@@ -6,7 +6,7 @@ request once more before it routes it (server/api/render.py): with the `tokenize
 was about a millisecond slower than it was without the tokenizing. fastokens (the BPE encoder
 vLLM offers as a tokenizer mode, and which vllm-router links) reads the same tokenizer.json and took
 ~0.04 ms for it (~20x less at 2,000, 8,000 and 65,536 characters; benchmarks/scaleout/bench_scaleout.py
-and the README measure what that is worth).
+and docs/deploy.md measure what that is worth).
 
 It implements most but not all of `tokenizers` (some normalizers and pre-tokenizers are missing), so
 it is used only where it reproduces the tokenizer: `load` builds it from the tokenizer's fully
