@@ -31,6 +31,7 @@ class Kind:
     module: str  # where its renderer lives
     title: str
     func: str = "report"  # the renderer: func(result) -> str
+    summary: str | None = None  # a function of the module giving a run's figures in one cell, if any
 
 
 # (subject, its kinds) in the order docs/benchmarks.md shows them
@@ -41,8 +42,9 @@ SECTIONS: list[tuple[str, list[Kind]]] = [
         Kind("invariant_kernels_", "benchmarks.kernels.bench_invariant_kernels", "Batch-invariant kernels"),
     ]),
     ("Engine", [
-        Kind("throughput_", "benchmarks.engine.bench_throughput", "Engine throughput (offline)"),
-        Kind("nanovllm_", "benchmarks.engine.bench_throughput", "Engine throughput, nano-vllm's benchmark protocol"),
+        Kind("throughput_", "benchmarks.engine.bench_throughput", "Engine throughput (offline)", summary="summary"),
+        Kind("nanovllm_", "benchmarks.engine.bench_throughput", "Engine throughput, nano-vllm's benchmark protocol",
+             summary="summary"),
         Kind("prefix_", "benchmarks.engine.bench_prefix", "Prefix caching and chunked prefill"),
     ]),
     ("Serving", [Kind("load_", "benchmarks.serving.compare", "HTTP load test")]),
@@ -61,7 +63,7 @@ SECTIONS: list[tuple[str, list[Kind]]] = [
         Kind("spec_", "benchmarks.engine.bench_spec", "Speculative decoding against its acceptance"),
         Kind("embedded_draft_", "benchmarks.engine.bench_spec", "The embedded draft's acceptance", "acceptance_report"),
     ]),
-    ("Against vLLM", [Kind("peers_", "benchmarks.peers.report", "Side by side with vLLM")]),
+    ("Against vLLM", [Kind("peers_", "benchmarks.peers.report", "Side by side with vLLM", summary="summary")]),
 ]
 KINDS = [k for _, kinds in SECTIONS for k in kinds]
 BEGIN, END = "<!-- BEGIN headline -->", "<!-- END headline -->"
@@ -105,12 +107,17 @@ def run_name(kind: Kind, f: Path) -> str:
 
 
 def render_kind(kind: Kind, files: list[Path]) -> str:
-    report = getattr(importlib.import_module(kind.module), kind.func)
+    module = importlib.import_module(kind.module)
+    report = getattr(module, kind.func)
+    summary = getattr(module, kind.summary) if kind.summary else None
     rel = lambda f: f"../{f.relative_to(ROOT).as_posix()}"  # noqa: E731  (links from docs/)
     results = [json.loads(f.read_text()) for f in files]
-    lines = [f"### {kind.title}", "", "| run | device | date | command | file |", "|---|---|---|---|---|"]
+    figures = "| figures " if summary else ""
+    lines = [f"### {kind.title}", "", f"| run {figures}| device | date | command | file |",
+             "|---|" + "---|" * (4 + bool(summary))]
     for f, r in zip(files, results):
-        lines.append(f"| [{run_name(kind, f)}](#{anchor(f'{kind.title}: {run_name(kind, f)}')}) | {r['device']} | "
+        cell = f"| {summary(r)} " if summary else ""
+        lines.append(f"| [{run_name(kind, f)}](#{anchor(f'{kind.title}: {run_name(kind, f)}')}) {cell}| {r['device']} | "
                      f"{r['date']} | `{r['command']}` | [{f.name}]({rel(f)}) |")
     for f, r in zip(files, results):
         versions = ", ".join(f"{k} {r[k]}" for k in ("torch", "triton") if r.get(k))

@@ -266,6 +266,12 @@ def main(argv=None) -> dict:
 NANO_VLLM_PUBLISHED = "nano-vllm 1,434 output tok/s and vLLM 1,362 (Qwen3-0.6B, RTX 4070 Laptop GPU, 8 GB)"
 
 
+def summary(result: dict) -> str:
+    """One cell for docs/benchmarks.md's table of runs: each engine's output tokens/s."""
+    return ", ".join(f"{r['impl']} {r['output_tokens_per_s']:,.0f}" for r in result["rows"]
+                     if r.get("output_tokens_per_s")) + " tok/s"
+
+
 def report(result: dict) -> str:
     rows = result["rows"]
     tput = {r["impl"]: r for r in rows if "output_tokens_per_s" in r}

@@ -103,6 +103,26 @@ CLIENT_TITLES = {"vllm-bench": "driven by `vllm bench serve` (vLLM's client)",
                  "flashpage-load": "driven by benchmarks/serving/load_test.py (ours, /v1/completions)"}
 
 
+def summary(result: dict) -> str:
+    """One cell for docs/benchmarks.md's table of runs: each engine's main figure, or that it failed."""
+    kind, cells = result["workload"], []
+    for engine in ENGINE_NAMES:
+        rows = [r for r in result["rows"] if r.get("impl") == engine or r.get("engine") == engine]
+        ok = [r for r in rows if "error" not in r]
+        if not ok:
+            cells.append(f"{ENGINE_NAMES[engine]} failed" if rows else "")
+        elif kind in ("batch1", "long"):
+            cells.append(f"{ENGINE_NAMES[engine]} TPOT " + " / ".join(f"{r['tpot_ms']:.2f}" for r in ok) + " ms")
+        elif kind in ("http", "prefix"):
+            best = max(ok, key=lambda r: r.get("output_tokens_per_s") or 0)
+            cells.append(f"{ENGINE_NAMES[engine]} up to {best['output_tokens_per_s']:,.0f} tok/s")
+        elif kind == "structured":
+            cells.append(f"{ENGINE_NAMES[engine]} {ok[0]['ratio']:.2f}× unconstrained")
+        else:
+            cells.append(f"{ENGINE_NAMES[engine]} {ok[0]['output_tokens_per_s']:,.0f} tok/s")
+    return "; ".join(c for c in cells if c)
+
+
 def report(result: dict) -> str:
     kind = result["workload"]
     out = [flags_line(result), ""]

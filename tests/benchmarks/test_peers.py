@@ -163,7 +163,7 @@ def test_report_puts_both_engines_in_each_row():
 def test_make_report_renders_a_peers_file(tmp_path, monkeypatch):
     from benchmarks import make_report
 
-    assert make_report.Kind("peers_", "benchmarks.peers.report", "Side by side with vLLM") in make_report.KINDS
+    assert make_report.kind_of(Path("peers_offline_x_h100.json")).module == "benchmarks.peers.report"
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "peers_offline_qwen2.5-0.5b_h100.json").write_text(json.dumps(fake_result("offline", [
@@ -172,6 +172,7 @@ def test_make_report_renders_a_peers_file(tmp_path, monkeypatch):
     monkeypatch.setattr(make_report, "ROOT", tmp_path)
     text = make_report.render_doc(results)
     assert "#### Side by side with vLLM: offline, qwen2.5-0.5b, h100" in text and "| 1.50× |" in text
+    assert "| flashpage 3 tok/s; vLLM 2 tok/s |" in text  # the run's row in the table of runs
 
 
 def test_offline_runner_end_to_end_on_flashpage(tiny_ckpt, tmp_path, monkeypatch):

@@ -68,7 +68,8 @@ def test_runs_of_a_kind_are_rows_of_one_table(tmp_path, monkeypatch):
     monkeypatch.setattr(make_report, "ROOT", tmp_path)
     doc = make_report.render_doc(tmp_path)
     assert doc.count("### Engine throughput (offline)\n") == 1
-    assert "| [gpt2, h100](#engine-throughput-offline-gpt2-h100) | NVIDIA H100 80GB HBM3 | 2026-01-01 | `c` |" in doc
+    assert ("| [gpt2, h100](#engine-throughput-offline-gpt2-h100) | flashpage 5 tok/s | NVIDIA H100 80GB HBM3 | "
+            "2026-01-01 | `c` |") in doc
     assert "| [qwen3-0.6b, h100](#engine-throughput-offline-qwen3-06b-h100) |" in doc and "2026-02-02" in doc
     assert "## Kernels" not in doc  # a subject without files has no section
 
