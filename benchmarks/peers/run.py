@@ -13,7 +13,7 @@ engine is recorded in its rows (with the end of its log) and the other still run
 
 Writes `<out-dir>/peers_<workload>_<shape>_<gpu>.json` after every job; the engines' logs, vLLM's
 client's own result files and the jobs' rows go to --log-dir, and with --logs-tar into one archive
-(a device call brings back at most 8 files). `python benchmarks/make_report.py` renders the committed
+(a device call brings back at most 8 files). `python -m benchmarks.make_report` renders the committed
 files into docs/benchmarks.md. `--checkpoints-only` makes the selection's checkpoints and stops (a call that
 carries the first part of vLLM has nothing else to run).
 """
