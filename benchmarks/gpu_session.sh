@@ -14,8 +14,9 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
-# what the server imports: a wheel missing from .whl stops here, by name, not in the middle of a
-# step; what only quantized checkpoints import (tests/gpu/test_gpu_quant.py, bench_quant) is a warning
+# What the server imports at start (and what moves HTTP figures when missing: uvloop, httptools,
+# fastokens) stops the session here, by name, not in the middle of a step; what only some steps
+# import is a warning naming the wheel and what fails without it.
 python3 - <<'PY' || exit 1
 import importlib, sys
 
@@ -28,12 +29,14 @@ def missing(need):
             out.append(f"{wheel} ({e})")
     return out
 
-quant = missing({"compressed_tensors": "compressed-tensors", "loguru": "loguru"})
-if quant:
-    print(f"gpu_session: quantized checkpoints will fail, missing wheels: {', '.join(quant)}", file=sys.stderr)
-server = missing({"msgspec": "msgspec", "httptools": "httptools", "uvloop": "uvloop",
-                  "prometheus_client": "prometheus_client", "fastokens": "fastokens", "xgrammar": "xgrammar",
-                  "tvm_ffi": "apache-tvm-ffi"})
+for need, what in (({"xgrammar": "xgrammar", "tvm_ffi": "apache-tvm-ffi"},
+                    "structured outputs and tool calls (and their GPU tests) will fail"),
+                   ({"compressed_tensors": "compressed-tensors", "loguru": "loguru"},
+                    "quantized checkpoints (tests/gpu/test_gpu_quant.py, bench_quant) will fail")):
+    if missing(need):
+        print(f"gpu_session: {what}, missing wheels: {', '.join(missing(need))}", file=sys.stderr)
+server = missing({"msgspec": "msgspec", "prometheus_client": "prometheus_client", "uvloop": "uvloop",
+                  "httptools": "httptools", "fastokens": "fastokens"})
 sys.exit(f"gpu_session: missing wheels: {', '.join(server)}" if server else 0)
 PY
 export PYTHONUNBUFFERED=1
