@@ -3,16 +3,43 @@
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
 #                                   fp8kv|fp8kv-engine|quant|quanttests]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
-# machine's image lacks, and the router the scale-out step runs (with its own: setproctitle, aiohttp,
-# orjson), fetched here once:
-#   ../shared/device/fetch-wheels.sh msgspec httptools uvloop prometheus_client fastokens "vllm-router==0.1.17"
-# plus xgrammar, and compressed-tensors with loguru (the quant steps: compressed-tensors checkpoints),
-# without their dependencies (torch, transformers, triton, pydantic and psutil are on the machine or above):
+# machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
+# runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
+#   ../shared/device/fetch-wheels.sh msgspec httptools uvloop prometheus_client fastokens \
+#     compressed-tensors loguru "vllm-router==0.1.17"
+# plus xgrammar and apache-tvm-ffi (xgrammar's compiled core: without it every grammar GPU test
+# fails) without their dependencies (torch, transformers and triton are on the machine):
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl xgrammar "compressed-tensors==0.20.0" loguru
+#     --platform manylinux_2_28_x86_64 -d .whl xgrammar apache-tvm-ffi
+# Every benchmark runs as a module from the repo root: python -m benchmarks.<package>.<name>.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+# What the server imports at start (and what moves HTTP figures when missing: uvloop, httptools,
+# fastokens) stops the session here, by name, not in the middle of a step; what only some steps
+# import is a warning naming the wheel and what fails without it.
+python3 - <<'PY' || exit 1
+import importlib, sys
+
+def missing(need):
+    out = []
+    for module, wheel in need.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            out.append(f"{wheel} ({e})")
+    return out
+
+for need, what in (({"xgrammar": "xgrammar", "tvm_ffi": "apache-tvm-ffi"},
+                    "structured outputs and tool calls (and their GPU tests) will fail"),
+                   ({"compressed_tensors": "compressed-tensors", "loguru": "loguru"},
+                    "quantized checkpoints (tests/gpu/test_gpu_quant.py, bench_quant) will fail")):
+    if missing(need):
+        print(f"gpu_session: {what}, missing wheels: {', '.join(missing(need))}", file=sys.stderr)
+server = missing({"msgspec": "msgspec", "prometheus_client": "prometheus_client", "uvloop": "uvloop",
+                  "httptools": "httptools", "fastokens": "fastokens"})
+sys.exit(f"gpu_session: missing wheels: {', '.join(server)}" if server else 0)
+PY
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -22,24 +49,24 @@ for step in "${@:-tests throughput prefix}"; do
     echo "=== $s"
     case $s in
       tests) python3 -m pytest -q tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
-      throughput) python3 benchmarks/bench_throughput.py --out-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
-      prefix) python3 benchmarks/bench_prefix.py --out-dir "$OUT" 2>&1 | tee "$OUT/prefix.log" || status=1 ;;
-      load) python3 benchmarks/compare.py --out-dir "$OUT" "${LOAD_ARGS[@]:-}" 2>&1 | tee "$OUT/load.log" || status=1 ;;
+      throughput) python3 -m benchmarks.engine.bench_throughput --out-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
+      prefix) python3 -m benchmarks.engine.bench_prefix --out-dir "$OUT" 2>&1 | tee "$OUT/prefix.log" || status=1 ;;
+      load) python3 -m benchmarks.serving.compare --out-dir "$OUT" "${LOAD_ARGS[@]:-}" 2>&1 | tee "$OUT/load.log" || status=1 ;;
       # Issue 20: the offline figure, the triton levels up to 1024 clients (merged into the committed
       # file's peers) and the API-process sweep, in one call; then py-spy on every server process.
       frontend)
         # offline, the load test's request shape (prompts 512 +- 128, outputs 256 +- 64)
-        python3 benchmarks/bench_throughput.py --skip flashpage_eager hf_eager hf_sdpa steps --input-len 384 640 \
+        python3 -m benchmarks.engine.bench_throughput --skip flashpage_eager hf_eager hf_sdpa steps --input-len 384 640 \
           --output-len 192 320 --num-requests 1024 --out-dir "$OUT/offline" > "$OUT/offline.log" 2>&1 || status=1
         cp benchmarks/results/load_*.json "$OUT/" 2>/dev/null
         LOAD=(--duration 10 --grace 3 --requests-factor 8 --out-dir "$OUT" --no-progress)
-        python3 benchmarks/compare.py --impls triton --merge "${LOAD[@]}" > "$OUT/load.log" 2>&1 || status=1
-        python3 benchmarks/compare.py --api-server-counts 1 2 4 --concurrency 1 256 "${LOAD[@]}" \
+        python3 -m benchmarks.serving.compare --impls triton --merge "${LOAD[@]}" > "$OUT/load.log" 2>&1 || status=1
+        python3 -m benchmarks.serving.compare --api-server-counts 1 2 4 --concurrency 1 256 "${LOAD[@]}" \
           --offline-json "$(ls "$OUT"/offline/throughput_*.json)" > "$OUT/sweep.log" 2>&1 || status=1
         tail -4 "$OUT/offline.log"; tail -12 "$OUT/load.log"; tail -12 "$OUT/sweep.log" ;;
       # Issue 21: one replica per GPU of this host behind vllm-router (needs the vllm-router wheel carried).
       scaleout)
-        python3 benchmarks/bench_scaleout.py --replicas "$(nvidia-smi -L | wc -l)" --device cuda --out-dir "$OUT" \
+        python3 -m benchmarks.scaleout.bench_scaleout --replicas "$(nvidia-smi -L | wc -l)" --device cuda --out-dir "$OUT" \
           > "$OUT/scaleout.log" 2>&1 || status=1
         tail -14 "$OUT/scaleout.log" ;;
       # Issue 22: both modes of GPT-2 small and of the Llama-3.2-1B shape; on a host of two GPUs the
@@ -50,14 +77,14 @@ for step in "${@:-tests throughput prefix}"; do
         DET=(--min-requests 1024 --out-dir "$OUT")
         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
           half=$(( $(nproc) / 2 ))
-          CUDA_VISIBLE_DEVICES=0 taskset -c 0-$((half - 1)) python3 benchmarks/bench_determinism.py "${DET[@]}" \
+          CUDA_VISIBLE_DEVICES=0 taskset -c 0-$((half - 1)) python3 -m benchmarks.engine.bench_determinism "${DET[@]}" \
             > "$OUT/det_gpt2.log" 2>&1 &
-          CUDA_VISIBLE_DEVICES=1 taskset -c $half-$((2 * half - 1)) python3 benchmarks/bench_determinism.py \
+          CUDA_VISIBLE_DEVICES=1 taskset -c $half-$((2 * half - 1)) python3 -m benchmarks.engine.bench_determinism \
             --model-shape llama-3.2-1b "${DET[@]}" > "$OUT/det_llama.log" 2>&1 || status=1
           wait $! || status=1
         else
           for shape in gpt2 llama-3.2-1b; do
-            python3 benchmarks/bench_determinism.py --model-shape $shape "${DET[@]}" > "$OUT/det_$shape.log" 2>&1 || status=1
+            python3 -m benchmarks.engine.bench_determinism --model-shape $shape "${DET[@]}" > "$OUT/det_$shape.log" 2>&1 || status=1
           done
         fi
         tail -n 12 "$OUT"/det_*.log ;;
@@ -65,7 +92,7 @@ for step in "${@:-tests throughput prefix}"; do
       spec)
         python3 -m pytest -q tests/gpu/test_gpu_spec.py "tests/server/engine/test_deterministic.py::test_probe_is_bitwise_the_same[speculative]" \
           -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
-        python3 benchmarks/bench_spec.py --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
+        python3 -m benchmarks.engine.bench_spec --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
         grep -v '^{' "$OUT/spec.log" | tail -35 ;;
       # Issue 47: quantized weights, one device call each. quant: bench_quant on the Llama-3.1-8B shape
       # (the GEMMs at 1/16/256/2048 rows as CUDA graphs, the GEMV tile sweep, then bf16, FP8_DYNAMIC,
@@ -76,7 +103,7 @@ for step in "${@:-tests throughput prefix}"; do
       # QUANT_ARGS adds bench_quant flags (a second call: QUANT_ARGS="--steps engine --formats fp8-block").
       quant)
         # shellcheck disable=SC2086
-        timeout 565 python3 benchmarks/bench_quant.py --time-budget 490 --out-dir "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 \
+        timeout 565 python3 -m benchmarks.quant.bench_quant --time-budget 490 --out-dir "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
       quanttests)
@@ -88,12 +115,12 @@ for step in "${@:-tests throughput prefix}"; do
       # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
       # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
       tp2)
-        timeout 280 python3 benchmarks/bench_tp.py --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
+        timeout 280 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
           | tee "$OUT/tp2.log" || status=1
         timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
           | tail -8 || status=1 ;;
       tp4)
-        timeout 540 python3 benchmarks/bench_tp.py --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
+        timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
       # Issue 46: the FP8 KV cache. fp8kv: its GPU tests and the kernels' fp8 tests (Triton's casts on
       # the hardware), then the decode kernel against the 16-bit one on the same shapes and a tile
@@ -104,14 +131,14 @@ for step in "${@:-tests throughput prefix}"; do
           tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
           tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
-        timeout 240 python3 benchmarks/bench_fp8_kv.py --sections decode --sweep --sweep-budget 45 --tag decode \
+        timeout 240 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --sweep --sweep-budget 45 --tag decode \
           --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;
       fp8kv-engine)
-        timeout 570 python3 benchmarks/bench_fp8_kv.py --sections engine --tag engine --out-dir "$OUT" 2>&1 \
+        timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
       profile)
         for n in 1 4; do
-          python3 benchmarks/profile_server.py --server-args "--api-server-count $n" --label "api$n" \
+          python3 -m benchmarks.profiling.profile_server --server-args "--api-server-count $n" --label "api$n" \
             --out-dir "$OUT/profile" 2>&1 | tail -40 || status=1
         done ;;
     esac

@@ -1,7 +1,7 @@
 """Which tile, warps, stages and split count the paged decode kernel (kernels/paged_decode.py)
 launches with, from shapes only: never from tensor values, so that a launch can be captured in a
 CUDA graph while context lengths change between replays. Tuned on an H100
-(benchmarks/results/decode_sweep_h100.txt).
+(benchmarks/results/experiments/decode_sweep_h100.txt).
 """
 
 from __future__ import annotations

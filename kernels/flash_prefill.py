@@ -112,8 +112,8 @@ class PrefillConfig(NamedTuple):
     diag: int = 0
 
 
-# Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/bench_prefill.py --sweep; numbers
-# in benchmarks/results/sweep_prefill_gqa_h100.json, pointer-only MHA tiles in
+# Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/kernels/bench_prefill.py --sweep; numbers
+# in benchmarks/results/experiments/sweep_prefill_gqa_h100.json, pointer-only MHA tiles in
 # sweep_prefill_h100.json). Fixed tables rather than triton.autotune: a live server must not
 # stall to compile and time a dozen variants whenever a new shape arrives, and the choice should
 # not change between runs.
@@ -141,7 +141,7 @@ _TILES = {
 # 8k, 128x64 tiles, 2 stages, 128 registers, the diagonal in 32-key tiles (diag 1): 1-5% faster
 # than the same tile with 64-key diagonals at 1k, 2k and 8k, 7% at 4k, and 3-14% faster than the
 # MHA table's picks there; past 8k the 128x128 tile is still the fastest (H100, GQA 32/8, varlen
-# batch: benchmarks/results/sweep_prefill_gqa_h100.json, run c).
+# batch: benchmarks/results/experiments/sweep_prefill_gqa_h100.json, run c).
 _GQA_TILES = {128: [(8192, (64, 8, 2, True, 128, 1)), (_INF, (128, 8, 3, True, None))]}
 # With a paged prefix (K/V gathered through pointers) the 128-wide and 128-register tiles spill
 # hundreds of bytes: 128 rows then take 128x64 tiles, 3 stages, TMA for the new tokens only.

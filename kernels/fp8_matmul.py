@@ -45,7 +45,7 @@ class Fp8MatmulConfig(NamedTuple):
 
 def config(m: int, n: int, per_group: bool = False) -> Fp8MatmulConfig:
     """Tiles by row count: decode rows stream b (small tiles, many programs, 256-column K steps: the
-    best of benchmarks/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
+    best of benchmarks/quant/bench_quant.py's sweep on an H100 at the Llama-3.1-8B shape, 128-wide tiles
     for the 28672-row gate/up projection; K split where the tiles are fewer than four a SM), prefill
     is compute bound. With block scales the prefill tile is 64 x 128 on 4 warps (vLLM's default for
     these checkpoints): compiled for sm_90, 128 x 128 on 8 warps needs 255 registers and spills, its

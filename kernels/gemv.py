@@ -69,7 +69,7 @@ def config(n: int, k: int, int4: bool) -> GemvConfig:
     for sm_90 (Triton 3.9, ptxas) the FP8 loop takes ~3.5 instructions a weight and 119 registers,
     the int4 loop ~7 and 64, no spills; K split where the output tiles alone give fewer than four
     programs per SM (at the Llama-3.1-8B shape on an H100: 2 for QKV, 4 for o_proj and down_proj,
-    none for gate/up). benchmarks/bench_quant.py sweeps the alternatives."""
+    none for gate/up). benchmarks/quant/bench_quant.py sweeps the alternatives."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return GemvConfig(32, 256, 1, 1)
     return GemvConfig(16, 512, 4)

@@ -85,7 +85,7 @@ FP_FUSION = False
 # cost +4 to 8% at 8192 rows (512-column ones +15%), and took Llama-3.2-1B's down projection at one
 # row from 28.9 to 13.9 us, GPT-2's from 11.7 to 8.3; weights up to 2048 columns gained little at
 # one row and stay one segment. The benchmark's figures for the code as it is, against cuBLAS:
-# benchmarks/results/invariant_kernels_gemm_h100.txt.
+# benchmarks/results/experiments/invariant_kernels_gemm_h100.txt.
 ONE_SEGMENT_MAX_K = 2048
 SEGMENT_K = 1024
 SPLIT_MAX_TILES = 64  # split launches of at most this many output tiles (the H100 has 132 SMs)

@@ -7,7 +7,7 @@ Contract (semantics = ``torch.log_softmax(x, dim=-1)``, within a few fp32 ulp):
 Why not torch's: its CUDA kernel splits a row among threads from the row's address modulo the
 vector width, so a row of 50,257 fp32 logits is summed in a different order at row 0 than at
 row 1 of a batch, and the same request's log-probabilities differ in the last bit with its
-position in the batch (measured on an H100 by benchmarks/bench_determinism.py: up to 49 distinct
+position in the batch (measured on an H100 by benchmarks/engine/bench_determinism.py: up to 49 distinct
 logprob sequences for one greedy prompt, identical tokens). Here one program owns a row and reads
 it in fixed CHUNK-column chunks in ascending order (an online max and rescaled sum), so the order
 of every operation is a function of the column index only, whatever the row count or stride.
@@ -28,7 +28,7 @@ CHUNK = 2048
 # the padded stride (50304, a multiple of 16) where a batch of rows gets 50257, and Triton's variant
 # for a multiple of 16 lays the chunk out 4 elements a thread instead of 1, which sums each row in
 # another order: the lone request's logprobs differed in the last bit from the same request's
-# among others (H100, benchmarks/bench_determinism.py).
+# among others (H100, benchmarks/engine/bench_determinism.py).
 @triton.jit(do_not_specialize=["num_cols", "stride_x"])
 def _log_softmax_kernel(x_ptr, out_ptr, num_cols, stride_x, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

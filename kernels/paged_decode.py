@@ -55,7 +55,7 @@ from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_cou
 # This file: the contract and the public entry points. The Triton programs are in
 # kernels/decode_kernels.py, the launch machinery in kernels/decode_launch.py (imports point
 # paged_decode -> decode_launch -> decode_kernels). _launch and _PLANS stay importable from here
-# (benchmarks/bench_decode.py uses them); _PLANS_OK is read as decode_launch._PLANS_OK, since
+# (benchmarks/kernels/bench_decode.py uses them); _PLANS_OK is read as decode_launch._PLANS_OK, since
 # _disable_plans rebinds it there.
 from kernels.decode_launch import _INTERPRET, _PLANS, _Plan, _disable_plans, _launch, _relaunch
 

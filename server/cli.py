@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    default=d.deterministic or os.environ.get("FLASHPAGE_DETERMINISTIC", "0").lower() in ("1", "true", "yes"),
                    help="batch-invariant kernels: each request's tokens and logprobs are bitwise the same whatever "
-                        "else is in the batch (sampled ones for the same seed); costs speed, see the README "
+                        "else is in the batch (sampled ones for the same seed); costs speed, see docs/api.md "
                         "(also FLASHPAGE_DETERMINISTIC=1; needs --attention triton)")
     p.add_argument("--speculative-config", type=speculative_config, default=d.speculative_config, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '

@@ -1,24 +1,24 @@
 """vLLM beside flashpage: the same checkpoint directory, GPU, device call, flags, prompts and clients.
 
 Here (network, no GPU):
-  bash benchmarks/peers/fetch_vllm.sh                 # -> /work/main/.vllm: parts, SHA256SUMS, MANIFEST.tsv
+  bash benchmarks/peers/fetch/fetch_vllm.sh                 # -> /work/main/.vllm: parts, SHA256SUMS, MANIFEST.tsv
   PYTHONPATH=<site> python benchmarks/peers/vllm_probe.py --cpu-stub   # the import chain, before any GPU time
 
 There (an H100, Python 3.12, torch 2.11.0+cu130, no network), from the repo root, the parts carried
 one a call (`carry` names each part file; a warm machine keeps them between back-to-back calls):
-  python3 benchmarks/peers/run.py --workloads offline --checkpoints-only     # with the first part: checkpoints
-  bash benchmarks/peers/unpack_vllm.sh --probe        # /tmp/vllm-site and /tmp/site; vLLM's version; imports
+  python3 -m benchmarks.peers.run --workloads offline --checkpoints-only     # with the first part: checkpoints
+  bash benchmarks/peers/fetch/unpack_vllm.sh --probe        # /tmp/vllm-site and /tmp/site; vLLM's version; imports
   export VLLM_SITE=/tmp/vllm-site PYTHONPATH=/tmp/site:$PWD
-  timeout -s TERM 540 python3 benchmarks/peers/run.py --workloads offline:qwen2.5-0.5b structured --out-dir $OUT
-  timeout -s TERM 540 python3 benchmarks/peers/run.py --workloads http prefix --out-dir $OUT
+  timeout -s TERM 540 python3 -m benchmarks.peers.run --workloads offline:qwen2.5-0.5b structured --out-dir $OUT
+  timeout -s TERM 540 python3 -m benchmarks.peers.run --workloads http prefix --out-dir $OUT
   ... (run.py --estimate prints the minutes a selection takes; keep each call under ten, and `timeout -s
   TERM` lets run.py stop its servers before the device's own limit ends the call)
 Then commit the peers_*.json files that came back to benchmarks/results/ and run
-`python benchmarks/make_report.py`.
+`python -m benchmarks.make_report`.
 
 Modules: fetch_vllm.sh, fatbin.py and fetch_manifest.py make the parts; unpack_vllm.sh and
 vllm_probe.py bring vLLM up; engines.py (one `Flags` to both engines' commands), workloads.py,
 offline.py (one engine's offline tasks in its own process), serving.py and vllm_bench.py (a server
-under both clients), run.py (the command) and report.py (the README tables). docs/architecture.md
+under both clients), run.py (the command) and report.py (docs/benchmarks.md's tables). docs/architecture.md
 has a row for each.
 """

@@ -3,7 +3,7 @@ sequences, context, memory share, KV block size, chunked prefill, prefix caching
 CUDA graphs on in both, vLLM's own attention backend), and the functions here turn it into each
 engine's command line (`vllm serve`, `python -m server`) or constructor arguments (`vllm.LLM`,
 `LLMEngine`'s `EngineConfig`), and each engine's environment: vLLM runs from its carried site
-(`VLLM_SITE`, /tmp/vllm-site after benchmarks/peers/unpack_vllm.sh), flashpage from this checkout
+(`VLLM_SITE`, /tmp/vllm-site after benchmarks/peers/fetch/unpack_vllm.sh), flashpage from this checkout
 with the server's wheels (PYTHONPATH as the caller has it). Imports only the standard library and
 server/config.py, so vLLM's processes can import it too.
 """

@@ -12,7 +12,7 @@ JOB: {"engine": "vllm" | "flashpage", "model": DIR, "flags": Flags fields, "task
     {"name", "kind": "structured", "prompts": [[ids]], "schema": {...}, "max_tokens": n, "repeats"}
         the prompts constrained by the JSON schema (greedy, to the grammar's end), then the same
         prompts unconstrained with max_tokens at the lengths the constrained run produced
-        (ignore_eos), as benchmarks/bench_structured.py does; one pair to warm up, then `repeats`
+        (ignore_eos), as benchmarks/engine/bench_structured.py does; one pair to warm up, then `repeats`
 OUT: {"engine", "versions", "device", "init_s", "rows": [...]}.
 
 Both engines take the prompts as token ids and sample with the same parameters; the job is written

@@ -1,4 +1,4 @@
-"""The README's tables for the side-by-side files (benchmarks/results/peers_<workload>_<shape>_<gpu>.json):
+"""docs/benchmarks.md's tables for the side-by-side files (benchmarks/results/peers_<workload>_<shape>_<gpu>.json):
 `report(result)` renders one file, with both engines' numbers in each row, flashpage's as a share of
 vLLM's, the versions and the flags both ran under. benchmarks/make_report.py calls it."""
 
@@ -100,7 +100,27 @@ def http_table(result: dict, client: str) -> list[str]:
 
 
 CLIENT_TITLES = {"vllm-bench": "driven by `vllm bench serve` (vLLM's client)",
-                 "flashpage-load": "driven by benchmarks/load_test.py (ours, /v1/completions)"}
+                 "flashpage-load": "driven by benchmarks/serving/load_test.py (ours, /v1/completions)"}
+
+
+def summary(result: dict) -> str:
+    """One cell for docs/benchmarks.md's table of runs: each engine's main figure, or that it failed."""
+    kind, cells = result["workload"], []
+    for engine in ENGINE_NAMES:
+        rows = [r for r in result["rows"] if r.get("impl") == engine or r.get("engine") == engine]
+        ok = [r for r in rows if "error" not in r]
+        if not ok:
+            cells.append(f"{ENGINE_NAMES[engine]} failed" if rows else "")
+        elif kind in ("batch1", "long"):
+            cells.append(f"{ENGINE_NAMES[engine]} TPOT " + " / ".join(f"{r['tpot_ms']:.2f}" for r in ok) + " ms")
+        elif kind in ("http", "prefix"):
+            best = max(ok, key=lambda r: r.get("output_tokens_per_s") or 0)
+            cells.append(f"{ENGINE_NAMES[engine]} up to {best['output_tokens_per_s']:,.0f} tok/s")
+        elif kind == "structured":
+            cells.append(f"{ENGINE_NAMES[engine]} {ok[0]['ratio']:.2f}× unconstrained")
+        else:
+            cells.append(f"{ENGINE_NAMES[engine]} {ok[0]['output_tokens_per_s']:,.0f} tok/s")
+    return "; ".join(c for c in cells if c)
 
 
 def report(result: dict) -> str:
@@ -112,7 +132,7 @@ def report(result: dict) -> str:
         out += ["Batch 1, one request at a time (TTFT: a 1-token request; TPOT: (end to end − TTFT) / (outputs − 1)):",
                 "", *latency_table(result)]
     elif kind == "structured":
-        out += ["64 prompts of 128 tokens under benchmarks/bench_structured.py's JSON schema (XGrammar in both), "
+        out += ["64 prompts of 128 tokens under benchmarks/engine/bench_structured.py's JSON schema (XGrammar in both), "
                 "greedy, to the grammar's end, against the same prompts unconstrained at the same lengths:", "",
                 *structured_table(result)]
     elif kind in ("http", "prefix"):

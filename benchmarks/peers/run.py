@@ -6,7 +6,7 @@
   python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
 
 A workload may name its shapes (`offline:qwen3-0.6b,llama-3.2-1b`); without, it runs its default
-ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/unpack_vllm.sh,
+ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/fetch/unpack_vllm.sh,
 VLLM_SITE=/tmp/vllm-site) and the flashpage server's wheels on PYTHONPATH. Random checkpoints at
 the shapes' real sizes are made once under --ckpt-root (both engines load the same directory).
 For each merged job, flashpage runs first, then vLLM, each in its own process(es); a failure of one
@@ -14,8 +14,8 @@ engine is recorded in its rows (with the end of its log) and the other still run
 
 Writes `<out-dir>/peers_<workload>_<shape>_<gpu>.json` after every job; the engines' logs, vLLM's
 client's own result files and the jobs' rows go to --log-dir, and with --logs-tar into one archive
-(a device call brings back at most 8 files). `python benchmarks/make_report.py` renders the committed
-files into the README. `--checkpoints-only` makes the selection's checkpoints and stops (a call that
+(a device call brings back at most 8 files). `python -m benchmarks.make_report` renders the committed
+files into docs/benchmarks.md. `--checkpoints-only` makes the selection's checkpoints and stops (a call that
 carries the first part of vLLM has nothing else to run).
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import gpu_slug, write_result  # noqa: E402
+from benchmarks.shared.common import gpu_slug, write_result  # noqa: E402
 from benchmarks.peers.engines import ENGINES, REPO_ROOT, engine_env, versions  # noqa: E402
 from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, WORKLOADS, Job,  # noqa: E402
                                         estimate_minutes, jobs_for, merge_jobs, split_shape)
@@ -70,17 +70,17 @@ def device_name() -> str:
 
 def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
     """A random checkpoint of `shape` under root/shape (made on the GPU in a process of its own, once);
-    a quantized shape's (`<shape>.<format>`) is benchmarks/quant_checkpoint.py's copy of the 16-bit one."""
+    a quantized shape's (`<shape>.<format>`) is benchmarks/quant/quant_checkpoint.py's copy of the 16-bit one."""
     path = root / shape
     if (path / ".complete").exists():
         return path
     base, fmt = split_shape(shape)
     if fmt:
-        code = ("import sys; from benchmarks.quant_checkpoint import quantize_checkpoint; "
+        code = ("import sys; from benchmarks.quant.quant_checkpoint import quantize_checkpoint; "
                 "quantize_checkpoint(sys.argv[3], sys.argv[1], sys.argv[2], device='cuda', dequantized=False)")
         args = [fmt, str(ensure_checkpoint(base, root, log_dir))]
     else:
-        code = ("import sys; from benchmarks.checkpoint import make_random_llama; "
+        code = ("import sys; from benchmarks.shared.checkpoint import make_random_llama; "
                 "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
         args = [shape]
     with open(log_dir / f"checkpoint_{shape}.log", "w") as log:
@@ -196,7 +196,7 @@ def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> 
             continue
         engines = {e: {k: v for k, v in g.items() if k != "rows"} for e, g in got.items()}
         result = dict(head, workload=workload, shape=job.shape, flags=job.flags.record(), engines=engines,
-                      model=f"random-initialised {job.shape} shape (benchmarks/checkpoint.py), bfloat16, "
+                      model=f"random-initialised {job.shape} shape (benchmarks/shared/checkpoint.py), bfloat16, "
                             "the embedded model's tokenizer", rows=rows)
         paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}"))
     return paths
@@ -251,7 +251,7 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
 
     head = dict(device=device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
                 date=datetime.date.today().isoformat(),
-                command="python benchmarks/peers/run.py " + " ".join(args.argv))
+                command="python -m benchmarks.peers.run " + " ".join(args.argv))
     failed = False
     for shape in dict.fromkeys(s for _, s in selection):  # shapes in the order given
         model = ensure_checkpoint(shape, root, logs)

@@ -1,7 +1,7 @@
 """One engine's server under load: start `vllm serve` or `python -m server` (benchmarks/peers/
 engines.py builds both command lines from one `Flags`), wait for GET /health, warm it up, drive every
 level with vLLM's client (`vllm bench serve`, run in vLLM's environment) and then with ours
-(benchmarks/load_test.py over streamed /v1/completions), stop it. Both engines get the same levels,
+(benchmarks/serving/load_test.py over streamed /v1/completions), stop it. Both engines get the same levels,
 prompts and seeds; each level's rows carry which client measured them.
 """
 
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import ServerProcess, free_port
+from benchmarks.shared.common import ServerProcess, free_port
 from benchmarks.peers.engines import SERVED_NAME, Flags, engine_env, serve_cmd
 from benchmarks.peers.vllm_bench import bench_args, parse_result
 
@@ -69,7 +69,7 @@ def run_vllm_bench(levels: list[Level], url: str, model: str, out_dir: Path, tag
 
 def run_load_client(levels: list[Level], url: str, vocab_size: int) -> list[dict]:
     """Every random-dataset level through our client (load_test.run_load, /v1/completions)."""
-    from benchmarks.load_test import run_load
+    from benchmarks.serving.load_test import run_load
 
     rows = []
     for lv in levels:
@@ -86,7 +86,7 @@ def run_load_client(levels: list[Level], url: str, vocab_size: int) -> list[dict
 
 def warm_up(url: str, vocab_size: int) -> None:
     """A few requests before any level: the first requests of a fresh server pay one-time costs."""
-    from benchmarks.load_test import run_load
+    from benchmarks.serving.load_test import run_load
 
     run_load(url, concurrency=8, num_requests=16, input_len=256, output_len=16, vocab_size=vocab_size, seed=999,
              progress=False, api="completions", extra_body={"model": SERVED_NAME})

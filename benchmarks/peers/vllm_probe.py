@@ -188,7 +188,7 @@ def check_serve_flags(model_dir: str) -> dict:
 
 
 def check_checkpoint(model_dir: str) -> dict:
-    """What vLLM makes of a checkpoint directory of benchmarks/checkpoint.py: its model config (the
+    """What vLLM makes of a checkpoint directory of benchmarks/shared/checkpoint.py: its model config (the
     architecture, vocabulary, context, dtype), generation config and tokenizer (a round trip)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.tokenizers import get_tokenizer

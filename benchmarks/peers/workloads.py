@@ -12,7 +12,7 @@
 | prefix | the same servers | shared prefixes (`vllm bench serve --dataset-name prefix_repetition`: 8 prefixes of 1,024 tokens, 128-token suffixes, 128 outputs, 64 clients), prefix caching on in both |
 
 A shape may name a quantized copy of its random checkpoint, `<shape>.<format>` (e.g.
-`llama-3.1-8b.fp8-dynamic`, `llama-3.1-8b.awq`): benchmarks/quant_checkpoint.py writes it from the
+`llama-3.1-8b.fp8-dynamic`, `llama-3.1-8b.awq`): benchmarks/quant/quant_checkpoint.py writes it from the
 16-bit one, and both engines read its `quantization_config` (issue 47's side by side).
 
 Each workload is a list of `Job`s: an offline job (one `benchmarks.peers.offline` process per
@@ -32,7 +32,7 @@ from server.config import SERVE_MAX_NUM_BATCHED_TOKENS
 
 WORKLOADS = ("offline", "nanovllm", "batch1", "structured", "long", "long-fp8", "http", "prefix")
 SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
-# benchmarks/quant_checkpoint.py's formats that vLLM reads too (its GPTQ Marlin kernels need symmetric
+# benchmarks/quant/quant_checkpoint.py's formats that vLLM reads too (its GPTQ Marlin kernels need symmetric
 # weights: not gptq-desc-act, written asymmetric, nor w4a16-asym)
 QUANT_FORMATS = ("fp8-dynamic", "fp8-static", "fp8-block", "awq", "gptq", "w4a16")
 DEFAULT_SHAPES = {"offline": SHAPES, "nanovllm": SHAPES, "batch1": SHAPES, "structured": ("qwen2.5-0.5b",), "long": ("llama-3.1-8b",),
@@ -105,7 +105,7 @@ def latency_task(workload: str, name: str, vocab: int, prompt_len: int, max_toke
 
 
 def structured_task(vocab: int, repeats: int = 3) -> dict:
-    from benchmarks.bench_structured import SCHEMA
+    from benchmarks.engine.bench_structured import SCHEMA
 
     rng = random.Random(0)
     return dict(workload="structured", name="json-schema", kind="structured", schema=SCHEMA, max_tokens=256,

@@ -1,5 +1,5 @@
 """Which kernel a quantized linear's GEMM runs, by its row count (the linear methods of methods.py
-call these; benchmarks/bench_quant.py times them as "ours"):
+call these; benchmarks/quant/bench_quant.py times them as "ours"):
 
   rows       fp8 weights, FP8 activations (w8a8)             int4 (or fp8) weights, 16-bit activations
   1          kernels/gemv.py fp8_gemv: the input quantized      kernels/gemv.py wo_gemv

@@ -5,8 +5,8 @@ request once more before it routes it (server/api/render.py): with the `tokenize
 2,000-character prompt took ~0.85 ms on a 2-core CPU, and on a loaded GPU host a router's render
 was about a millisecond slower than it was without the tokenizing. fastokens (the BPE encoder
 vLLM offers as a tokenizer mode, and which vllm-router links) reads the same tokenizer.json and took
-~0.04 ms for it (~20x less at 2,000, 8,000 and 65,536 characters; benchmarks/bench_scaleout.py
-and the README measure what that is worth).
+~0.04 ms for it (~20x less at 2,000, 8,000 and 65,536 characters; benchmarks/scaleout/bench_scaleout.py
+and docs/deploy.md measure what that is worth).
 
 It implements most but not all of `tokenizers` (some normalizers and pre-tokenizers are missing), so
 it is used only where it reproduces the tokenizer: `load` builds it from the tokenizer's fully

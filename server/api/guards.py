@@ -191,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(400 on /v1, 422 on /generate), as OpenAI does; known fields are validated either way")
     g.add_argument("--api-key", type=api_key, default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set FLASHPAGE_API_KEY)")
-    c = p.add_argument_group("connections (a fronting proxy may bound these too: README, Limits and reliability)")
+    c = p.add_argument_group("connections (a fronting proxy may bound these too: docs/deploy.md, Limits and reliability)")
     c.add_argument("--max-connections", type=Bound(int, 1), default=d.max_connections,
                    help="most open client connections; at the cap a new one closes the connection idle the "
                         "longest, or gets 503 if every one is busy with a request")

@@ -95,7 +95,7 @@ def serve(app, engine: AsyncEngine, limits: ServerLimits, sockets: list | None =
     # collection would walk them all again, a pause in the middle of serving: freeze them out of it.
     # Decoding a step message allocates an object or more per request in it, so with the default
     # young-generation threshold (700) the collector ran every few messages: 10-12% of an API
-    # process's CPU at 256 streams (py-spy, benchmarks/bench_api_events.py).
+    # process's CPU at 256 streams (py-spy, benchmarks/profiling/bench_api_events.py).
     gc.collect()
     gc.freeze()
     threshold = gc.get_threshold()

@@ -64,7 +64,7 @@ class EventStream(Response):
     disconnects, but each body chunk sent straight to the `send` that RequestIdMiddleware was given
     (server/api/request_id.py), past the layers inside it that only look out for the start message
     (Starlette's exception handlers, twice, and the request-id wrapper: 5-9% of the API process's
-    samples under 256 streams, benchmarks/bench_api_events.py). The start takes the whole way, and
+    samples under 256 streams, benchmarks/profiling/bench_api_events.py). The start takes the whole way, and
     only if it reached RequestIdMiddleware at once (no middleware in between held it back, as a
     compressing one would) do the chunks skip it."""
 

@@ -1,8 +1,8 @@
-"""benchmarks/bench_quant.py's bookkeeping on the CPU (its measurements need a GPU): the ratios
+"""benchmarks/quant/bench_quant.py's bookkeeping on the CPU (its measurements need a GPU): the ratios
 against bf16 and the goals (4-bit judged by the 4-bit goal), the fastest GEMV tiles per linear and
 kind, and the table's lines (a format whose engine failed says why)."""
 
-from benchmarks.bench_quant import best_configs, linear_shapes, summarize, table
+from benchmarks.quant.bench_quant import best_configs, linear_shapes, summarize, table
 
 
 def test_summary_goals_tuned_tiles_and_table():

@@ -1,7 +1,10 @@
-"""benchmarks/bench_tp.py's arithmetic and report (its whole path, servers and offline engines at
+"""benchmarks/scaleout/bench_tp.py's arithmetic and report (its whole path, servers and offline engines at
 TP 1 and 4, ran on the CPU with `--device cpu` when it was written; on a GPU it is the lead's)."""
 
-from benchmarks import bench_tp, make_report
+from pathlib import Path
+
+from benchmarks import make_report
+from benchmarks.scaleout import bench_tp
 
 
 def _row(tp, tpot, floor, load=(), offline=None):
@@ -26,4 +29,4 @@ def test_the_readme_report_of_a_tp_file():
     result["goals"] = bench_tp.goals("llama-3.1-70b", result["rows"])
     text = bench_tp.report(result)
     assert "| 4 | 14.20 | 11.76 | 1.21 | 3,100 | 70 | 2,900 |" in text and "(met)" in text
-    assert ("tp_", "benchmarks.bench_tp", "Tensor parallelism") in make_report.SECTIONS  # make_report finds it
+    assert make_report.kind_of(Path("tp_llama-3.1-70b_h100.json")).module == "benchmarks.scaleout.bench_tp"  # found

@@ -1,10 +1,10 @@
-"""benchmarks/checkpoint.py: random checkpoints at the published shapes, loadable by our loader."""
+"""benchmarks/shared/checkpoint.py: random checkpoints at the published shapes, loadable by our loader."""
 
 import pytest
 import torch
 import transformers
 
-from benchmarks import checkpoint
+from benchmarks.shared import checkpoint
 
 # Parameter counts of the published checkpoints (their config.json, as transformers builds them).
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,

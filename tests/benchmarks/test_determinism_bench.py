@@ -1,4 +1,4 @@
-"""benchmarks/bench_determinism.py: its --quick run against a real CPU server (default mode only: the
+"""benchmarks/engine/bench_determinism.py: its --quick run against a real CPU server (default mode only: the
 deterministic mode may run its kernels in Triton's interpreter, too slow here), the JSON it writes,
 and its pieces (probe plan, prompts, the exact comparison of outputs, the mode ratios) on their own."""
 
@@ -8,7 +8,7 @@ import math
 
 import httpx
 
-from benchmarks.bench_determinism import Probe, Prompt, compare_modes, main, make_prompts, plan_probes, send_probe
+from benchmarks.engine.bench_determinism import Probe, Prompt, compare_modes, main, make_prompts, plan_probes, send_probe
 
 
 def test_quick_default_mode_writes_counts_and_timings(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_quick_default_mode_writes_counts_and_timings(tmp_path, capsys):
     rc = main(["--quick", "--modes", "default", "--out-dir", str(tmp_path), "--server-args", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    result = json.loads((tmp_path / "determinism_cpu.json").read_text())
+    result = json.loads((tmp_path / "determinism_embedded_cpu.json").read_text())
     assert result["device"] == "cpu" and result["model"] == "embedded" and "--quick" in result["command"]
     assert {"torch", "date", "vocab_size", "context", "targets"} <= set(result)
     cfg = result["config"]

@@ -1,4 +1,4 @@
-"""benchmarks/load_test.py against a real flashpage server on loopback (tiny random checkpoint), a
+"""benchmarks/serving/load_test.py against a real flashpage server on loopback (tiny random checkpoint), a
 dead port, and a scripted SSE stream (httpx.MockTransport) whose timing is known; plus the plots,
 compare.report and compare.py's CPU dry run."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.common import REPO_ROOT, ServerProcess, free_port
-from benchmarks.load_plots import plot
-from benchmarks.load_test import run_load
+from benchmarks.shared.common import REPO_ROOT, ServerProcess, free_port
+from benchmarks.serving.load_plots import plot
+from benchmarks.serving.load_test import run_load
 
 VOCAB = 512  # tests/conftest.py make_checkpoint's default; n_positions 256
 
@@ -209,10 +209,10 @@ def fake_rows():
 
 
 def test_plot_and_report(tmp_path):
-    from benchmarks.compare import report
+    from benchmarks.serving.compare import report
 
     result = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-22",
-              "command": "python benchmarks/compare.py", "rows": fake_rows()}
+              "command": "python -m benchmarks.serving.compare", "rows": fake_rows()}
     path = tmp_path / "load_h100.json"
     path.write_text(json.dumps(result))
     paths = plot([str(path)], tmp_path / "load_h100")
@@ -228,10 +228,10 @@ def test_plot_and_report(tmp_path):
 
 def test_load_test_cli_writes_json_and_plots(server, tmp_path):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "load_test.py"), "--url", server,
+    p = subprocess.run([sys.executable, "-m", "benchmarks.serving.load_test", "--url", server,
                         "--concurrency", "1", "2", "--num-requests", "2", "--input-len", "8", "--output-len", "3",
                         "--vocab-size", str(VOCAB), "--out", str(out), "--plot", str(tmp_path / "p"),
-                        "--no-progress", "--label", "fp"], capture_output=True, text=True, timeout=120)
+                        "--no-progress", "--label", "fp"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["impl"], r["concurrency"], r["completed"]) for r in rows] == [("fp", 1, 2), ("fp", 2, 2)]
@@ -241,7 +241,7 @@ def test_load_test_cli_writes_json_and_plots(server, tmp_path):
 def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
     # triton (Triton interpreter, bf16) and the naive server: the two paths that differ from a plain
     # `python -m server`; sdpa/eager differ from triton only in the --attention flag.
-    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--model", str(tiny_ckpt),
+    cmd = [sys.executable, "-m", "benchmarks.serving.compare", "--device", "cpu", "--model", str(tiny_ckpt),
            "--impls", "triton", "naive_hf", "--concurrency", "1", "2", "--num-requests", "2",
            "--input-len", "16", "--output-len", "4", "--warmup", "1", "--out-dir", str(tmp_path), "--no-progress",
            # passed to the flashpage server only: its engine on a thread, one process to start instead of two
@@ -264,7 +264,7 @@ def test_compare_cpu_dry_run(tiny_ckpt, tmp_path):
 
 # ---------------------------------------------------------------- levels past max-num-seqs, API-process sweep
 def test_server_defaults_known_to_load_sweep():
-    from benchmarks import load_sweep
+    from benchmarks.serving import load_sweep
     from server.api.guards import ServerLimits
     from server.config import EngineConfig
 
@@ -274,8 +274,8 @@ def test_server_defaults_known_to_load_sweep():
 
 
 def parse_compare(argv):
-    from benchmarks import compare
-    from benchmarks.load_sweep import resolve_args
+    from benchmarks.serving import compare
+    from benchmarks.serving.load_sweep import resolve_args
 
     args = compare.build_parser().parse_args(argv)
     resolve_args(args, compare.IMPLS, compare.DEFAULT_CONCURRENCY)
@@ -283,7 +283,7 @@ def parse_compare(argv):
 
 
 def test_compare_levels_caps_and_api_sweep_arguments():
-    from benchmarks.load_sweep import plan, server_room_args
+    from benchmarks.serving.load_sweep import plan, server_room_args
 
     args = parse_compare([])
     assert args.concurrency[-2:] == [512, 1024] and args.impls == ["triton", "sdpa", "eager", "naive_hf"]
@@ -338,7 +338,7 @@ def fake_run_load(url, *, concurrency, label, seed, **kwargs):
 def test_compare_bookkeeping_impl_then_api_sweep_into_one_file(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """compare.main with the servers and the load faked: what each server is started with, how rows are
     labelled and merged into one file, and the report of that file."""
-    from benchmarks import compare
+    from benchmarks.serving import compare
 
     monkeypatch.setattr(compare, "ServerProcess", FakeServer)
     monkeypatch.setattr(compare, "run_load", fake_run_load)
@@ -361,7 +361,7 @@ def test_compare_bookkeeping_impl_then_api_sweep_into_one_file(tiny_ckpt, tmp_pa
 
     offline = tmp_path / "throughput_cpu.json"
     offline.write_text(json.dumps({"device": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01",
-                                   "command": "python benchmarks/bench_throughput.py", "workload": {
+                                   "command": "python -m benchmarks.engine.bench_throughput", "workload": {
                                        "num_requests": 256, "input_len": [128, 512], "output_len": [128, 512]},
                                    "rows": [{"impl": "copy", "tbps": 1.0},
                                             {"impl": "flashpage", "output_tokens_per_s": 12800.0}]}))
@@ -396,8 +396,8 @@ def test_compare_bookkeeping_impl_then_api_sweep_into_one_file(tiny_ckpt, tmp_pa
 def test_client_process_raises_its_open_file_limit_for_its_streams():
     import resource
 
-    from benchmarks.load_client import raise_fd_limit
-    from benchmarks.load_test import auto_workers
+    from benchmarks.serving.load_client import raise_fd_limit
+    from benchmarks.serving.load_test import auto_workers
 
     assert auto_workers(1024, None, None, 256) <= 8  # so 1024 clients are >= 128 sockets per process
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

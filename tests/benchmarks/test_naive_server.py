@@ -1,4 +1,4 @@
-"""benchmarks/naive_server.py through a real uvicorn subprocess: same API as flashpage, and its
+"""benchmarks/serving/naive_server.py through a real uvicorn subprocess: same API as flashpage, and its
 static batches (left-padded) give the tokens transformers' own generate gives one prompt at a time."""
 
 import asyncio
@@ -7,7 +7,7 @@ import sys
 import httpx
 import pytest
 
-from benchmarks.common import REPO_ROOT, ServerProcess, free_port
+from benchmarks.shared.common import ServerProcess, free_port
 from tests.helpers import hf_greedy, sse_events
 
 
@@ -16,7 +16,7 @@ def naive(tiny_ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("naive-log") / "server.log"
     # a 0.4 s batching window, so that two requests sent together land in one batch
-    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "naive_server.py"), "--model", str(tiny_ckpt),
+    cmd = [sys.executable, "-m", "benchmarks.serving.naive_server", "--model", str(tiny_ckpt),
            "--port", str(port), "--device", "cpu", "--max-batch", "4", "--batch-wait-ms", "400",
            "--log-level", "warning"]
     server = ServerProcess(cmd, port, log)

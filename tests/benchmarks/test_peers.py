@@ -169,15 +169,16 @@ def test_report_puts_both_engines_in_each_row():
 def test_make_report_renders_a_peers_file(tmp_path, monkeypatch):
     from benchmarks import make_report
 
-    assert ("peers_", "benchmarks.peers.report", "Side by side with vLLM") in make_report.SECTIONS
+    assert make_report.kind_of(Path("peers_offline_x_h100.json")).module == "benchmarks.peers.report"
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "peers_offline_qwen2.5-0.5b_h100.json").write_text(json.dumps(fake_result("offline", [
         dict(impl="flashpage", task="random", output_tokens_per_s=3.0), dict(impl="vllm", task="random",
                                                                             output_tokens_per_s=2.0)])))
     monkeypatch.setattr(make_report, "ROOT", tmp_path)
-    text = make_report.render(results)
-    assert "### Side by side with vLLM: offline, qwen2.5-0.5b, h100" in text and "| 1.50× |" in text
+    text = make_report.render_doc(results)
+    assert "#### Side by side with vLLM: offline, qwen2.5-0.5b, h100" in text and "| 1.50× |" in text
+    assert "| flashpage 3 tok/s; vLLM 2 tok/s |" in text  # the run's row in the table of runs
 
 
 def test_offline_runner_end_to_end_on_flashpage(tiny_ckpt, tmp_path, monkeypatch):
@@ -251,7 +252,7 @@ def test_a_server_under_our_client(tiny_ckpt, tmp_path):
 def test_quantized_shapes_are_the_16_bit_checkpoints_quantized_copy(tmp_path, monkeypatch):
     """`<shape>.<format>`: the 16-bit random checkpoint made first (once), then quant_checkpoint.py's
     copy of it in that format; formats vLLM cannot read, and unknown shapes, refused by name."""
-    from benchmarks.quant_checkpoint import FORMATS
+    from benchmarks.quant.quant_checkpoint import FORMATS
 
     assert set(workloads.QUANT_FORMATS) <= set(FORMATS)
     sel = run.parse_selection(["offline:llama-3.1-8b.fp8-dynamic,qwen2.5-0.5b.awq", "batch1:llama-3.1-8b.awq"])

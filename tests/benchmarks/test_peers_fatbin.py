@@ -1,9 +1,9 @@
-"""benchmarks/peers/fatbin.py on a hand-made ELF: what a Hopper loads stays byte for byte, the rest is
+"""benchmarks/peers/fetch/fatbin.py on a hand-made ELF: what a Hopper loads stays byte for byte, the rest is
 zeros, and nothing moves (offsets, sizes and headers are what the loader reads)."""
 
 import struct
 
-from benchmarks.peers.fatbin import KIND_ELF, KIND_PTX, fatbins, main, needed, strip
+from benchmarks.peers.fetch.fatbin import KIND_ELF, KIND_PTX, fatbins, main, needed, strip
 
 ENTRY_HEADER = 64
 

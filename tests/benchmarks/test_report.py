@@ -1,24 +1,77 @@
-"""README's results section is generated from benchmarks/results/*.json and must match them."""
+"""docs/benchmarks.md and the README's headline table are generated from the current result files
+(benchmarks/results/, top level) and must match them; results/experiments/ is never read."""
+
+import json
+import re
 
 import pytest
 
 from benchmarks import make_report
 
 
-def test_readme_results_match_result_files():
-    assert make_report.main(["--check"]) == 0, "README is stale: run python benchmarks/make_report.py"
+def test_docs_and_readme_match_result_files():
+    assert make_report.main(["--check"]) == 0, "stale: run python -m benchmarks.make_report"
+
+
+def test_make_report_reads_every_current_file_and_nothing_else():
+    by_kind = make_report.current_files()
+    read = [f for files in by_kind.values() for f in files]
+    assert all(f.parent == make_report.RESULTS for f in read)  # the top level only, never experiments/
+    assert sorted(read) == sorted(make_report.RESULTS.glob("*.json"))  # and every file there
+    doc = make_report.DOC.read_text()
+    for f in make_report.RESULTS.iterdir():  # every current plot is shown, no experiment is
+        if f.suffix == ".png":
+            assert f"benchmarks/results/{f.name})" in doc, f"{f.name} is shown nowhere"
+    assert "results/experiments/" not in doc.replace("`benchmarks/results/experiments/`", "")
+
+
+def test_a_file_no_renderer_reads_is_refused(tmp_path):
+    assert make_report.kind_of(tmp_path / "quant_quality_cpu.json").func == "quality_report"  # the longest prefix
+    (tmp_path / "oneoff_ab_h100.json").write_text("{}")
+    with pytest.raises(ValueError, match="oneoff_ab_h100.json"):
+        make_report.current_files(tmp_path)
 
 
 def test_every_result_file_has_the_shared_shape():
-    import json
-
-    for f in (make_report.ROOT / "benchmarks" / "results").glob("*.json"):
-        if f.name.startswith("sweep_"):
-            continue
+    for f in make_report.RESULTS.glob("*.json"):
         result = json.loads(f.read_text())
         for key in ("device", "torch", "triton", "date", "command", "rows"):
             assert key in result, f"{f.name} lacks {key!r}"
         assert all("impl" in row for row in result["rows"]), f.name
+
+
+def test_headline_table_cells_come_from_their_files():
+    """Each figure of the README's table links the file it is read from, and says so for a vLLM run
+    that failed rather than leaving it blank."""
+    from benchmarks.headline import headline
+
+    text = headline(make_report.RESULTS)
+    off = json.loads((make_report.RESULTS / "peers_offline_llama-3.2-1b_h100.json").read_text())
+    fp = next(r for r in off["rows"] if r.get("impl") == "flashpage")
+    row = next(line for line in text.splitlines() if line.startswith("| offline, tok/s | Llama-3.2-1B |"))
+    assert f"[{fp['output_tokens_per_s']:,.0f}](benchmarks/results/peers_offline_llama-3.2-1b_h100.json)" in row
+    assert "[failed](docs/benchmarks.md#side-by-side-with-vllm)" in row  # vLLM's start failed in that run
+    hf = json.loads((make_report.RESULTS / "throughput_llama-3.2-1b_h100.json").read_text())
+    best = max(r["output_tokens_per_s"] for r in hf["rows"] if r["impl"] in ("hf_eager", "hf_sdpa"))
+    assert f"{best:,.0f} (hf_" in row
+    assert re.search(r"\| batch 1, TPOT ms \| Llama-3.1-8B \| \[\d+\.\d\d\]", text)
+
+
+def test_runs_of_a_kind_are_rows_of_one_table(tmp_path, monkeypatch):
+    def result(date, tok):
+        return {"device": "NVIDIA H100 80GB HBM3", "torch": "x", "triton": "x", "date": date, "command": "c",
+                "workload": {"num_requests": 1, "input_len": [1, 2], "output_len": [1, 2], "model": "m"},
+                "rows": [{"impl": "flashpage", "output_tokens_per_s": tok}]}
+
+    (tmp_path / "throughput_gpt2_h100.json").write_text(json.dumps(result("2026-01-01", 5.0)))
+    (tmp_path / "throughput_qwen3-0.6b_h100.json").write_text(json.dumps(result("2026-02-02", 7.0)))
+    monkeypatch.setattr(make_report, "ROOT", tmp_path)
+    doc = make_report.render_doc(tmp_path)
+    assert doc.count("### Engine throughput (offline)\n") == 1
+    assert ("| [gpt2, h100](#engine-throughput-offline-gpt2-h100) | flashpage 5 tok/s | NVIDIA H100 80GB HBM3 | "
+            "2026-01-01 | `c` |") in doc
+    assert "| [qwen3-0.6b, h100](#engine-throughput-offline-qwen3-06b-h100) |" in doc and "2026-02-02" in doc
+    assert "## Kernels" not in doc  # a subject without files has no section
 
 
 def test_load_report_takes_the_offline_reference_of_a_throughput_file():
@@ -27,12 +80,12 @@ def test_load_report_takes_the_offline_reference_of_a_throughput_file():
     import json
     import re
 
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import read_offline
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import read_offline
 
-    results = make_report.ROOT / "benchmarks" / "results"
+    results = make_report.RESULTS
     load = json.loads((results / "load_h100.json").read_text())
-    off = read_offline(results / "throughput_h100.json", load["device"])
+    off = read_offline(results / "throughput_gpt2_h100.json", load["device"])
     assert off["output_tokens_per_s"] > 0 and len(off["workload"]["input_len"]) == 2
     md = report({**load, "offline": off})
     assert re.search(r"At 256 clients: [\d,]+ tok/s = \d+% of offline", md)
@@ -42,8 +95,8 @@ def test_load_report_takes_the_offline_reference_of_a_throughput_file():
 
 
 def test_report_api_sweep_only_and_merge_checks():
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import add_row, merge
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import add_row, merge
 
     rows = [{"impl": "triton", "concurrency": 256, "api_server_count": n, "output_tokens_per_s": 1000.0 * n,
              "errors": 0, "ttft_p50_ms": 50.0} for n in (1, 2)]
@@ -70,8 +123,8 @@ def test_report_api_sweep_only_and_merge_checks():
 def test_merged_rows_of_another_day_say_so():
     """A file whose triton rows were measured again after the peers' says which rows are of which
     day (the header's single date would claim the peers ran beside the new code)."""
-    from benchmarks.compare import report
-    from benchmarks.load_sweep import merge
+    from benchmarks.serving.compare import report
+    from benchmarks.serving.load_sweep import merge
 
     settings = {"input_len": 16, "concurrency": [1], "impls": ["triton", "eager"]}
     row = {"concurrency": 1, "output_tokens_per_s": 10.0, "errors": 0, "ttft_p50_ms": 1.0}

@@ -1,4 +1,4 @@
-"""Two CPU replicas of a tiny model behind vllm-router (benchmarks/bench_scaleout.py starts both):
+"""Two CPU replicas of a tiny model behind vllm-router (benchmarks/scaleout/bench_scaleout.py starts both):
 the routed API works (/generate in SGLang's shape, which the router forwards intact, /v1/completions
 streamed and not, /health), a replica killed mid-run is taken out and the requests it held are
 retried on the other, and on a shared-prefix workload `cache_aware` routing finds more of the
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from benchmarks import bench_scaleout as so
-from benchmarks import scaleout_load
+from benchmarks.scaleout import bench_scaleout as so
+from benchmarks.scaleout import scaleout_load
 
 # --no-engine-process: the engine on a thread, one Python process per replica to start instead of
 # two; routing, retries and prefix-cache hits do not depend on where the engine steps.

@@ -1,4 +1,4 @@
-"""A shortened soak (benchmarks/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, hostile
+"""A shortened soak (benchmarks/serving/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, hostile
 structured outputs and large asks, bursts beyond the queue limit) against its own server with a
 24-block KV cache: nothing lost, no 5xx on valid requests, every hostile request a 400 (and every
 valid constrained one matching its spec), no leaked blocks, and the server drains and exits 0 on
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.soak import MUST_BE_ZERO, main
+from benchmarks.serving.soak import MUST_BE_ZERO, main
 
 
 @pytest.mark.parametrize("api_servers", [1, 4])

@@ -1,4 +1,4 @@
-"""benchmarks/bench_spec.py's oracle on the CPU: the mean accepted length it sets is the one the engine
+"""benchmarks/engine/bench_spec.py's oracle on the CPU: the mean accepted length it sets is the one the engine
 measures ((1 - p^(k+1)) / (1 - p)), whichever proposer pays for the proposals, and the plain engine
 is what its 'off' runs measure."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_spec import configure, expected_length, run_clients
+from benchmarks.engine.bench_spec import configure, expected_length, run_clients
 from server.config import EngineConfig, SpeculativeConfig
 from server.engine import LLMEngine
 from server.engine.spec.ngram import NgramProposer

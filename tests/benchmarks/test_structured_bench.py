@@ -1,6 +1,6 @@
 """bench_structured's summary of its alternating runs (the GPU runs themselves are benchmarks, not tests)."""
 
-from benchmarks.bench_structured import paired_ratio, split_timeline, summary
+from benchmarks.engine.bench_structured import paired_ratio, split_timeline, summary
 
 
 def run(with_tok_s: float, without_tok_s: float) -> dict:
@@ -29,7 +29,7 @@ def test_a_timeline_splits_the_wall_time_at_the_launches():
 
 
 def test_the_order_check_divides_each_pairs_first_throughput_by_its_second():
-    from benchmarks.bench_pair_order import order_ratios
+    from benchmarks.engine.bench_pair_order import order_ratios
 
     # times in seconds: the first run of every pair takes 10% longer (throughput 1/1.1 of the second's)
     r = order_ratios([1.1, 2.2, 3.3, 1.1], [1.0, 2.0, 3.0, 1.0])

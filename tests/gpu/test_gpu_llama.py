@@ -67,7 +67,7 @@ def http_servers(tmp_path_factory):
     started at once, with tests/models/test_families_http.py's small cache and step budget."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.common import ServerProcess
+    from benchmarks.shared.common import ServerProcess
     from tests.helpers import make_llama_checkpoint
     from tests.models.test_families_http import SERVER_ARGS, STEP_SLEEP_ENV
 

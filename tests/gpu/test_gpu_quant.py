@@ -1,5 +1,5 @@
 """Quantized checkpoints on a GPU (skipped without CUDA), every format of
-benchmarks/quant_checkpoint.py on a small Llama (bf16, Triton attention):
+benchmarks/quant/quant_checkpoint.py on a small Llama (bf16, Triton attention):
 
 - the GPU paths (FP8 on FP8 tensor cores with the norm's and silu_mul's fused quantization, the
   GEMVs at one row, the split tiles up to 16 rows, torch._scaled_mm and the Triton FP8 GEMM past
@@ -32,7 +32,7 @@ I32 = dict(dtype=torch.int32, device="cuda")
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from benchmarks.quant_checkpoint import quantize_checkpoint
+    from benchmarks.quant.quant_checkpoint import quantize_checkpoint
     from tests.helpers import make_llama_checkpoint
 
     root = tmp_path_factory.mktemp("gpu-quant")
@@ -227,7 +227,7 @@ def test_speculative_decoding_with_a_quantized_target(checkpoints, fmt):
 
 @pytest.mark.parametrize("linear", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
 def test_decode_gemvs_at_the_8b_linears(linear):
-    from benchmarks.bench_quant import linear_shapes
+    from benchmarks.quant.bench_quant import linear_shapes
     from kernels.fp8_quant import quant_fp8
     from kernels.quant_reference import dequant_int4, pack_int4, quant_fp8_ref
     from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear

@@ -20,7 +20,7 @@ since every key is read as the cache holds it, the test passes unchanged.) The c
 0.2 their activations are large and their attention sharp, and the same cache moved logits by up to
 4 (llama, 26% of positions), which no threshold tells from a wrong read. fp8_e5m2 (two mantissa bits,
 no scale) is not compared here; the kernel and backend tests check its bytes and reads,
-benchmarks/bench_kv_accuracy.py its perplexity.
+benchmarks/quant/bench_kv_accuracy.py its perplexity.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import httpx
 import pytest
 import torch
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import make_checkpoint, make_llama_checkpoint
 from tests.models.test_families_http import (CPU_ONLY_ARGS, FAMILIES, MAX_TOKENS, SERVER_ARGS, assert_exercised,
                                              generate_concurrently, hf_greedy_all, scrape, wave_prompts)

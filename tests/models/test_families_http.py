@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import hf_greedy, make_llama_checkpoint
 
 FAMILIES = {  # model_type -> config overrides: each family's own parts, at tiny sizes

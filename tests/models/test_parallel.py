@@ -125,7 +125,7 @@ def fp8_cases(cases, tmp_path_factory):
 
 
 def test_two_ranks_give_the_whole_models_logits(cases, fp8_cases):
-    from benchmarks.common import free_port
+    from benchmarks.shared.common import free_port
     from models import load_model
 
     ctx = mp.get_context("spawn")

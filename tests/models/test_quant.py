@@ -1,5 +1,5 @@
 """Quantized checkpoints (models/quant) on the CPU, each format written in its own layout by
-benchmarks/quant_checkpoint.py from one random Llama checkpoint:
+benchmarks/quant/quant_checkpoint.py from one random Llama checkpoint:
 
 - the production loader's logits equal, to fp32 rounding, those of a transformers model built from
   the dequantized weights (the CPU dequantizes at load; the tolerance is the family tests' 2e-4);
@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import models.quant as quant
-from benchmarks.quant_checkpoint import FORMATS, quantize_checkpoint
+from benchmarks.quant.quant_checkpoint import FORMATS, quantize_checkpoint
 from models import load_model, weights_info
 from models.quant import compute_mode, detect
 from tests.helpers import QUANT_LLAMA as LLAMA

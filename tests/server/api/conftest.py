@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import openai_client
 
 

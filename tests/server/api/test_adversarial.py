@@ -1,5 +1,5 @@
 """Issue 23, hardening: what an adversarial client still broke, each case re-run against a real
-server (a subprocess on loopback, a random tiny checkpoint) and answered as the README documents;
+server (a subprocess on loopback, a random tiny checkpoint) and answered as docs/api.md documents;
 after each, /health answers 200 and every KV block is free. (Case 8, impossible settings, is the
 CLI's: tests/server/test_cli.py; the sampler's side of case 1 is in tests/server/worker/test_sampler.py.)
 
@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from benchmarks import slow_clients
-from benchmarks.common import ServerProcess
+from benchmarks.serving import slow_clients
+from benchmarks.shared.common import ServerProcess
 
 KEEP_ALIVE, HEADER, BODY = 2.0, 1.0, 3.0  # the server's connection timeouts (seconds)
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import openai_client, sse_events, with_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"

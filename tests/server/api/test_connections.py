@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from benchmarks.common import free_port
+from benchmarks.shared.common import free_port
 from server.api.connections import protocol_class
 from server.api.guards import ServerLimits
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 
 ROUTER_GENERATE = {"return_logprob": False, "return_hidden_states": False}  # what vllm-router adds
 ROUTER_COMPLETIONS = {"no_stop_trim": False}

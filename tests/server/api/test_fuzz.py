@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from benchmarks.common import ServerProcess  # noqa: E402
+from benchmarks.shared.common import ServerProcess  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]

@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.server.api.test_adversarial import healthy_and_all_free  # noqa: F401 - after each case (autouse)
 from tests.server.engine.test_grammar_bounds import ref_chain
 

@@ -29,7 +29,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (it is
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, ServerProcess  # noqa: E402
+from benchmarks.shared.common import REPO_ROOT, ServerProcess  # noqa: E402
 
 EMBEDDED = REPO_ROOT / "models" / "embedded"
 MAX_MODEL_LEN = 256

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.logs import JsonFormatter, RequestIdFilter, TextFormatter, request_id_var

@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import sse_events
 
 KEY = "test-key-8"

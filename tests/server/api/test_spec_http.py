@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from tests.helpers import make_llama_checkpoint
 from tests.models.test_families_http import (SERVER_ARGS, STEP_SLEEP_ENV, assert_exercised, exchange, hf_greedy_all,
                                              wave_prompts)

@@ -14,7 +14,7 @@ import pytest
 
 from transformers import AutoTokenizer
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from models import EMBEDDED_MODEL
 from tests.server.api.structured_schemas import SCHEMAS
 

@@ -120,7 +120,7 @@ def test_quantized_weights_with_an_fp8_cache(plain, tmp_path):
     --quantization fp8 of a 16-bit checkpoint calibrates its scales through the quantized model."""
     import json
 
-    from benchmarks.quant_checkpoint import quantize_checkpoint
+    from benchmarks.quant.quant_checkpoint import quantize_checkpoint
     from server.sampling_params import SamplingParams
 
     k, v = torch.tensor([[0.02, 0.03], [0.04, 0.025]]), torch.tensor([[0.01, 0.015], [0.02, 0.012]])

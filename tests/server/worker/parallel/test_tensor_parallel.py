@@ -33,7 +33,7 @@ import psutil
 import pytest
 import torch
 
-from benchmarks.common import ServerProcess
+from benchmarks.shared.common import ServerProcess
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams, StructuredOutput
