@@ -71,7 +71,10 @@ def test_openai_completions_route(server, tiny_ckpt):
     for r in row["requests"]:
         assert r["ok"] and r["n_out"] == r["usage_completion_tokens"] == 6 and r["prompt_tokens"] == 12
         assert r["finish_reason"] == "length" and 0 < r["ttft"] <= r["e2e"]
-        assert 1 <= len(r["itl"]) <= 5 and sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-6
+        # a chunk per arrival: the server may carry several tokens in one chunk when the client reads
+        # late (CI's load: all five after the first came as one, no gap), never more gaps than tokens
+        assert len(r["itl"]) <= 5 and sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-6
+    assert any(r["itl"] for r in row["requests"])  # gaps are measured at all
     bad = run_load(server, concurrency=1, num_requests=1, input_len=4, output_len=2, vocab_size=VOCAB,
                    progress=False, api="completions", extra_body={"model": "no-such-model"})
     assert bad["completed"] == 0 and bad["errors_by_status"] == {"404": 1}
