@@ -1,5 +1,5 @@
-"""Every family served over HTTP with an fp8 KV cache (`--kv-cache-dtype fp8`, a real uvicorn process on
-the CPU, sdpa attention), under the exchange of test_families_http.py (a cache too small for the first
+"""GPT-2 and the Llama family's cache shapes served over HTTP with an fp8 KV cache (`--kv-cache-dtype
+fp8`, a real uvicorn process on the CPU, sdpa attention), under the exchange of test_families_http.py (a cache too small for the first
 wave: preemption; 32 tokens a step: chunked prefill; a second wave on the first's prompts: prefix-cache
 hits): its greedy tokens agree with the 16-bit cache's up to near-ties.
 
@@ -38,6 +38,10 @@ from tests.models.test_families_http import (CPU_ONLY_ARGS, FAMILIES, MAX_TOKENS
                                              generate_concurrently, hf_greedy_all, scrape, wave_prompts)
 
 NEAR_TIE = 0.15
+# The families whose caches differ in shape: GQA (llama), MQA (mistral), head_dim 32 with Q/K norms
+# (qwen3), and GPT-2's own model code; qwen2 differs from llama only in Q/K/V biases, before the cache
+# (CI time: a server fewer)
+FP8_FAMILIES = {f: FAMILIES[f] for f in ("llama", "mistral", "qwen3")}
 INIT = 0.05  # the checkpoints' initializer_range
 # test_families_http.py's 10 ms a step, doubled: five servers start at once here, and on a loaded CI
 # machine the first wave's requests reached them over a spread that let the short ones finish before
@@ -48,7 +52,7 @@ STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.02"}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     paths = {family: make_llama_checkpoint(tmp_path_factory.mktemp(family), family, initializer_range=INIT, **extra)
-             for family, extra in FAMILIES.items()}
+             for family, extra in FP8_FAMILIES.items()}
     paths["gpt2"] = make_checkpoint(tmp_path_factory.mktemp("gpt2"), initializer_range=INIT)
     return paths
 
@@ -94,7 +98,7 @@ def _teacher_forced(url: str, hf, prompt: list[int], want: list[int], got: list[
     return gaps
 
 
-@pytest.mark.parametrize("family", ["gpt2", *sorted(FAMILIES)])
+@pytest.mark.parametrize("family", ["gpt2", *sorted(FP8_FAMILIES)])
 def test_fp8_greedy_over_http_agrees_up_to_near_ties(servers, checkpoints, family):
     from transformers import AutoModelForCausalLM
 
