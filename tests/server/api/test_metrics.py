@@ -19,9 +19,9 @@ from server.bridge.engine_loop import SNAPSHOT_EVERY_S
 from server.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["api1", "api4"])
+@pytest.fixture(scope="module", params=[1, 2], ids=["api1", "api2"])
 def served(request, tiny_ckpt):
-    # With 4 API processes (server/api/servers.py) every scrape may reach a different process: each
+    # With 2 API processes (server/api/servers.py) every scrape may reach a different process: each
     # must report the whole server's series, counted once.
     srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64", "--log-level", "info",
                                        "--log-format", "json", "--log-stats-interval", "0.05",
