@@ -1,7 +1,7 @@
 """vLLM beside flashpage: the same checkpoint directory, GPU, device call, flags, prompts and clients.
 
 Here (network, no GPU):
-  bash benchmarks/peers/fetch/fetch_vllm.sh                 # -> /work/main/.vllm: parts, SHA256SUMS, MANIFEST.tsv
+  bash benchmarks/peers/fetch/fetch_vllm.sh                 # -> ./.vllm: parts, SHA256SUMS, MANIFEST.tsv
   PYTHONPATH=<site> python benchmarks/peers/vllm_probe.py --cpu-stub   # the import chain, before any GPU time
 
 There (an H100, Python 3.12, torch 2.11.0+cu130, no network), from the repo root, the parts carried

@@ -2,7 +2,7 @@
 # vLLM 0.26.0 for the GPU machine (Python 3.12, torch 2.11.0+cu130, triton 3.6.0, no network), as
 # parts small enough to carry, one a device call. Run here, from the repo root:
 #
-#   bash benchmarks/peers/fetch/fetch_vllm.sh [OUT_DIR]      # default /work/main/.vllm
+#   bash benchmarks/peers/fetch/fetch_vllm.sh [OUT_DIR]      # default ./.vllm (from the repo root)
 #
 # Writes OUT_DIR/vllm-0.26.0-site.tar.zst.NN (zstd -19, split into equal parts of at most 38 MB),
 # OUT_DIR/SHA256SUMS (the parts), OUT_DIR/MANIFEST.tsv (every file: path, bytes, sha256), the
@@ -36,7 +36,7 @@
 # vllm.LLM.generate, XGrammar structured outputs, prefix caching, ngram speculation). Found by
 # benchmarks/peers/vllm_probe.py --cpu-stub (those modules, the app vLLM's server builds with all its
 # routers, both CLIs) in a Python 3.12 venv holding the image's own versions of what it has
-# (/work/wt/notes/piplist.txt), adding what each round found missing until nothing was, then reading
+# (the GPU image's `pip list`), adding what each round found missing until nothing was, then reading
 # vLLM for imports made only at run time on these paths:
 #   pydantic, pydantic_core, annotated_types, typing_inspection   every config and protocol model
 #   fastapi, starlette, uvicorn, watchfiles    the OpenAI server (uvicorn imports watchfiles)
@@ -63,11 +63,11 @@
 # importable, none its Hopper default for these models), torchcodec, PyNvVideoCodec (video),
 # fastsafetensors, nvtx, opentelemetry (off unless asked for), datasets (the bench's HF datasets).
 set -euo pipefail
-OUT=${1:-/work/main/.vllm}
+OUT=${1:-$PWD/.vllm}  # run from the repo root: .vllm beside .whl (both git-ignored)
 WORK=${WORK:-/tmp/peers-fetch}
 PYTHON=${PYTHON:-python3}
 VLLM_WHEEL=${VLLM_WHEEL:-}  # a downloaded vllm-0.26.0 wheel, else fetched
-FLASHPAGE_WHEELS=${FLASHPAGE_WHEELS:-/work/main/.whl}  # empty: no flashpage site in the bundle
+FLASHPAGE_WHEELS=${FLASHPAGE_WHEELS:-$PWD/.whl}  # empty: no flashpage site in the bundle
 WITH_DEEP_GEMM=${WITH_DEEP_GEMM:-0}
 PART_BYTES=38000000
 HERE=$(cd "$(dirname "$0")" && pwd)
