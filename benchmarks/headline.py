@@ -15,11 +15,9 @@ OFFLINE_SHAPES = ("gpt2", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "llama-3
 SHAPE_NAMES = {"gpt2": "GPT-2 small", "llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B",
                "qwen2.5-0.5b": "Qwen2.5-0.5B", "llama-3.1-8b": "Llama-3.1-8B"}
 HTTP_CLIENTS = 256
-# Why the vLLM runs of the peers files failed: their error rows keep only the last line of vLLM's
-# traceback (the engine core's), not its cause, which the run's logs showed (commit 47c5463).
-VLLM_FAILURE = ("every vLLM 0.26.0 engine start of this run failed (`Engine core initialization failed`): its "
-                "sampler imports FlashInfer, which the carried site lacks; the harness now sets "
-                "`VLLM_USE_FLASHINFER_SAMPLER=0`, not run on a GPU since")
+VLLM_FAILURE = ("vLLM failed in that run; its error (the last line vLLM printed) is under the run in "
+                f"[{DOC}]({DOC}#side-by-side-with-vllm), its whole log in the run's logs")
+LONG_PROMPTS = {"prompt-8k": "8k", "prompt-32k": "32k"}
 
 
 def _load(results: Path, name: str) -> dict | None:
@@ -115,13 +113,25 @@ def headline(results: Path) -> str:
             row.put("flashpage", _link(name, f"{by['flashpage']['tpot_ms']:.2f}"), peers)
             _vllm(row, peers, name, f"{by['vllm']['tpot_ms']:.2f}" if "vllm" in by else None, failed)
             rows.append(row)
+    name = "peers_long_llama-3.1-8b_h100.json"  # long prompts, batch 1: TTFT, then TPOT after the prompt
+    peers = _load(results, name)
+    for task, label in LONG_PROMPTS.items() if peers else ():
+        by = {r["impl"]: r for r in peers["rows"] if r.get("task") == task and "error" not in r}
+        for metric, what in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
+            row = _Row(f"{label}-token prompt, batch 1, {what} ms", "llama-3.1-8b")
+            if "flashpage" in by:
+                row.put("flashpage", _link(name, f"{by['flashpage'][metric]:,.{0 if metric == 'ttft_ms' else 2}f}"), peers)
+                _vllm(row, peers, name, f"{by['vllm'][metric]:,.{0 if metric == 'ttft_ms' else 2}f}" if "vllm" in by
+                      else None, failed)
+                rows.append(row)
     lines = ["| workload | model (random weights) | flashpage | vLLM | transformers | device | date |",
              "|---|---|---:|---:|---:|---|---|", *(r.line() for r in rows), "",
              "Offline: 256 requests of 128–512 tokens in and out (transformers: `generate` in static batches, the "
              "faster of its eager and SDPA attention). HTTP, streamed: Qwen2.5-0.5B with 512-token prompts and 256 "
              "outputs, driven by vLLM's client (`vllm bench serve`); GPT-2 small with prompts of 512 ± 128 and "
              "outputs of 256 ± 64 tokens, driven by ours, transformers behind the naive server "
-             "(`benchmarks/serving/naive_server.py`). Batch 1: a 512-token prompt, 256 outputs. —: not run. "
+             "(`benchmarks/serving/naive_server.py`). Batch 1: a 512-token prompt, 256 outputs; long prompts: "
+             "128 outputs, TTFT a 1-token request. —: not run. "
              f"Every run, its command and the rest: [{DOC}]({DOC})."]
     if failed:
         lines += ["", f"¹ {VLLM_FAILURE}."]

@@ -90,13 +90,27 @@ def http_table(result: dict, client: str) -> list[str]:
         return []
     by = _by(rows, "level", "impl")
     head = " | ".join(f"{label} fp | {label} vLLM" for _, label, _ in HTTP_COLS)
-    lines = [f"| clients | {head} | tok/s flashpage / vLLM |", "|---:|" + "---:|" * (2 * len(HTTP_COLS) + 1)]
+    lines = [f"| clients | {head} | failed fp | failed vLLM | tok/s flashpage / vLLM |",
+             "|---:|" + "---:|" * (2 * len(HTTP_COLS) + 3)]
     for level in dict.fromkeys(r["level"] for r in rows):
         a, b = by.get((level, "flashpage"), {}), by.get((level, "vllm"), {})
         conc = (a or b).get("concurrency")
         cells = " | ".join(f"{_fmt(a.get(k), d)} | {_fmt(b.get(k), d)}" for k, _, d in HTTP_COLS)
-        lines.append(f"| {conc} | {cells} | {_ratio(a.get('output_tokens_per_s'), b.get('output_tokens_per_s'))} |")
+        lines.append(f"| {conc} | {cells} | {_failed(a)} | {_failed(b)} | "
+                     f"{_ratio(a.get('output_tokens_per_s'), b.get('output_tokens_per_s'))} |")
     return lines
+
+
+def _failed(row: dict) -> str:
+    """Requests of a level that got no answer: "0", or "628 of 2048 (503 ×628)" with the statuses our client
+    counted; a throughput beside failures is not comparable, so the table must show them."""
+    if not row:
+        return "–"
+    n = row.get("errors") or 0
+    if not n:
+        return "0"
+    statuses = ", ".join(f"{k} ×{v}" for k, v in (row.get("errors_by_status") or {}).items())
+    return f"{n} of {row.get('num_requests', '?')}" + (f" ({statuses})" if statuses else "")
 
 
 CLIENT_TITLES = {"vllm-bench": "driven by `vllm bench serve` (vLLM's client)",
@@ -111,7 +125,7 @@ def summary(result: dict) -> str:
         ok = [r for r in rows if "error" not in r]
         if not ok:
             cells.append(f"{ENGINE_NAMES[engine]} failed" if rows else "")
-        elif kind in ("batch1", "long"):
+        elif kind in ("batch1", "long", "long-fp8"):
             cells.append(f"{ENGINE_NAMES[engine]} TPOT " + " / ".join(f"{r['tpot_ms']:.2f}" for r in ok) + " ms")
         elif kind in ("http", "prefix"):
             best = max(ok, key=lambda r: r.get("output_tokens_per_s") or 0)

@@ -77,6 +77,11 @@ MODULES = [
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
     "vllm.v1.structured_output",
     "vllm.v1.structured_output.backend_xgrammar",
+    # SamplingParams imports every backend's validator for any structured request, whichever backend
+    # is set; lm-format-enforcer's module evaluates a class annotation that loads the package itself
+    "vllm.v1.structured_output.backend_lm_format_enforcer",
+    "vllm.v1.structured_output.backend_outlines",
+    "vllm.v1.structured_output.backend_guidance",
     "xgrammar",
     "vllm.v1.spec_decode.ngram_proposer",
     "vllm.tokenizers",

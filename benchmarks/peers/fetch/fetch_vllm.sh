@@ -50,6 +50,10 @@
 #   xgrammar, apache-tvm-ffi                   structured outputs (the default backend, forced here)
 #   llguidance                                 imported with the engine (vllm.v1.structured_output's
 #                                              class annotations load it), though never used here
+#   lm-format-enforcer, interegular            SamplingParams validates any structured request by importing
+#                                              every backend's module; lm-format-enforcer's evaluates a
+#                                              class annotation that loads the package (the first H100
+#                                              run's structured workload failed on its absence)
 #   compressed_tensors, loguru                 compressed-tensors checkpoints; vLLM's quantization registry
 # The image already has torch, triton, transformers, tokenizers, numpy, numba, aiohttp, requests,
 # psutil, sentencepiece, tiktoken, pillow, opencv, einops, cloudpickle, ninja, protobuf, pyyaml,
@@ -57,7 +61,7 @@
 # and setuptools (<81) are not met there (0.68, 81) and need not be for these paths.
 # Not carried, each imported only off these paths or optional where it is imported: setproctitle
 # (process titles, try/except), depyf (a debug dump, or formatting an error), blake3 (the non-default
-# prefix-cache hash), outlines_core, lark, lm-format-enforcer (the other structured-output backends),
+# prefix-cache hash), outlines_core, lark (the other structured-output backends: their modules import them lazily),
 # anthropic, mcp (the Messages and Responses APIs, lazily), mistral_common, ijson (Mistral), flashinfer,
 # tilelang, cutlass-dsl, quack, humming, tokenspeed_mla, triton_kernels (kernels vLLM picks only where
 # importable, none its Hopper default for these models), torchcodec, PyNvVideoCodec (video),
@@ -78,7 +82,7 @@ DEPS=(
   msgspec==0.22.0 pyzmq==27.3.0 cbor2==6.3.0 cachetools==8.0.2 pybase64==1.5.1 partial-json-parser==0.2.1.1.post7
   openai==3.57.0 httpx2==2.16.2 sniffio==1.3.1 openai-harmony==0.0.8
   model-hosting-container-standards==0.1.16 jmespath==1.1.0
-  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.6
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.6 lm-format-enforcer==0.11.3 interegular==0.3.3
   compressed-tensors==0.17.0 loguru==0.7.3
 )
 PLATFORMS=()
