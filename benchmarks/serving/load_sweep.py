@@ -33,7 +33,7 @@ from pathlib import Path
 # `python -m server` defaults (server/config.py EngineConfig, server/api/guards.py ServerLimits);
 # tests/benchmarks/test_load_test.py checks them against the server's.
 SERVER_MAX_NUM_SEQS = 256
-SERVER_MAX_WAITING = 512
+SERVER_MAX_WAITING = 4096
 SERVER_MAX_CONNECTIONS = 2048
 CONNECTION_HEADROOM = 256  # warm-up client, health polls, connections still closing after a cancel
 

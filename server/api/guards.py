@@ -126,7 +126,11 @@ class ServerLimits:
     # once more for every logprob alternative (`request_tokens`). Issue 44: chat with n 128,
     # top_logprobs 20 and no max_tokens ran 600 s and built ~80 MB of JSON.
     max_request_tokens: int = 262144
-    max_waiting_requests: int | None = 512  # None: unbounded
+    # None: unbounded (vLLM's only mode). 512 shed a third of the requests of 1024 streaming clients on
+    # an H100 (256 run, the rest wait; issue 45's side by side) where vLLM queued them all; a waiting
+    # request holds only its token ids (--max-request-tokens bounds them), so the bound is set for
+    # overload, not for ordinary bursts.
+    max_waiting_requests: int | None = 4096
     request_timeout: float | None = None  # seconds; None: no deadline
     shutdown_grace: float = 30.0
     api_key: str | None = None
