@@ -27,6 +27,26 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 # (its OpenAI server against its LLM class).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 
+# Cores the engine process leaves to each API process: its torch intra-op threads are the host's
+# cores less this many per API process, at least one (`engine_threads`; OMP_NUM_THREADS, where set,
+# wins). torch's default takes every core, so a CPU engine's OpenMP team competed with the API
+# processes' event loops for the same cores, and a team waits at every barrier for its slowest
+# thread: on a 2-core host beside one API process (and other work: load ~6), a step of 128
+# sampled rows took 0.02-0.09 s with one thread and 0.7-12.7 s with two, and a plain completion in
+# those steps 0.3 s against 2.7-13.9 s (issue 44, case 8). A GPU engine's few host-side ops lose
+# nothing by it.
+CORES_PER_API_PROCESS = 1
+
+
+def engine_threads(api_processes: int, cores: int | None = None) -> int:
+    """The engine process's torch intra-op threads beside `api_processes` on a host of `cores` (by
+    default the cores this process may run on)."""
+    import os
+
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - CORES_PER_API_PROCESS * api_processes)
+
 
 @dataclass(frozen=True)
 class StructuredLimits:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from models import BACKENDS, DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS
-from server.config import ATTENTION_BACKENDS, DTYPE_NAMES
+from server.config import ATTENTION_BACKENDS, DTYPE_NAMES, engine_threads
 from server.config import LOAD_FORMATS as CLI_LOAD_FORMATS
 from server.config import QUANTIZATION_METHODS as QUANTIZATION_NAMES
 
@@ -35,3 +35,11 @@ def test_server_step_budget_fits_the_largest_prefill_graph():
     assert SERVE_MAX_NUM_BATCHED_TOKENS == PREFILL_GRAPH_MAX_TOKENS
     assert build_parser().parse_args([]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
     assert EngineConfig().max_num_batched_tokens > SERVE_MAX_NUM_BATCHED_TOKENS
+
+
+def test_the_engine_leaves_a_core_to_each_api_process():
+    """A CPU engine's OpenMP team beside the API processes' event loops on the same cores stepped
+    30x slower on a loaded 2-core host (server/config.py): it takes what they leave, at least one."""
+    assert [engine_threads(1, cores) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert [engine_threads(api, 16) for api in (2, 4, 16)] == [14, 12, 1]
+    assert engine_threads(1) >= 1  # this host's cores

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import select
 import signal
 import time
@@ -44,7 +45,7 @@ from multiprocessing.reduction import recv_handle
 
 from server.bridge.messages import (AbortRequest, AddRequest, EngineFailed, EngineReady, RequestRefused, StepOutputs,
                                     StopEngine, add_request, decode_down, encode)
-from server.config import EngineConfig
+from server.config import EngineConfig, engine_threads
 from server.engine import RequestOutput, merge_outputs
 from server.engine.stop import ERROR
 
@@ -276,6 +277,8 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
 
     for ch in channels:
         grow_pipe(ch.out)
+    if "OMP_NUM_THREADS" not in os.environ:  # cores left for the API processes (server/config.py says why)
+        torch.set_num_threads(engine_threads(len(channels)))
     try:
         torch.manual_seed(config.seed)
         engine = LLMEngine(config)
