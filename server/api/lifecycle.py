@@ -19,12 +19,14 @@ import asyncio
 import gc
 import logging
 import signal
+import sys
 
 import uvicorn
 
 from server.api.connections import protocol_class
 from server.api.guards import ServerLimits
 from server.bridge.async_engine import AsyncEngine
+from server.bridge.thread_core import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger("flashpage.lifecycle")
 
@@ -86,6 +88,13 @@ def serve(app, engine: AsyncEngine, limits: ServerLimits, sockets: list | None =
     """Serve until SIGTERM (exit code 0, after draining) or engine death (1). Returns the exit code.
     `sockets`: an already-bound listening socket shared with other API processes (then `managed`:
     SIGINT is left to the parent, server/api/servers.py)."""
+    # An API process hands long prompts, chat templates and large answers to worker threads
+    # (server/api/tokenize.py, openai_serving.py); while one runs Python the event loop waits for the
+    # GIL up to a switch interval at each turn, and a finished one waits as long for a loop busy
+    # streaming: Python's default 5 ms made each such request, each render a router waits for, and
+    # /health beside a large answer that much later. The in-process engine thread's interval
+    # (thread_core.py), for that reason.
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 5)
     # ws="none": no route speaks WebSocket, so an upgrade request is plain HTTP to the guards.
     config = uvicorn.Config(app, http=protocol_class(limits), ws="none", timeout_keep_alive=limits.keep_alive_timeout,

@@ -86,13 +86,6 @@ def api_main(spec: ApiProcessSpec) -> None:
     from server.logs import setup_logging
 
     setup_logging(spec.log_level, spec.log_format)
-    from server.bridge.thread_core import GIL_SWITCH_INTERVAL_S
-
-    # An API process hands long prompts and chat templates to a worker thread (server/api/tokenize.py);
-    # when that thread is done it waits for the GIL, which a loop busy streaming yields only every
-    # switch interval: Python's default 5 ms made each such request, and each render a router waits
-    # for, that much later. The in-process engine thread's interval (thread_core.py), for that reason.
-    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     from server.api.app import create_app
     from server.api.connections import raise_fd_limit
     from server.api.lifecycle import serve
