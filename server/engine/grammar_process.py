@@ -49,8 +49,9 @@ the engine says to forget it: the engine keeps the list, least recently used fir
 `cache_bytes` of compiled grammars (the sizes the process reports), so that what it admits at once
 is always there and the process's memory stays bounded (issue 44: unbounded, ~20 specs took it
 from 365 to 1,041 MB). XGrammar's own cache there has the same bound.
-The process reads until its socket closes (the engine closed it, or died), then exits; it ignores
-SIGINT and SIGTERM (they reach the whole process group; the engine closes it when it stops).
+The process itself (its loop over these messages) is server/engine/grammar_matchers.py; it reads
+until its socket closes (the engine closed it, or died), then exits; it ignores SIGINT and SIGTERM
+(they reach the whole process group; the engine closes it when it stops).
 """
 
 from __future__ import annotations
@@ -59,16 +60,13 @@ import logging
 import mmap
 import operator
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -77,7 +75,7 @@ from server.sampling_params import StructuredOutput
 from server.worker.grammar_rows import MaskLayout, MaskMemory
 
 log = logging.getLogger("flashpage.grammar")
-ENTRY = "import sys; from server.engine.grammar_process import main; main(sys.argv[1:])"  # the process's
+ENTRY = "import sys; from server.engine.grammar_matchers import main; main(sys.argv[1:])"  # the process's
 START_TIMEOUT_S = 120.0  # a matcher's first reply waits for the process's start (imports, tokenizer)
 READY_SPECS = 1024  # the specs the engine remembers the process compiled (least recently used go)
 CHECK_TIMEOUT_S = 2.0  # a speculative step's wait for its proposals' check (then none of them stands)
@@ -311,128 +309,3 @@ class PendingMatcher:
             raise RequestError(error)
         self.process.compiled(self.spec, nbytes)
         return self.key
-
-
-# -- the process ----------------------------------------------------------------------------------
-def serve(conn: Connection, fd: int) -> None:
-    from models import load_tokenizer
-    from server.engine.grammar import Grammars
-
-    model_path, vocab_size, stop_ids, rows, words, cache_bytes = conn.recv()
-    layout = MaskLayout(rows, words)
-    flags, lives, bitss = layout.views(mmap.mmap(fd, layout.nbytes))
-    grammars = Grammars(load_tokenizer(model_path), vocab_size, frozenset(stop_ids), cache_bytes)
-    matchers: dict[int, object] = {}
-    compiled: dict[StructuredOutput, object] = {}  # until the engine says to forget it (the module docstring)
-    sending = threading.Lock()
-    compiles = ThreadPoolExecutor(1, thread_name_prefix="flashpage-compile")
-    held = threading.Lock()  # matchers, with the keys the compile thread is making
-    making: set[int] = set()
-    gone: set[int] = set()  # keys dropped while the compile thread made them: not kept
-
-    def reply(msg: tuple) -> None:
-        with sending:
-            conn.send(msg)
-
-    def matcher(spec: StructuredOutput) -> tuple[object | None, str | None]:
-        try:
-            with held:
-                grammar = compiled.get(spec)
-            if grammar is None:  # new (on the compile thread); or, on a job, forgotten (never: see GrammarProcess)
-                grammar = grammars.compile(spec)
-                with held:
-                    compiled[spec] = grammar
-            return grammars.xgr.GrammarMatcher(grammar), None
-        except RequestError as e:
-            return None, str(e)
-        except Exception as e:  # noqa: BLE001 - anything else is the request's error too, and said so
-            return None, f"{type(e).__name__}: {e}"
-
-    def make(key: int, spec: StructuredOutput) -> None:
-        m, error = matcher(spec)
-        with held:
-            making.discard(key)
-            if key in gone:
-                gone.discard(key)
-            elif m is not None:
-                matchers[key] = m
-            nbytes = compiled[spec].memory_size_bytes if spec in compiled else 0
-        reply(("added", key, (error, nbytes)))
-
-    def drop(key: int) -> None:
-        with held:
-            if matchers.pop(key, None) is None and key in making:
-                gone.add(key)
-
-    get = matchers.get
-
-    def advance(rows: list[int], tokens: list[int], runs: bool) -> frozenset[int]:
-        # Skipped: unconstrained rows (-1), matchers dropped since (their sequences ended), and
-        # those of a job's adds that could not be made (held as None; reported); after a
-        # speculative step, a verification's rows past its accepted run (id -1).
-        ms = [get(k) for k in rows]
-        if None in ms or runs:
-            kept = [(m, t) for m, t in zip(ms, tokens) if m is not None and t >= 0]
-            ms, tokens = [m for m, _ in kept], [t for _, t in kept]
-        return grammars.accept(ms, tokens, runs) if ms else frozenset()
-
-    filled: list[int] | None = None  # the last fill's rows: whose matchers the next ids advance
-    runs = False  # the last fill had verifications: its ids are runs
-    fills, fail_at = 0, 0
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the engine closed it, or died: nothing here to keep
-            os._exit(0)  # at once: an interpreter's teardown (torch, XGrammar) takes CPU a busy host lacks
-        kind = msg[0]
-        if kind == "job":
-            _, step, adds, drops, tokens, rows, forgets, drafts = msg
-            for key, spec_kind, spec in adds:  # compiled before: ~10 us each
-                matchers[key], error = matcher(StructuredOutput(spec_kind, spec))
-                if error is not None:  # held as None: its row is left alone until the engine drops it
-                    reply(("broken", key, error))
-            for spec_kind, spec in forgets:  # after the adds: one may be of a spec the engine let go of since
-                with held:
-                    compiled.pop(StructuredOutput(spec_kind, spec), None)
-            for key in drops:
-                drop(key)
-            taking, taking_runs = filled, runs  # the rows whose ids `tokens` are
-            if step is not None:
-                filled = filled if rows is None else rows
-                runs = bool(drafts)
-            try:
-                if tokens is not None and taking is None:
-                    raise RuntimeError("ids for matchers this process never filled (it started since)")
-                ended = advance(taking, tokens, taking_runs) if tokens else frozenset()
-                if step is not None:
-                    fills += 1
-                    if fills == fail_at:
-                        raise RuntimeError("injected fill failure")
-                    if filled is None:
-                        raise RuntimeError("no rows to fill")
-                    grammars.fill_bitmask([None if r < 0 else matchers[r] for r in filled], bitss[step % 2],
-                                          lives[step % 2], ended, drafts)
-            except Exception as e:  # noqa: BLE001 - the step fails, the process goes on
-                if step is not None:
-                    lives[step % 2][: len(filled or ())] = 0
-                    flags[1] = step
-                reply(("failed", step, f"{type(e).__name__}: {e}"))
-            if step is not None:
-                flags[0] = step  # after every write to the masks (one thread, x86's store order)
-        elif kind == "add":
-            with held:
-                making.add(msg[1])
-            compiles.submit(make, msg[1], StructuredOutput(msg[2], msg[3]))
-        elif kind == "fail_at":
-            fail_at = fills + msg[1] if msg[1] else 0
-        elif kind == "count":
-            reply(("count", len(matchers), len(compiled)))
-        elif kind == "check":
-            reply(("checked", msg[1], [grammars.valid_prefix(get(key), p) for key, p in msg[2]]))
-
-
-def main(argv: list[str]) -> None:
-    """The process's entry (`ENTRY`): the socket's fd, the masks' memfd."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the group's Ctrl+C and TERM: the engine closes it
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve(Connection(int(argv[0])), int(argv[1]))
