@@ -1,22 +1,21 @@
 """Issue 44, hardening round two: what an adversarial client still broke (structured outputs, large
 answers, a small request with a huge bill), each case re-run against a real server on loopback.
 
-During each case a bystander probes the server: GET /health every 20 ms, answered within 100 ms
-(the median; every one within 1 s: a blocked event loop shows seconds), and plain completions one
+During each case a bystander probes the server: GET /health every 20 ms, every one answered within
+100 ms of server time (`bystanders` says what that leaves out, and why), and plain completions one
 after another, at least one, each within 2 s of its time alone (measured just before the case).
 After each case /health answers and every KV block is free (test_adversarial's autouse check).
 
-One server for all, kept lean for CI: the tiny checkpoint, one API process, the structured-output
-bounds at their defaults (issue 44's specs must trip them) but for a regex's length (raised,
-so that a slow one reaches the compile deadline), a short compile deadline, 64 KiB of
-compiled grammars per process and a sixteenth of the default --max-request-tokens. What needs more
-than such a server is shown where it is cheap:
+One server for all cases but 2, kept lean for CI: the tiny checkpoint, one API process, the
+structured-output bounds at their defaults (issue 44's specs must trip them) but for a regex's
+length (raised, so that a slow one reaches the compile deadline), a short compile deadline, 64 KiB
+of compiled grammars per process and a sixteenth of the default --max-request-tokens. What needs
+more than such a server is shown where it is cheap:
 - case 1's crash inside XGrammar (bounds raised past the crasher) and case 3's deadline on the
   crasher's scale: tests/server/engine/test_grammar_compile.py;
-- case 2, a dead API process: tests/server/bridge/test_engine_loop.py (a broken pipe closes its
-  channel and frees its requests; a new channel is greeted and served), tests/server/api/test_servers.py
-  (restarts within a budget) and tests/server/api/test_reliability.py (four API processes, one
-  killed: replaced, the server serves on);
+- case 2 runs last, on a second server (two API processes, started beside the first); its parts:
+  tests/server/bridge/test_engine_loop.py (a broken pipe closes its channel and frees its requests;
+  a new channel is greeted and served) and tests/server/api/test_servers.py (restarts within a budget);
 - case 3's admission (a compiling grammar holds up no request behind it) and case 6's count of
   compiled specs per process: tests/server/engine/test_grammar.py.
 """
@@ -24,43 +23,65 @@ than such a server is shown where it is cheap:
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import psutil
 import pytest
 
 from benchmarks.shared.common import ServerProcess
+from tests.helpers import sse_events
 from tests.server.api.test_adversarial import healthy_and_all_free  # noqa: F401 - after each case (autouse)
 from tests.server.engine.test_grammar_bounds import ref_chain
 
 COMPILE_TIMEOUT = 3.0  # the server's --structured-compile-timeout (seconds)
 REQUEST_TOKENS = 16_384  # its --max-request-tokens (a sixteenth of the default: CI time)
 PLAIN = {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-# /health: the issue's bound (100 ms) for the typical probe, and 1 s for every one: a loaded 2-core
-# host delays a probe by a few hundred ms now and then, while a blocked event loop shows seconds.
+# /health: the issue's 100 ms for every probe, less the time the probing thread and the API
+# processes' event-loop threads waited for a CPU meanwhile (the kernel's run queue, read from
+# /proc/<tid>/schedstat; nothing where there is none): what is left is the server's own latency (its
+# loop's work, GIL waits, I/O), which our code decides: at most 27 ms in 162 cases measured. The run
+# queue is the host's: on the shared 2-core host this was measured on (load 3-10 from other work)
+# whole probes passed 100 ms in 5 of 210 cases on the one-process server (cases 1, 3 and 8; at most
+# 335 ms, of which the probing thread had waited 333 ms for a CPU), and the API loop's longest
+# stalls were 70-90% run-queue wait. Whole probes must still be within 100 ms at the median and 1 s
+# each: a blocked event loop shows seconds (issue 44: 6.1 s).
 HEALTH_BOUND_S, HEALTH_WORST_S, PLAIN_SLACK_S = 0.1, 1.0, 2.0
-# A plain completion's slack where the case itself gives the engine real work to share its steps
-# with (prompt tokens scored, 128 choices): batched with them on the CPU its steps are slower, but it
-# must not wait for them to end (before: up to 600 s)
-PLAIN_BUSY_SLACK_S = 10.0
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_ckpt, tmp_path_factory):
+def servers(tiny_ckpt, tmp_path_factory):
+    """Both servers, started together (their start-ups overlap): `srv` for every case but 2, `srv2`
+    for case 2 (two API processes; it idles until then)."""
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(TEMPLATE)
-    s = ServerProcess.python_server([
-        "--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256", "--api-server-count", "1",
-        "--chat-template", str(template), "--structured-compile-timeout", str(COMPILE_TIMEOUT),
-        "--max-structured-regex-chars", "20000", "--structured-cache-memory", "64KiB", "--max-request-tokens", str(REQUEST_TOKENS)]).wait_healthy(180)
-    yield s
-    s.stop(30, must_exit=True)
+    both = [ServerProcess.python_server([
+                "--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256", "--api-server-count", "1",
+                "--chat-template", str(template), "--structured-compile-timeout", str(COMPILE_TIMEOUT),
+                "--max-structured-regex-chars", "20000", "--structured-cache-memory", "64KiB",
+                "--max-request-tokens", str(REQUEST_TOKENS)]),
+            # steps of at least 20 ms (the test-only fault hook): 150 tokens are 3 s, so that a stream
+            # is still running when its process dies
+            ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256",
+                                         "--api-server-count", "2"],
+                                        extra_env={"FLASHPAGE_FAULT_INJECT": "sleep=0.02"})]
+    try:
+        yield [s.wait_healthy(180) for s in both]
+    finally:
+        both[0].stop(30, must_exit=True)
+        both[1].stop(30, sig=signal.SIGKILL)  # its graceful exit is not under test here (test_servers.py's is)
+
+
+@pytest.fixture(scope="module")
+def srv(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +121,25 @@ def plain_time(url: str) -> float:
 _BYSTANDER = r"""
 import json, sys, threading, time
 import httpx
-url, plain, stop = sys.argv[1], json.loads(sys.argv[2]), time.monotonic() + 600
+url, plain, loops = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+stop = time.monotonic() + 600
 seen = {"health": [], "plain": [], "lost": 0}
+sys.setswitchinterval(0.0005)  # the two threads share a GIL: a probe must not wait 5 ms for it
+def queued(tid_paths):  # seconds each of these threads has waited for a CPU so far
+    waits = {}
+    for path in tid_paths:
+        try:
+            with open(path) as f:
+                waits[path] = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):  # gone (a killed API process), or no schedstat
+            pass
+    return waits
 def timed(name, call):
+    threads = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
+    threads += [f"/proc/{p}/task/{p}/schedstat" for p in loops]  # each API process's main thread: its loop
     c = httpx.Client(base_url=url, timeout=60)
     while time.monotonic() < stop:
-        t = time.perf_counter()
+        t, q = time.perf_counter(), queued(threads)
         try:
             ok = call(c).status_code == 200
         except httpx.TransportError:  # counted: the case fails on it
@@ -113,7 +147,9 @@ def timed(name, call):
             c.close()
             c = httpx.Client(base_url=url, timeout=60)
             continue
-        seen[name].append(time.perf_counter() - t if ok else None)
+        took, now = time.perf_counter() - t, queued(threads)
+        waited = sum(now[p] - q[p] for p in q.keys() & now.keys())
+        seen[name].append(None if not ok else [took, took - waited] if name == "health" else took)
         time.sleep(0.02 if name == "health" else 0)
     c.close()
 threading.Thread(target=timed, args=("health", lambda c: c.get("/health")), daemon=True).start()
@@ -152,17 +188,19 @@ def settle(srv, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def bystanders(srv, plain_slack: float = PLAIN_SLACK_S):
+def bystanders(srv, loops: list[int] | None = None, lost: int = 0):
     """While the block runs, in a process of their own (so that the test's own work never delays
-    them): GET /health every 20 ms and plain completions one after another, each timed (None: not
-    answered 200). After it: /health within HEALTH_BOUND_S (the median; every one within
-    HEALTH_WORST_S), at least one completion and each within `plain_slack` of its time alone, no
-    connection lost. It starts once the server is idle (`settle`)."""
+    them): GET /health every 20 ms and plain completions one after another, each timed. After it:
+    every probe answered 200 within HEALTH_BOUND_S less the run-queue waits of its thread and of the
+    event loops of `loops` (the API processes' pids; default: the server's own), whole probes within
+    HEALTH_BOUND_S at the median and HEALTH_WORST_S each; at least one completion, each answered 200
+    within PLAIN_SLACK_S of its time alone; at most `lost` connections lost. It starts once the server
+    is idle (`settle`)."""
     url = srv.url
     settle(srv)
     normal = plain_time(url)
-    proc = subprocess.Popen([sys.executable, "-c", _BYSTANDER, url, json.dumps(PLAIN)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _BYSTANDER, url, json.dumps(PLAIN), json.dumps(loops or [srv.pid])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
         time.sleep(0.1)
@@ -175,9 +213,11 @@ def bystanders(srv, plain_slack: float = PLAIN_SLACK_S):
         proc.wait()
     health, plain = seen["health"], seen["plain"]
     assert health and None not in health, health
-    assert sorted(health)[len(health) // 2] < HEALTH_BOUND_S and max(health) < HEALTH_WORST_S, sorted(health)[-5:]
-    assert plain and None not in plain and max(plain) < normal + plain_slack, (normal, plain)
-    assert not seen["lost"], seen["lost"]
+    whole = sorted(took for took, _ in health)
+    assert max(own for _, own in health) < HEALTH_BOUND_S, sorted(health, key=lambda h: h[1])[-3:]  # [whole, own]
+    assert whole[len(whole) // 2] < HEALTH_BOUND_S and whole[-1] < HEALTH_WORST_S, whole[-5:]
+    assert plain and None not in plain and max(plain) < normal + PLAIN_SLACK_S, (normal, plain)
+    assert seen["lost"] <= lost, seen["lost"]
 
 
 # -- 1: a schema that crashed XGrammar is refused before any compile; nothing else notices ------------
@@ -305,7 +345,7 @@ def test_a_large_answer_is_capped_and_built_off_the_event_loop(srv, url, model):
     loop, and /health took 6.1 s."""
     prompt = [5 + i % 200 for i in range(150)]
     scores = {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 20}
-    with bystanders(srv, plain_slack=PLAIN_BUSY_SLACK_S):
+    with bystanders(srv):
         t0 = time.monotonic()
         r = post(url, "/v1/completions", {**scores, "n": 128})  # 128 x 150 x 21 = 403,200
         err = r.json()["error"]
@@ -328,7 +368,7 @@ def test_a_small_request_cannot_ask_for_minutes_of_work(srv, url, model):
     at the default), and asking for more outright is a 400."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 128, "logprobs": True,
             "top_logprobs": 20, "ignore_eos": True}
-    with bystanders(srv, plain_slack=PLAIN_BUSY_SLACK_S):
+    with bystanders(srv):
         t0 = time.monotonic()
         r = post(url, "/v1/chat/completions", body, timeout=300)
         took = time.monotonic() - t0
@@ -359,3 +399,73 @@ def test_logit_bias_keys_stop_ids_and_stop_lists_get_the_right_message(srv, url,
         r = post(url, "/generate", {"prompt": "hi", "stop": ["x"] * 17})
         detail = r.json()["detail"][0]
         assert r.status_code == 422 and detail["loc"] == ["body", "stop"] and "at most 16" in detail["msg"], r.text
+
+
+# -- 2: a dead API process: its own requests end, the engine and the other API process serve on ---------
+@pytest.fixture(scope="module")
+def srv2(servers):
+    return servers[1]
+
+
+def api_processes(srv) -> list[psutil.Process]:
+    """The API processes of a server of several: its children listening on its port."""
+    return [p for p in psutil.Process(srv.pid).children(recursive=True)
+            if any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))]
+
+
+def serving(api: list[psutil.Process], client_port: int) -> int:
+    """The pid of the API process holding the connection from `client_port`."""
+    return next(p.pid for p in api for c in p.net_connections("tcp") if c.raddr and c.raddr.port == client_port)
+
+
+def test_a_dead_api_process_ends_only_its_own_requests_and_is_replaced(srv2):
+    """Before: with two API processes and 8 streams running, kill -9 of one killed the engine (a
+    BrokenPipeError writing to its pipe was not caught) and the other API process with it, its streams
+    cut off. Now the dead one's 8 streams end and their sequences are aborted at once, the other
+    process's streams run to the end, another API process starts in the dead one's place and serves,
+    and every block is free. The bystander may lose what it had on the dead process's connections
+    (two), nothing else."""
+    api = api_processes(srv2)
+    assert len(api) == 2
+    body = {"prompt_token_ids": [5, 6, 7], "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+    with bystanders(srv2, loops=[p.pid for p in api], lost=2), ExitStack() as stack:
+        streams = []  # (the response, the pid of the API process serving it), each on a connection of its own
+        while max(Counter(pid for _, pid in streams).values(), default=0) < 8:
+            r = stack.enter_context(stack.enter_context(httpx.Client(base_url=srv2.url, timeout=60)).stream(
+                "POST", "/generate", json=body))
+            assert r.status_code == 200  # its first tokens are out: it runs
+            streams.append((r, serving(api, r.extensions["network_stream"].get_extra_info("client_addr")[1])))
+        [(dead, _)] = Counter(pid for _, pid in streams).most_common(1)  # the one with 8 (the kernel favours one)
+        victim, survivor = sorted(api, key=lambda p: p.pid != dead)
+        others = [r for r, pid in streams if pid != dead]
+        victim.kill()
+        deadline = time.monotonic() + 2  # its sequences aborted at once: the last one had 3 s (150 steps) to go
+        while (kv := httpx.get(srv2.url + "/debug/kv", timeout=10).json())["engine_sequences"] > len(others) + 1:
+            assert time.monotonic() < deadline, kv  # (+ 1: the bystander's completion)
+            time.sleep(0.05)
+        for r, pid in streams:
+            if pid == dead:  # cut off: no last event
+                with pytest.raises(httpx.TransportError):
+                    sse_events(r)
+            else:
+                events = sse_events(r)
+                assert events[-1] == "[DONE]" and events[-2]["finish_reason"] == "length", events[-2:]
+                assert sum(len(e["token_ids"]) for e in events[:-1]) == 150
+        deadline = time.monotonic() + 120
+        while len(now := api_processes(srv2)) < 2 or dead in {p.pid for p in now}:
+            assert time.monotonic() < deadline, "no API process started in place of the dead one"
+            time.sleep(0.2)
+    [new] = [p for p in now if p.pid != survivor.pid]
+    survivor.suspend()  # only the new process accepts connections now
+    try:
+        with httpx.Client(base_url=srv2.url, timeout=120) as c:  # (waits for it to be ready)
+            r = c.post("/generate", json=PLAIN)
+            assert r.status_code == 200, r.text
+            assert serving(now, r.extensions["network_stream"].get_extra_info("client_addr")[1]) == new.pid
+            deadline = time.monotonic() + 15
+            while (kv := c.get("/debug/kv").json())["kv_blocks_free"] < kv["kv_blocks_total"] or kv["engine_sequences"]:
+                assert time.monotonic() < deadline, f"blocks or sequences leaked: {kv}"
+                time.sleep(0.05)
+    finally:
+        survivor.resume()
+    assert srv2.proc.poll() is None
