@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
-#                                   fp8kv|fp8kv-engine|quant|quanttests]...
+#                                   fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -136,6 +136,11 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv-engine)
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
+      # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
+      # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh)
+      prefill-chunks)
+        timeout 300 python3 -m benchmarks.kernels.bench_prefill_chunks --out-dir "$OUT" 2>&1 | tee "$OUT/prefill_chunks.log" \
+          | tail -20 || status=1 ;;
       profile)
         for n in 1 4; do
           python3 -m benchmarks.profiling.profile_server --server-args "--api-server-count $n" --label "api$n" \
