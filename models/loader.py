@@ -6,7 +6,8 @@ the network allows. With no model named, the checkpoint embedded in this package
 
 Safetensors are read one tensor at a time as the model takes them, so that loading holds one tensor
 (not the checkpoint) in host memory beside the model; under tensor parallelism every rank reads
-each tensor and keeps its part (models/parallel). `load_format="dummy"` (vLLM's name) reads no
+each tensor and keeps its part (models/parallel; a quantized tensor in its canonical layout, after
+`convert`: models/quant/shards.py). `load_format="dummy"` (vLLM's name) reads no
 weight files: random tensors at the checkpoint's names and shapes (from config.json alone), made on
 the device, go through the same `load_weights` (`dummy_tensors`).
 """
@@ -27,7 +28,7 @@ from models import quant
 from models.base import CausalLM
 from models.kv_scales import is_attention_scale
 from models.linear import storage_later
-from models.parallel.group import tensor_parallel
+from models.parallel.group import TensorParallel, built_as
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
@@ -142,9 +143,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     config = load_config(path)
     scheme = quant.detect(path, quantization)
-    if scheme is not None and tensor_parallel().size > 1:  # (server/worker/setup.py refuses it at start first)
-        raise ValueError(f"quantized weights ({scheme.name}) do not combine with tensor parallelism yet: "
-                         "a quantized linear's scales and packed columns are not split by rank")
     # Built on the device with its parameters left uninitialised, as on the meta device followed by
     # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
     # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
@@ -167,6 +165,20 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     if scheme is not None:
         quant.finish(model)
     return model.eval().requires_grad_(False)
+
+
+def check_quantized_split(path: Path, quantization: str | None, size: int) -> None:
+    """Refuse, naming the layer, a quantized checkpoint whose 128x128 blocks or 128-column groups a
+    rank's share of `size` would cut (models/quant/shards.py), before any rank starts: rank 0's
+    shard built on the meta device (no memory, no weight read) with its quantized storage attached.
+    Every rank's shares are as long as rank 0's and start at multiples of them, so rank 0's decide."""
+    scheme = quant.detect(path, quantization)
+    if scheme is None or scheme.online or size == 1:
+        return
+    config = load_config(path)
+    with built_as(TensorParallel(0, size)), torch.device("meta"), _no_init(), storage_later():
+        model = model_class(config.model_type)(config, "sdpa")
+        quant.attach(model, scheme, torch.device("meta"), torch.float16, deterministic=False)
 
 
 def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> LazyTensors:

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
-from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model,
-                    load_tokenizer, quantization_scheme, shard_spec, tensor_parallel, weights_info)
+from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, check_quantized_split, checkpoint_dtype, load_config,
+                    load_model, load_tokenizer, shard_spec, tensor_parallel, weights_info)
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
@@ -66,15 +66,12 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
 
 def check_tensor_parallel(config: EngineConfig, path: Path) -> None:
     """What does not divide, or does not combine with tensor parallelism yet, stops the start here,
-    before any process starts (ValueError)."""
+    before any process starts (ValueError): heads, a quantized layer whose blocks or groups a rank's
+    share would cut (named), speculative decoding."""
     shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
+    check_quantized_split(path, config.quantization, config.tensor_parallel_size)
     if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
         raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
-    # quantized weights only: a checkpoint whose quantization_config carries an FP8 KV cache's scales
-    # alone has 16-bit weights, and its per-head scales are cut by rank like the heads
-    if quantization_scheme(path, config.quantization) is not None:
-        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
-                         "(a quantized linear's scales are not split by rank)")
 
 
 def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
