@@ -169,6 +169,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     return model.eval().requires_grad_(False)
 
 
+def is_eagle3_head(path: Path) -> bool:
+    """Does `path` hold an EAGLE-3 head (its config.json names an Eagle3 architecture)?"""
+    file = path / "config.json"
+    if not file.exists():
+        return False
+    return any("eagle3" in str(a).lower() for a in json.loads(file.read_text()).get("architectures") or [])
+
+
 def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> LazyTensors:
     """A random checkpoint of `config`'s model, each tensor made on `device` when it is read: the
     names and shapes of transformers' own model class (built on the meta device: no memory), values
