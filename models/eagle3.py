@@ -16,8 +16,8 @@ The layout (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, SpecForge's `LlamaForCausalLMEa
 Which target states: the residual stream entering layers `eagle_aux_hidden_state_layer_ids` (vLLM's
 reading: id j is the output of layer j - 1, 0 the embedding; SGLang reads an explicit list one layer
 later), by default (2, L // 2, L - 3) of an L-layer target (vLLM, SGLang and the EAGLE repository
-agree on that default). The target hands them over with `LlamaForCausalLM.aux_layers`/`aux_sink`
-(models/llama.py): `keep_features` fuses them through `fc` and stores each token's fused state at its
+agree on that default). The target hands them over with its `aux_layers`/`aux_sink` (every family:
+models/llama.py, models/gpt2.py): `keep_features` fuses them through `fc` and stores each token's fused state at its
 KV slot, in `features` (a row per cache slot, over the target's block ids), so that the head reads a
 position's state whenever it catches up on it, steps later, after preemption or from a prefix hit.
 
@@ -43,7 +43,7 @@ from transformers import LlamaConfig
 from models.attention import AttentionMetadata, Rope, make_backend
 from models.base import CausalLM
 from models.linear import Linear, head_matmul
-from models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, Rotary
+from models.llama import LlamaAttention, LlamaMLP, RMSNorm, Rotary
 from models.loader import _no_init, _read_tensors
 from models.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, qkv_parts
 from models.spec import ModelSpec
@@ -85,11 +85,11 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """An EAGLE-3 head drafting for `target` (a LlamaForCausalLM), behind the model contract
+    """An EAGLE-3 head drafting for `target` (of any family), behind the model contract
     (models/base.py) that the draft runner's graphs and warm-up speak: `forward` reads each prompt-
     chunk row's fused state from `features` at its slot, each decode row r's from `carry[r]`."""
 
-    def __init__(self, config: LlamaConfig, target: LlamaForCausalLM, attention: str, own_embedding: bool,
+    def __init__(self, config: LlamaConfig, target: CausalLM, attention: str, own_embedding: bool,
                  target_hidden: int, draft_vocab: int, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -106,7 +106,8 @@ class Eagle3Head(nn.Module):
         self.lm_head_weight = nn.Parameter(torch.empty(draft_vocab, spec.hidden_size))
         self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, spec.hidden_size) if own_embedding else None
-        self._target_embed = (target.embed_tokens,)  # (a tuple: not a submodule of the head)
+        # the target's token table (a tuple: not a submodule of the head); GPT-2's without its positions
+        self._target_embed = (target.embed_tokens if hasattr(target, "embed_tokens") else target.wte,)
         self.rotary: Rotary | None = None
         self.features: torch.Tensor | None = None  # [cache slots + a scratch block, hidden] (allocate)
         self.carry: torch.Tensor | None = None  # [rows, hidden]
@@ -197,11 +198,10 @@ class Eagle3Head(nn.Module):
 def load_head(path: Path, target: CausalLM, dtype: torch.dtype, device: torch.device | str, attention: str,
               max_model_len: int) -> Eagle3Head:
     """The head at `path`, loaded for `target` (which then hands it its states: aux_layers,
-    aux_sink). ValueError says what does not fit: a target that is not of the Llama family, a head
-    trained for another width or vocabulary, aux layers the target lacks, more than one layer."""
-    if not isinstance(target, LlamaForCausalLM):
-        raise ValueError(f"EAGLE-3 heads draft from a Llama-family target's hidden states (llama, mistral, qwen2, "
-                         f"qwen3); this target is {target.spec.model_type}")
+    aux_sink). ValueError says what does not fit: a head trained for another width or vocabulary,
+    aux layers the target lacks, more than one layer."""
+    if not hasattr(target, "aux_layers"):  # (the families' forwards hand their states over: models/llama.py, gpt2.py)
+        raise ValueError(f"an EAGLE-3 head cannot draft for a {type(target).__name__}: it hands over no hidden states")
     config = LlamaConfig.from_pretrained(path)
     t = target.spec
     if config.num_hidden_layers != 1:

@@ -1,8 +1,8 @@
 """EAGLE-3 heads (models/eagle3.py) in the published layout, loaded through the production loader:
 the paged head's forward (prompt chunks over a cached prefix, a chained decode step fed its own
 state) against the plain-PyTorch reference (models/eagle3_reference.py); the target's states as
-transformers computes them, fused into each token's slot; the layout's other spellings; and the
-refusals, each naming what does not fit."""
+transformers computes them (a Llama and a GPT-2 target), fused into each token's slot; the
+layout's other spellings; and the refusals, each naming what does not fit."""
 
 import json
 import shutil
@@ -72,23 +72,32 @@ def test_the_paged_head_matches_the_reference(eagle3_pair):
         torch.testing.assert_close(step, chained, rtol=1e-5, atol=1e-5)
 
 
-def test_the_target_hands_over_the_states_transformers_computes(eagle3_pair):
-    """The residual stream entering layers 0, 1 and 3 (transformers' hidden_states[j]), fused by
-    fc, lands in each token's slot row; padding rows (slot -1) in the scratch block's."""
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_target_hands_over_the_states_transformers_computes(eagle3_pair, small_ckpt, tmp_path, family):
+    """The residual stream entering the head's layers (transformers' hidden_states[j]: Llama's 0, 1
+    and 3, GPT-2's 0, 1 and 2, its token and position embeddings at 0), fused by fc, lands in each
+    token's slot row; padding rows (slot -1) in the scratch block's; a GPT-2 target's head embeds
+    with its token table alone."""
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.shared.checkpoint import make_random_eagle3
     from tests.helpers import prefill_logits
 
     target, path = eagle3_pair
+    layers = (0, 1, 3)
+    if family == "gpt2":
+        target, layers = small_ckpt, (0, 1, 2)
+        path = make_random_eagle3(tmp_path / "head", target, draft_vocab_size=300, layer_ids=list(layers), std=0.2)
     model, head = _load(target, path)
-    assert model.aux_layers == (0, 1, 3) and model.aux_sink == head.keep_features
+    assert model.aux_layers == layers and model.aux_sink == head.keep_features
+    assert head._target_embed[0] is (model.wte if family == "gpt2" else model.embed_tokens)
     head.allocate(4, BS, 2)
     ids = list(range(3, 40))
     prefill_logits(model, ids)  # one prompt chunk at slots 0..36
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        want = head.fc(torch.cat([states[j][0] for j in (0, 1, 3)], dim=-1))
+        want = head.fc(torch.cat([states[j][0] for j in layers], dim=-1))
     torch.testing.assert_close(head.features[: len(ids)], want, rtol=1e-4, atol=1e-4)
     assert head.features[len(ids) :].abs().sum() == 0
 
@@ -120,7 +129,7 @@ def test_the_layouts_spellings_load_alike(eagle3_pair, tmp_path):
     assert torch.equal(with_table.embed_tokens.weight[:512], table)
 
 
-def test_heads_that_do_not_fit_the_target_are_refused(eagle3_pair, tiny_ckpt, tmp_path):
+def test_heads_that_do_not_fit_the_target_are_refused(eagle3_pair, tmp_path):
     target, path = eagle3_pair
     model = load_model(target, torch.float32, "cpu", "sdpa")
 
@@ -128,7 +137,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(eagle3_pair, tiny_ckpt, tm
         with pytest.raises(ValueError, match=words):
             load_eagle3_head(head, on, torch.float32, "cpu", "sdpa", 256)
 
-    refused(path, "Llama-family target", load_model(tiny_ckpt, torch.float32, "cpu", "sdpa"))  # GPT-2
+    refused(path, "cannot draft for a Linear: it hands over no hidden states", torch.nn.Linear(2, 2))
     refused(_variant(path, tmp_path / "vocab", config={"vocab_size": 600}), r"vocabulary \(600\) is not the target's")
     refused(_variant(path, tmp_path / "wide", config={"target_hidden_size": 128}), "hidden size 128; this target's is 64")
     refused(_variant(path, tmp_path / "narrow", config={"hidden_size": 32, "target_hidden_size": 64}),
