@@ -2,7 +2,8 @@
 reference that models/eagle3.py (paged, batched, graph-captured) is tested against, and the module
 whose `state_dict()` is the published checkpoint layout (`fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`,
 `d2t`, `t2d`, optionally `embed_tokens.*`; models/eagle3.py describes it), so random heads for tests
-and benchmarks are written from it (benchmarks/shared/checkpoint.py `make_random_eagle3`).
+and benchmarks and the embedded model's trained head are written from it (`head_config`, `save_head`;
+benchmarks/shared/checkpoint.py `make_random_eagle3`, tools/embedded/train_eagle3.py).
 
 Arithmetic as the EAGLE repository's and vLLM's heads do it: x = concat(input_layernorm(embedding),
 hidden_norm(state)); r = state (or hidden_norm(state) with `norm_before_residual`) + attention(x);
@@ -12,6 +13,9 @@ for grouped queries.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +49,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(t, self.heads, self.d).transpose(0, 1)
         k = self.k_proj(x).view(t, self.kv, self.d).transpose(0, 1)
         v = self.v_proj(x).view(t, self.kv, self.d).transpose(0, 1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = (a.repeat_interleave(self.heads // self.kv, dim=0) for a in (k, v))
         scores = (q.float() @ k.float().transpose(1, 2)) * self.d**-0.5
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
@@ -53,7 +57,7 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -133,3 +137,44 @@ class Eagle3Reference(nn.Module):
             ids.append(out[-1])
             states = torch.cat([states, o[-1:]])
         return out
+
+    def set_draft_vocabulary(self, ids: torch.Tensor) -> None:
+        """The target ids the draft vocabulary holds (its size of them, sorted into d2t and t2d)."""
+        ids = ids.sort().values.to(self.d2t.device)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+
+def head_config(target, draft_vocab: int, layer_ids: list[int] | None = None, **fields) -> dict:
+    """config.json of a head of one layer of `target`'s shape (its transformers config; a GPT-2
+    target's head is Llama-shaped all the same, with RoPE of its own): `draft_vocab` tokens,
+    `eagle_config.eagle_aux_hidden_state_layer_ids` when `layer_ids` is given (else the default
+    layers), `target_hidden_size` where `fields` give the head another width."""
+    t, heads = target, target.num_attention_heads
+    d = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=t.hidden_size,
+             intermediate_size=getattr(t, "intermediate_size", None) or getattr(t, "n_inner", None) or 4 * t.hidden_size,
+             num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, num_hidden_layers=1, hidden_act="silu",
+             rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6), vocab_size=t.vocab_size, draft_vocab_size=draft_vocab,
+             max_position_embeddings=min(t.max_position_embeddings, 2048), tie_word_embeddings=False,
+             rope_parameters=dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4}))
+    if layer_ids is not None:
+        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
+    d.update(fields)
+    if d["hidden_size"] != t.hidden_size:
+        d["target_hidden_size"] = t.hidden_size
+    return d
+
+
+def save_head(head: Eagle3Reference, config: dict, path: str | Path, dtype: torch.dtype) -> Path:
+    """`head` in the published layout at `path`: config.json (`config`, with `dtype`) and
+    model.safetensors (its state dict: floating tensors in `dtype`, d2t int64, t2d bool)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config, "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+    return path

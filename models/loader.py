@@ -32,8 +32,10 @@ from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
 EMBEDDED_DRAFT = Path(__file__).parent / "embedded-draft"  # its speculative decoding draft (tools/embedded/)
+EMBEDDED_EAGLE3 = Path(__file__).parent / "embedded-eagle3"  # its EAGLE-3 head (tools/embedded/)
 # what a pip-installed server names them by (package data: pyproject.toml); a directory of that name wins
-EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT}
+EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT,
+                  "flashpage-embedded-eagle3": EMBEDDED_EAGLE3}
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
               "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
               "generation_config.json"]

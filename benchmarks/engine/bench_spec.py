@@ -285,7 +285,10 @@ def acceptance_report(result: dict) -> str:
         same = {True: "yes", False: "**no**"}.get(r.get("identical_to_no_speculation"), "")
         rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
-        lines.append(f"| {r['method']} | {rate} | {length} | {by_pos} | {same} | {r['wall_s']:.0f} |")
+        wall = f"{r['wall_s']:.0f}"
+        if "wall_s_without_speculation" in r:  # a row measured later (--merge), beside its own run without
+            wall += f" (without: {r['wall_s_without_speculation']:.0f}; {r['date']})"
+        lines.append(f"| {r['method']} | {rate} | {length} | {by_pos} | {same} | {wall} |")
     return "\n".join(lines)
 
 

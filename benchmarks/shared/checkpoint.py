@@ -123,38 +123,21 @@ def make_random_eagle3(path: str | Path, target: str | Path, draft_vocab_size: i
                        layer_ids: list[int] | None = None, own_embedding: bool = False, std: float = 0.02,
                        seed: int = 0, device: str = "cpu", dtype=None, **fields) -> Path:
     """A random EAGLE-3 head for the checkpoint at `target`, in the published layout
-    (models/eagle3.py): config.json (`LlamaForCausalLMEagle3`, one layer of the target's shape,
-    `draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids` when `layer_ids` is given)
-    and model.safetensors (the state dict of models/eagle3_reference.py: fc, midlayer, norm,
-    lm_head, d2t, t2d, embed_tokens with `own_embedding`). The draft vocabulary (default the
-    target's) is a random subset of the target's ids, in order; matrices normal(0, std), norm
-    weights near one. `fields` override config fields (e.g. another `hidden_size`)."""
-    import json
-
+    (models/eagle3.py; written by models/eagle3_reference.py `save_head`): one layer of the target's
+    shape, `draft_vocab_size` (default the target's) a random subset of the target's ids in order,
+    `eagle_config.eagle_aux_hidden_state_layer_ids` when `layer_ids` is given, a token table of its
+    own with `own_embedding`; matrices normal(0, std), norm weights near one. `fields` override
+    config fields (e.g. another `hidden_size`)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, LlamaConfig
 
-    from models.eagle3_reference import Eagle3Reference
+    from models.eagle3_reference import Eagle3Reference, head_config, save_head
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     t = AutoConfig.from_pretrained(target)
     g = torch.Generator().manual_seed(seed)
     vocab = t.vocab_size
     draft_vocab = draft_vocab_size or vocab
-    d = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=t.hidden_size,
-             intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
-             num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None)
-             or t.hidden_size // t.num_attention_heads, num_hidden_layers=1, hidden_act="silu",
-             rms_norm_eps=t.rms_norm_eps, vocab_size=vocab, draft_vocab_size=draft_vocab,
-             max_position_embeddings=min(t.max_position_embeddings, 2048), tie_word_embeddings=False,
-             rope_parameters=dict(t.rope_parameters), dtype=str(dtype or torch.bfloat16).removeprefix("torch."))
-    if layer_ids is not None:
-        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
-    d.update(fields)
-    if d["hidden_size"] != t.hidden_size:
-        d["target_hidden_size"] = t.hidden_size
+    d = head_config(t, draft_vocab, layer_ids, **fields)
     with torch.device(device):
         head = Eagle3Reference(LlamaConfig(**d), own_embedding=own_embedding)
     with torch.no_grad():
@@ -163,13 +146,5 @@ def make_random_eagle3(path: str | Path, target: str | Path, draft_vocab_size: i
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
-        keep = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-        head.d2t.copy_(keep - torch.arange(draft_vocab))
-        head.t2d.zero_()
-        head.t2d[keep] = True
-    tensors = {k: v.to(dtype or torch.bfloat16) if v.is_floating_point() else v
-               for k, v in head.state_dict().items()}
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, path / "model.safetensors",
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(d, indent=2))
-    return path
+        head.set_draft_vocabulary(torch.randperm(vocab, generator=g)[:draft_vocab])
+    return save_head(head, d, path, dtype or torch.bfloat16)
