@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp2quant|tp4|
-#                                   fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
+#                                   tp2|tp2quant|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -94,6 +94,14 @@ for step in "${@:-tests throughput prefix}"; do
           -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
         python3 -m benchmarks.engine.bench_spec --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
         grep -v '^{' "$OUT/spec.log" | tail -35 ;;
+      # Issue 48, EAGLE-3: its GPU test (graphs against eager, greedy tokens), then speed against acceptance
+      # with a random head of the published layout for the Llama-3.1-8B shape (spec_eagle3_<gpu>.json)
+      eagle3)
+        python3 -m pytest -q tests/gpu/test_gpu_spec.py -k eagle3 -p no:cacheprovider 2>&1 | tee "$OUT/eagle3_tests.log" \
+          | tail -5 || status=1
+        timeout 540 python3 -m benchmarks.engine.bench_spec --methods eagle3 --deadline 420 --out-dir "$OUT" \
+          > "$OUT/eagle3.log" 2>&1 || status=1
+        grep -v '^{' "$OUT/eagle3.log" | tail -30 ;;
       # Issue 47: quantized weights, one device call each. quant: bench_quant on the Llama-3.1-8B shape
       # (the GEMMs at 1/16/256/2048 rows as CUDA graphs, the GEMV tile sweep, then bf16, FP8_DYNAMIC,
       # AWQ and 128x128-block engines side by side: batch-1 TPOT and offline throughput; engines past

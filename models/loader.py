@@ -33,8 +33,10 @@ from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
 EMBEDDED_DRAFT = Path(__file__).parent / "embedded-draft"  # its speculative decoding draft (tools/embedded/)
+EMBEDDED_EAGLE3 = Path(__file__).parent / "embedded-eagle3"  # its EAGLE-3 head (tools/embedded/)
 # what a pip-installed server names them by (package data: pyproject.toml); a directory of that name wins
-EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT}
+EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT,
+                  "flashpage-embedded-eagle3": EMBEDDED_EAGLE3}
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
               "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
               "generation_config.json"]
@@ -179,6 +181,14 @@ def check_quantized_split(path: Path, quantization: str | None, size: int) -> No
     with built_as(TensorParallel(0, size)), torch.device("meta"), _no_init(), storage_later():
         model = model_class(config.model_type)(config, "sdpa")
         quant.attach(model, scheme, torch.device("meta"), torch.float16, deterministic=False)
+
+
+def is_eagle3_head(path: Path) -> bool:
+    """Does `path` hold an EAGLE-3 head (its config.json names an Eagle3 architecture)?"""
+    file = path / "config.json"
+    if not file.exists():
+        return False
+    return any("eagle3" in str(a).lower() for a in json.loads(file.read_text()).get("architectures") or [])
 
 
 def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> LazyTensors:

@@ -25,7 +25,7 @@ from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, check_quanti
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
-from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, load_eagle3, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -40,7 +40,7 @@ class Worker:
     max_model_len: int
     device: torch.device
     weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
-    draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
+    draft: DraftRunner | None = None  # speculative decoding's draft model or EAGLE-3 head (server/worker/spec/)
     kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py), this rank's KV heads
 
 
@@ -134,10 +134,11 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None,
                                   from_checkpoint=config.load_format != "dummy")
         log.info("KV cache %s: scales %s%s", dtype_name(cache_dtype), scales.describe(),
                  f" (rank {tp.rank}'s {spec.num_kv_heads} KV heads)" if tp.size > 1 else "")
-    draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+    draft = (load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+             or load_eagle3(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens))
     num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
     if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
-        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
+        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.bytes_per_block)
     log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
     runner.allocate_cache(num_blocks, scales)
     if draft is not None:
