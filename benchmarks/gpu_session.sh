@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
-#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|tp2|tp4|
-#                                   fp8kv|fp8kv-engine|quant|quanttests]...
+#   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
+#                                   tp2|tp2quant|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -94,6 +94,14 @@ for step in "${@:-tests throughput prefix}"; do
           -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log" | tail -5 || status=1
         python3 -m benchmarks.engine.bench_spec --out-dir "$OUT" > "$OUT/spec.log" 2>&1 || status=1
         grep -v '^{' "$OUT/spec.log" | tail -35 ;;
+      # Issue 48, EAGLE-3: its GPU test (graphs against eager, greedy tokens), then speed against acceptance
+      # with a random head of the published layout for the Llama-3.1-8B shape (spec_eagle3_<gpu>.json)
+      eagle3)
+        python3 -m pytest -q tests/gpu/test_gpu_spec.py -k eagle3 -p no:cacheprovider 2>&1 | tee "$OUT/eagle3_tests.log" \
+          | tail -5 || status=1
+        timeout 540 python3 -m benchmarks.engine.bench_spec --methods eagle3 --deadline 420 --out-dir "$OUT" \
+          > "$OUT/eagle3.log" 2>&1 || status=1
+        grep -v '^{' "$OUT/eagle3.log" | tail -30 ;;
       # Issue 47: quantized weights, one device call each. quant: bench_quant on the Llama-3.1-8B shape
       # (the GEMMs at 1/16/256/2048 rows as CUDA graphs, the GEMV tile sweep, then bf16, FP8_DYNAMIC,
       # AWQ and 128x128-block engines side by side: batch-1 TPOT and offline throughput; engines past
@@ -112,13 +120,17 @@ for step in "${@:-tests throughput prefix}"; do
           tests/kernels/test_fp8_matmul.py tests/kernels/test_wo_matmul.py tests/models/test_quant_gemms.py 2>&1 \
           | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
       # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
-      # and TP=2, then the TP GPU tests; tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy
-      # weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
+      # and TP=2, then the TP GPU tests; tp2quant (two GPUs; its own call: tp2 fills one): quantized
+      # checkpoints at two GPUs against one (issues 47 + 50); tp4 (four GPUs): the Llama-3.1-70B shape
+      # at TP=4 (dummy weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
       tp2)
         timeout 280 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
           | tee "$OUT/tp2.log" || status=1
-        timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
-          | tail -8 || status=1 ;;
+        timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized" -p no:cacheprovider 2>&1 \
+          | tee "$OUT/tp_tests.log" | tail -8 || status=1 ;;
+      tp2quant)
+        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k quantized -p no:cacheprovider 2>&1 \
+          | tee "$OUT/tp_quant_tests.log" | tail -12 || status=1 ;;
       tp4)
         timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
@@ -136,6 +148,11 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv-engine)
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
+      # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
+      # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh)
+      prefill-chunks)
+        timeout 300 python3 -m benchmarks.kernels.bench_prefill_chunks --out-dir "$OUT" 2>&1 | tee "$OUT/prefill_chunks.log" \
+          | tail -20 || status=1 ;;
       profile)
         for n in 1 4; do
           python3 -m benchmarks.profiling.profile_server --server-args "--api-server-count $n" --label "api$n" \

@@ -8,7 +8,8 @@ Contract (semantics = ``kernels.quant_reference.dequant_int4`` / ``dequant_fp8``
   weight  int4 [N, K // 8] int32 (kernels/wo_matmul.py's layout) with zero [N, groups] uint8, or fp8
           [N, K] float8_e4m3fn (decoded from its bits) with zero None; contiguous
   scale   [N, groups] fp32 contiguous, groups = ceil(K / group) (group >= K: one per output channel)
-  g_idx   optional [K] int32: column k's group (GPTQ's desc_act), else k // group
+  g_idx   optional [K] int32: column k's group (GPTQ's desc_act), else k // group; with it, scale and
+          zero may hold any number of groups G > max(g_idx) (a row-parallel rank's share keeps all)
   dtype   float16 / bfloat16 / float32
   returns [N, K] dtype: round((q - zero) * scale) (int4) or round(weight * scale) (fp8), computed in
           fp32 and rounded once to nearest-even (kernels/rounding.py)
@@ -52,7 +53,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     n = weight.shape[0]
     k = weight.shape[1] * 8 if int4 else weight.shape[1]
     assert weight.is_contiguous() and (weight.dtype == torch.int32 if int4 else weight.dtype == torch.float8_e4m3fn)
-    groups = triton.cdiv(k, group) if group < k else 1
+    groups = scale.shape[1] if g_idx is not None else triton.cdiv(k, group) if group < k else 1  # g_idx: any
     assert scale.shape == (n, groups) and scale.dtype == torch.float32 and scale.is_contiguous()
     assert zero is None or (zero.shape == scale.shape and zero.dtype == torch.uint8 and zero.is_contiguous())
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)

@@ -26,7 +26,8 @@ as ``kernels/wo_matmul.py`` at M = 1):
   scale    [N, groups] fp32 contiguous, groups = ceil(K / group); group >= K: one per output channel,
            else a power of two >= 8 (int4) / >= 16 (fp8)
   g_idx    optional [K] int32 (GPTQ's desc_act): column k's group; its scale and zero are gathered
-           per element (slower)
+           per element (slower), from any number of groups G > max(g_idx) (a row-parallel rank's
+           share of the columns keeps every group's)
   bias     [N] x's dtype, or None
   returns  [1, N] x's dtype. int4 in groups: sum over each group's columns of x * q, then
            scale * (that - zero * sum of x over the group), so a weight costs a shift, a mask, a
@@ -305,7 +306,7 @@ def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: to
         weight = weight.view(torch.uint8)
     cfg = cfg or config(n, k, int4)
     g = PER_CHANNEL.value if g_idx is not None else _group(group, k, cfg.block_k, 8 if int4 else 16)
-    groups = triton.cdiv(k, group) if group < k else 1
+    groups = scale.shape[1] if g_idx is not None else triton.cdiv(k, group) if group < k else 1  # g_idx: any
     assert scale.shape == (n, groups) and scale.dtype == torch.float32 and scale.is_contiguous()
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)
     assert bias is None or (bias.shape == (n,) and bias.dtype == x.dtype)

@@ -6,7 +6,8 @@ slow and plainly right; the models' CPU path dequantizes weights at load with th
 Layouts (all [N, ...] with N, the output features, first, as nn.Linear keeps its weight):
   int4    qweight [N, K // 8] int32: element k of row n is bits 4*(k % 8) .. 4*(k % 8) + 3 of
           word k // 8, an unsigned value 0..15; scale [N, ceil(K / group)] fp32 and zero
-          [N, ceil(K / group)] uint8 (0..15; 8 for symmetric checkpoints): w = (q - zero) * scale.
+          [N, ceil(K / group)] uint8 (0..15; 8 for symmetric checkpoints): w = (q - zero) * scale;
+          with a g_idx [K] (GPTQ's desc_act), column k's group is g_idx[k], of any number of groups.
   fp8     weight [N, K] float8_e4m3fn; scale [N, ceil(K / group)] fp32 (group >= K: one scale per
           output channel; 128 for the 128x128-block checkpoints, each block's scale repeated over
           its rows): w = weight * scale.

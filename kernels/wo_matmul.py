@@ -10,7 +10,9 @@ Contract (semantics = ``kernels.quant_reference.wo_matmul_ref`` up to the order 
   scale   [N, ceil(K / group)] fp32 contiguous; group >= K means one scale per output channel
   zero    int4: [N, ceil(K / group)] uint8 contiguous (0..15); fp8: None
   g_idx   optional [K] int32: the group of each input column (GPTQ's desc_act: the groups are not in
-          column order); None: column k is in group k // group
+          column order), which indexes scale and zero, of any number of groups G > max(g_idx) (a
+          row-parallel rank's share of the columns keeps every group's); None: column k is in
+          group k // group
   bias    [N] x's dtype, or None
   returns out [M, N] x's dtype: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias), where
           w = round_to_x_dtype((q - zero) * scale) (int4, scale and zero of column k's group) or
@@ -152,7 +154,9 @@ def wo_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: 
     else:
         assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k), "fp8: [N, K]"
         weight = weight.view(torch.uint8)
-    groups = -(-k // group) if group < k else 1
+    # with g_idx the scales are gathered by it: any number of groups (a row-parallel rank's share of a
+    # desc_act layer keeps every group's)
+    groups = scale.shape[1] if g_idx is not None else -(-k // group) if group < k else 1
     assert scale.shape == (n, groups) and scale.dtype == torch.float32 and scale.is_contiguous()
     assert bias is None or (bias.shape == (n,) and bias.dtype == x.dtype)
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32)

@@ -5,8 +5,9 @@ models/attention/base.py); a family's own names stay in its file. Depends on ker
 from models.attention import BACKENDS, AttentionBackend, AttentionMetadata, StepRows
 from models.base import CausalLM, KVCaches, placeholder_id, resolve_placeholders
 from models.kv_scales import checkpoint_kv_scales
-from models.loader import (DTYPES, EMBEDDED_DRAFT, EMBEDDED_MODEL, LOAD_FORMATS, checkpoint_dtype, eos_token_ids,
-                           load_config, load_model, load_tokenizer, resolve_model_path)
+from models.loader import (DTYPES, EMBEDDED_DRAFT, EMBEDDED_EAGLE3, EMBEDDED_MODEL, LOAD_FORMATS, check_quantized_split,
+                           checkpoint_dtype, eos_token_ids, is_eagle3_head, load_config, load_model, load_tokenizer,
+                           resolve_model_path)
 from models.parallel import TensorParallel, close_tensor_parallel, init_tensor_parallel, shard_spec, tensor_parallel
 from models.quant import METHODS as QUANTIZATION_METHODS
 from models.quant import WeightsInfo, weights_info
@@ -18,7 +19,15 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "Cau
            "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "LOAD_FORMATS", "checkpoint_dtype",
            "eos_token_ids", "TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "shard_spec",
            "tensor_parallel",
-           "load_config", "load_model",
+           "load_config", "load_model", "check_quantized_split",
            "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served",
            "model_class", "ModelSpec", "QUANTIZATION_METHODS", "quantization_scheme", "WeightsInfo", "weights_info",
-           "EMBEDDED_DRAFT"]
+           "EMBEDDED_DRAFT", "EMBEDDED_EAGLE3", "is_eagle3_head", "load_eagle3_head"]
+
+
+def load_eagle3_head(path, target: CausalLM, dtype, device, attention: str, max_model_len: int):
+    """An EAGLE-3 draft head for `target` (models/eagle3.py: imported here only when one is loaded,
+    so that a process reading configs alone never imports a family's module)."""
+    from models.eagle3 import load_head
+
+    return load_head(path, target, dtype, device, attention, max_model_len)

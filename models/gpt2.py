@@ -123,6 +123,10 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config, i, self.attention, deterministic) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        # EAGLE-3 (models/eagle3.py): the residual stream entering these blocks (0: the embeddings),
+        # handed to aux_sink(states, meta) after the last block; () = off, nothing computed
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_sink = None
 
     def forward(
         self,
@@ -145,8 +149,13 @@ class GPT2LMHeadModel(nn.Module):
         else:
             x, h = _add_norm(self.wte(input_ids, sampled_ids), self.wpe(positions), ln, fused)
         norms = [b.ln_1 for b in self.h[1:]] + [self.ln_f]
-        for block, kv_cache, norm in zip(self.h, kv_caches, norms):
+        aux = []
+        for i, (block, kv_cache, norm) in enumerate(zip(self.h, kv_caches, norms)):
+            if i in self.aux_layers:
+                aux.append(x.clone())  # (on CUDA the block's residual add writes into x)
             x, h = block(x, h, kv_cache, meta, norm, fused)
+        if aux:
+            self.aux_sink(aux, meta)
         return h
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -188,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:  # the same vocabulary rows as the token table
             self.lm_head_weight = nn.Parameter(torch.empty(self.embed_tokens.rows, config.hidden_size))
             self.tp_shards = {"lm_head_weight": self.embed_tokens.tp_shards["weight"]}
+        # EAGLE-3 (models/eagle3.py): the residual stream entering these layers (0: the embedding),
+        # handed to aux_sink(states, meta) after the last layer; () = off, nothing computed
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_sink = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
                 sampled_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,8 +202,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         consumers = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
-        for layer, kv_cache, norm, consumer in zip(self.layers, kv_caches, norms, consumers):
+        aux = []
+        for i, (layer, kv_cache, norm, consumer) in enumerate(zip(self.layers, kv_caches, norms, consumers)):
+            if i in self.aux_layers:
+                aux.append(x.clone())  # (on CUDA the layer's residual add writes into x)
             x, h = layer(x, h, rope, kv_cache, meta, norm, consumer)
+        if aux:
+            self.aux_sink(aux, meta)
         return h
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

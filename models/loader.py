@@ -6,7 +6,8 @@ the network allows. With no model named, the checkpoint embedded in this package
 
 Safetensors are read one tensor at a time as the model takes them, so that loading holds one tensor
 (not the checkpoint) in host memory beside the model; under tensor parallelism every rank reads
-each tensor and keeps its part (models/parallel). `load_format="dummy"` (vLLM's name) reads no
+each tensor and keeps its part (models/parallel; a quantized tensor in its canonical layout, after
+`convert`: models/quant/shards.py). `load_format="dummy"` (vLLM's name) reads no
 weight files: random tensors at the checkpoint's names and shapes (from config.json alone), made on
 the device, go through the same `load_weights` (`dummy_tensors`).
 """
@@ -27,13 +28,15 @@ from models import quant
 from models.base import CausalLM
 from models.kv_scales import is_attention_scale
 from models.linear import storage_later
-from models.parallel.group import tensor_parallel
+from models.parallel.group import TensorParallel, built_as
 from models.registry import check_served, model_class
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded"
 EMBEDDED_DRAFT = Path(__file__).parent / "embedded-draft"  # its speculative decoding draft (tools/embedded/)
+EMBEDDED_EAGLE3 = Path(__file__).parent / "embedded-eagle3"  # its EAGLE-3 head (tools/embedded/)
 # what a pip-installed server names them by (package data: pyproject.toml); a directory of that name wins
-EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT}
+EMBEDDED_NAMES = {"flashpage-embedded": EMBEDDED_MODEL, "flashpage-embedded-draft": EMBEDDED_DRAFT,
+                  "flashpage-embedded-eagle3": EMBEDDED_EAGLE3}
 _HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
               "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
               "generation_config.json"]
@@ -142,9 +145,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     config = load_config(path)
     scheme = quant.detect(path, quantization)
-    if scheme is not None and tensor_parallel().size > 1:  # (server/worker/setup.py refuses it at start first)
-        raise ValueError(f"quantized weights ({scheme.name}) do not combine with tensor parallelism yet: "
-                         "a quantized linear's scales and packed columns are not split by rank")
     # Built on the device with its parameters left uninitialised, as on the meta device followed by
     # to_empty (which it replaces): random init of a meta tensor imports torch's Python meta kernels
     # and to_empty its symbolic shapes, ~1.5 s of CPU in every engine process, for weights that
@@ -167,6 +167,28 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
     if scheme is not None:
         quant.finish(model)
     return model.eval().requires_grad_(False)
+
+
+def check_quantized_split(path: Path, quantization: str | None, size: int) -> None:
+    """Refuse, naming the layer, a quantized checkpoint whose 128x128 blocks or 128-column groups a
+    rank's share of `size` would cut (models/quant/shards.py), before any rank starts: rank 0's
+    shard built on the meta device (no memory, no weight read) with its quantized storage attached.
+    Every rank's shares are as long as rank 0's and start at multiples of them, so rank 0's decide."""
+    scheme = quant.detect(path, quantization)
+    if scheme is None or scheme.online or size == 1:
+        return
+    config = load_config(path)
+    with built_as(TensorParallel(0, size)), torch.device("meta"), _no_init(), storage_later():
+        model = model_class(config.model_type)(config, "sdpa")
+        quant.attach(model, scheme, torch.device("meta"), torch.float16, deterministic=False)
+
+
+def is_eagle3_head(path: Path) -> bool:
+    """Does `path` hold an EAGLE-3 head (its config.json names an Eagle3 architecture)?"""
+    file = path / "config.json"
+    if not file.exists():
+        return False
+    return any("eagle3" in str(a).lower() for a in json.loads(file.read_text()).get("architectures") or [])
 
 
 def dummy_tensors(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> LazyTensors:

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(also FLASHPAGE_DETERMINISTIC=1; needs --attention triton)")
     p.add_argument("--speculative-config", type=speculative_config, default=d.speculative_config, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}; '
+                        '"prompt_lookup_max": 4}, {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
+                        'or {"method": "eagle3", "model": EAGLE3_HEAD_DIR, "num_speculative_tokens": 3}; '
                         'optional "disable_by_batch_size" (no speculation above that many running sequences) and '
                         '"min_acceptance" (a sequence backs off below it)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

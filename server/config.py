@@ -131,17 +131,24 @@ class EngineConfig:
 SPEC_DISABLE_BY_BATCH_SIZE = 32
 SPEC_MIN_ACCEPTANCE = 0.25  # ngram
 SPEC_MIN_ACCEPTANCE_DRAFT = 0.4  # draft_model
+# eagle3: a head's round is k forwards of one decoder layer (about a thirtieth of an 8B target's step
+# each, in CUDA graphs), nearer the lookup's cost than a draft model's: n-gram's floor. Not measured yet.
+SPEC_MIN_ACCEPTANCE_EAGLE3 = SPEC_MIN_ACCEPTANCE
 SPEC_MAX_BACKOFF = 64
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
+SPEC_FLOORS = {"ngram": SPEC_MIN_ACCEPTANCE, "draft_model": SPEC_MIN_ACCEPTANCE_DRAFT,
+               "eagle3": SPEC_MIN_ACCEPTANCE_EAGLE3}  # each method's default min_acceptance
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config keys (a JSON object), checked by `parse`."""
 
-    method: str  # ngram | draft_model
+    method: str  # ngram | draft_model | eagle3
     num_speculative_tokens: int  # proposals verified per step and sequence (k: up to k + 1 tokens a step)
-    model: str | None = None  # draft_model: the draft checkpoint (a registered family, the target's tokenizer)
+    # draft_model: the draft checkpoint (a registered family, the target's tokenizer); eagle3: the
+    # EAGLE-3 head's (models/eagle3.py)
+    model: str | None = None
     prompt_lookup_min: int | None = None  # ngram: shortest suffix looked up
     prompt_lookup_max: int | None = None  # ngram: longest
     disable_by_batch_size: int = SPEC_DISABLE_BY_BATCH_SIZE
@@ -169,7 +176,10 @@ class SpeculativeConfig:
             method, model = method or "ngram", None
         if method is None:
             method = "draft_model" if model is not None else None
-        if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp"):
+        if method == "eagle":
+            raise ValueError("method 'eagle' (EAGLE-1 heads) is not supported; EAGLE-3 heads are: "
+                             "{\"method\": \"eagle3\", \"model\": DIR, \"num_speculative_tokens\": k}")
+        if method in ("medusa", "mlp_speculator", "suffix", "mtp"):
             raise ValueError(f"method {method!r} is not supported; supported: {list(SPEC_METHODS)}")
         if method not in SPEC_METHODS:
             raise ValueError(f"method must be one of {list(SPEC_METHODS)} (or give a draft `model`), got {method!r}")
@@ -178,6 +188,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
         if method == "draft_model" and not (isinstance(model, str) and model.strip()):
             raise ValueError("draft_model needs `model`: the draft checkpoint's directory or hub id")
+        if method == "eagle3" and not (isinstance(model, str) and model.strip()):
+            raise ValueError("eagle3 needs `model`: the EAGLE-3 head's directory or hub id")
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if method == "ngram":
             lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
@@ -191,7 +203,7 @@ class SpeculativeConfig:
         batch = d.get("disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE)
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {batch!r}")
-        floor = d.get("min_acceptance", SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
+        floor = d.get("min_acceptance", SPEC_FLOORS[method])
         if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not 0 <= floor <= 1:
             raise ValueError(f"min_acceptance must be a number from 0 to 1, got {floor!r}")
         return cls(method, k, model, lo, hi, batch, float(floor))

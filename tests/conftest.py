@@ -31,3 +31,17 @@ def tiny_ckpt(tmp_path_factory):
 def small_ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("small-gpt2"), n_layer=3, n_head=6, n_embd=96,
                            n_positions=512, vocab_size=700, seed=1)
+
+
+@pytest.fixture(scope="session")
+def eagle3_pair(tmp_path_factory):
+    """(target, head): a 4-layer random Llama and a random EAGLE-3 head for it in the published
+    layout (benchmarks/shared/checkpoint.py), reading the target's layers 0, 1 and 3 through a
+    200-token draft vocabulary."""
+    from benchmarks.shared.checkpoint import make_random_eagle3
+    from tests.helpers import make_llama_checkpoint
+
+    target = make_llama_checkpoint(tmp_path_factory.mktemp("eagle3-target"), num_hidden_layers=4)
+    head = make_random_eagle3(tmp_path_factory.mktemp("eagle3-head"), target, draft_vocab_size=200,
+                              layer_ids=[0, 1, 3], std=0.2)
+    return target, head

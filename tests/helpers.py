@@ -77,6 +77,11 @@ LLAMA_CONFIGS = {  # model_type -> transformers config class name
 # The quantization tests' Llama (tests/models/conftest.py): head_dim 64, 2 KV heads, so that every
 # part of the merged QKV is a multiple of the 128-row FP8 blocks
 QUANT_LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+# ... and the one that splits over two ranks (test_quant_shards.py): heads of 128, so that each rank's
+# share of q, k, v, gate, up and of o_proj's and down_proj's inputs is whole 128-row blocks and
+# 128-column groups; biases on all four attention projections (column- and row-parallel)
+QUANT_TP_LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      intermediate_size=256, attention_bias=True)
 
 
 def make_llama_checkpoint(path, model_type="llama", num_hidden_layers=2, num_attention_heads=4,
@@ -163,6 +168,38 @@ def prefill_logits(model, ids: list[int], dtype=None, caches=None, split: int | 
         hidden = model.forward(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), caches, model.attention.metadata(rows))
         logits.append(model.lm_head(hidden)[:, : model.vocab_size].float())
     return torch.cat(logits)
+
+
+def run_ranks(target, size: int, args: tuple, reports: int) -> dict:
+    """A tensor-parallel group's `size` ranks, each a spawned `target(rank, size, port, *args, out)`
+    (they meet at a TCPStore on `port`), and the first `reports` items they put on `out`, by their
+    first element (the rest of each item); the test fails if they report fewer or a rank exits
+    non-zero. Items are numpy, not tensors: a torch queue shares a tensor's storage through a
+    descriptor the rank must outlive, and the ranks exit before the test reads everything."""
+    import multiprocessing as mp
+    import queue
+
+    import pytest
+
+    from benchmarks.shared.common import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=target, args=(r, size, port, *args, out)) for r in range(size)]
+    for p in ranks:
+        p.start()
+    got = {}
+    try:
+        while len(got) < reports:
+            item = out.get(timeout=300)
+            got[item[0]] = item[1:]
+    except queue.Empty:
+        pytest.fail(f"the ranks reported {sorted(got)} only")
+    finally:
+        for p in ranks:
+            p.join(60)
+    assert [p.exitcode for p in ranks] == [0] * size
+    return got
 
 
 def with_chat_template(src, path, template: str):

@@ -5,27 +5,33 @@ The acceptance is set, not hoped for: random weights accept nothing a real draft
 oracle (benchmark-only, `Oracle`) judges every verification as if each proposal were the target's own
 next token with probability p, independently, the first miss ending the run (vLLM's "synthetic"
 rejection sampling does the same for its benchmarks). The proposers still run and cost what they cost:
-`ngram` (the host lookup; where it finds nothing the oracle pads its k proposals) and `draft_model` (a
-Llama-3.2-1B-shaped draft, its own KV cache and CUDA graphs, k decode steps a round); the target
-verifies k + 1 tokens a sequence in its verification graphs, and the run's tokens are the rows the
-target chose, so every step costs what a real one with that acceptance costs. With k proposals and
-probability p the mean accepted length is (1 - p^(k+1)) / (1 - p) (k = 4: p = 0.77 gives 3); the file
-records the measured one.
+`ngram` (the host lookup; where it finds nothing the oracle pads its k proposals), `draft_model` (a
+Llama-3.2-1B-shaped draft, its own KV cache and CUDA graphs, k decode steps a round) and `eagle3` (a
+random EAGLE-3 head of the published layout for the target, 32,000-token draft vocabulary: its
+catch-up and k - 1 chained steps, and the target's three layers' states fused into the head's rows
+at every step); the target verifies k + 1 tokens a sequence in its verification graphs, and the
+run's tokens are the rows the target chose, so every step costs what a real one with that acceptance
+costs. With k proposals and probability p the mean accepted length is (1 - p^(k+1)) / (1 - p)
+(k = 4: p = 0.77 gives 3); the file records the measured one.
 
-One engine serves every configuration (the 8B shape takes minutes to build and load): its
+One engine serves ngram and draft_model (the 8B shape takes minutes to build and load): its
 speculator is switched off (`engine.speculator = None`, the plain engine) or given the proposer and
-oracle of the configuration. Each (configuration, clients) runs `--repeats` times in turn with the
-others; medians. C clients are C requests of `--prompt-len` random tokens and `--max-tokens` greedy
+oracle of the configuration. eagle3 needs a target that hands the head its states at every step,
+which costs with speculation off too: a second engine, loaded once the first is closed, whose own
+"off" row measures that cost; every speedup is against the plain engine's "off" (no head). Each
+(configuration, clients) runs `--repeats` times in turn with the others; medians. C clients are C requests of `--prompt-len` random tokens and `--max-tokens` greedy
 tokens (ignore_eos) admitted together. `--policy` configurations keep the default back-off
 (server/config.py: no speculation above SPEC_DISABLE_BY_BATCH_SIZE running); `forced` ones lift the
 batch limit, to show what it saves.
 
   python -m benchmarks.engine.bench_spec --out-dir benchmarks/results
+  python -m benchmarks.engine.bench_spec --methods eagle3     # spec_eagle3_<gpu>.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -37,8 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared.common import gpu_run_info, write_result  # noqa: E402
-from server.config import (SPEC_DISABLE_BY_BATCH_SIZE, SPEC_MIN_ACCEPTANCE, SPEC_MIN_ACCEPTANCE_DRAFT,  # noqa: E402
-                           EngineConfig, SpeculativeConfig)
+from server.config import SPEC_DISABLE_BY_BATCH_SIZE, SPEC_FLOORS, EngineConfig, SpeculativeConfig  # noqa: E402
 from server.engine import LLMEngine  # noqa: E402
 from server.engine.spec.ngram import NgramProposer  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
@@ -75,17 +80,17 @@ def expected_length(p: float, k: int) -> float:
 
 
 def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int, seed: int = 0) -> None:
-    """Point the engine at one configuration: None = no speculation; else `method`'s proposer under an
-    oracle of probability p (its draws seeded by `seed`), speculating up to `max_batch` running
-    sequences; the speculator's counters from zero."""
+    """Point the engine at one configuration: None = no speculation; else `method`'s proposer
+    (`spec.proposers[method]`) under an oracle of probability p (its draws seeded by `seed`),
+    speculating up to `max_batch` running sequences; the speculator's counters from zero."""
     if method is None:
         engine.speculator = None
         return
     engine.speculator = spec
-    spec.proposer = Oracle(spec.draft_proposer if method == "draft_model" else spec.ngram_proposer, p, seed)
+    spec.proposer = Oracle(spec.proposers[method], p, seed)
     spec.acceptance = spec.proposer.judge
     spec.max_batch = max_batch
-    spec.floor = SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT  # each method's default
+    spec.floor = SPEC_FLOORS[method]  # each method's default
     c = spec.counters
     c.drafts = c.draft_tokens = c.accepted_tokens = 0
     c.accepted_per_pos[:] = [0] * len(c.accepted_per_pos)
@@ -118,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--target-shape", default="llama-3.1-8b")
     ap.add_argument("--draft-shape", default="llama-3.2-1b")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model", "eagle3"],
+                    help="proposers to run (eagle3 in a second engine; the file: spec_<gpu>.json for the default, "
+                         "spec_<methods>_<gpu>.json otherwise)")
+    ap.add_argument("--draft-vocab", type=int, default=32000, help="the random EAGLE-3 head's (the published heads')")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--probabilities", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9])
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -134,78 +143,63 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=float, default=None, help="stop adding runs after this many seconds")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
-    from benchmarks.shared.checkpoint import make_random_llama
+    from benchmarks.shared.checkpoint import make_random_eagle3, make_random_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     t0 = time.monotonic()
     target = make_random_llama(tmp / "target", args.target_shape, device="cuda")
-    draft = make_random_llama(tmp / "draft", args.draft_shape, seed=1, device="cuda")
+    draft = make_random_llama(tmp / "draft", args.draft_shape, seed=1, device="cuda") if "draft_model" in args.methods else None
+    head = (make_random_eagle3(tmp / "eagle3", target, draft_vocab_size=args.draft_vocab, seed=2, device="cuda")
+            if "eagle3" in args.methods else None)
     build_s = time.monotonic() - t0
     k = args.num_speculative_tokens
     # graphs captured for as many speculating sequences as the forced runs have (the policy's limit,
     # SPEC_DISABLE_BY_BATCH_SIZE, is set back on the speculator below)
     most = min(max([SPEC_DISABLE_BY_BATCH_SIZE, *args.forced_clients]), 64)
-    spec_cfg = SpeculativeConfig.parse(json.dumps({"method": "draft_model", "model": str(draft),
-                                                    "num_speculative_tokens": k, "disable_by_batch_size": most}))
-    t0 = time.monotonic()
-    engine = LLMEngine(EngineConfig(model=str(target), speculative_config=spec_cfg, max_num_seqs=256,
-                                    max_num_batched_tokens=8192, max_model_len=args.max_model_len,
-                                    enable_prefix_caching=False, log_stats_interval=0))
-    load_s = time.monotonic() - t0
-    spec = engine.speculator
-    spec.draft_proposer = spec.proposer
-    spec.ngram_proposer = NgramProposer(1, 3)
+    first = [m for m in ("ngram", "draft_model") if m in args.methods]
+    phases = [("plain", {"method": "draft_model", "model": str(draft)} if draft else
+               {"method": "ngram"} if first else None, first)]
+    if head is not None:  # the target hands the head its states at every step: an engine of its own
+        phases.append(("eagle3", {"method": "eagle3", "model": str(head)}, ["eagle3"]))
     default_batch = SPEC_DISABLE_BY_BATCH_SIZE
     rng = random.Random(0)
-    vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
-    prompts = {c: [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c)] for c in args.clients}
-    def configs(clients: int) -> list[tuple]:
-        ps = args.probabilities if clients in args.sweep_clients else [args.probability]
-        out = [("off", None, 0.0, default_batch)]
-        out += [(f"{m} p={p}", m, p, default_batch) for m in ("ngram", "draft_model") for p in ps]
-        if clients in args.forced_clients:
-            out += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20) for m in ("ngram", "draft_model")]
-        return out
-
-    result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape, draft=args.draft_shape, k=k,
-                  prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
-                  disable_by_batch_size=default_batch, build_s=round(build_s, 1), load_s=round(load_s, 1),
-                  num_blocks=engine.block_manager.num_blocks, rows=[])
-    print(f"built in {build_s:.0f} s, loaded in {load_s:.0f} s; {engine.block_manager.num_blocks} blocks", flush=True)
-    configure(engine, spec, None, 0.0, default_batch)
-    run_clients(engine, prompts[args.clients[0]][:1], 8)  # warm: the first steps of a process are slow
-    for clients in args.clients:
-        todo = configs(clients)
-        runs = {name: [] for name, *_ in todo}
-        counters = {}
-        for rep in range(args.repeats if clients < 256 else args.repeats_256):
-            for name, method, p, max_batch in todo:
-                if args.deadline and time.monotonic() - t_start > args.deadline:
-                    break
-                configure(engine, spec, method, p, max_batch, seed=rep)
-                runs[name].append(run_clients(engine, prompts[clients], args.max_tokens))
-                if method is not None:  # summed over the repeats (each draws its own acceptances)
-                    c, (d, t, a) = spec.counters, counters.get(name, (0, 0, 0))
-                    counters[name] = (d + c.drafts, t + c.draft_tokens, a + c.accepted_tokens)
-        base = statistics.median(r["output_tok_s"] for r in runs["off"]) if runs["off"] else None
-        base_tpot = statistics.median(r["tpot_ms"] for r in runs["off"]) if runs["off"] else None
-        for name, method, p, max_batch in todo:
-            if not runs[name]:
-                continue
-            tok_s = statistics.median(r["output_tok_s"] for r in runs[name])
-            tpot = statistics.median(r["tpot_ms"] for r in runs[name])
-            drafts, proposed, accepted = counters.get(name, (0, 0, 0))
-            row = dict(impl="flashpage", clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
-                       min_acceptance=(SPEC_MIN_ACCEPTANCE if method == "ngram" else SPEC_MIN_ACCEPTANCE_DRAFT)
-                       if method is not None else None,
-                       output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
-                       speedup=round(tok_s / base, 3) if base else None,
-                       tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,
-                       verifications=drafts, expected_accepted_length=round(expected_length(p, k), 3),
-                       mean_accepted_length=round(1 + accepted / drafts, 3) if drafts else None)
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        path = write_result(result, args.out_dir, "spec")  # after each client count: a deadline keeps what ran
+    prompts = None
+    suffix = "" if args.methods == ["ngram", "draft_model"] else "_" + "_".join(args.methods)
+    result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape,
+                  draft=args.draft_shape if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
+                  k=k, prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
+                  disable_by_batch_size=default_batch, build_s=round(build_s, 1), load_s=[], rows=[])
+    plain_off: dict[int, float] = {}  # clients -> the plain engine's output tok/s, TPOT without speculation
+    path = None
+    for phase, spec_json, methods in phases:
+        t0 = time.monotonic()
+        cfg = (SpeculativeConfig.parse(json.dumps({**spec_json, "num_speculative_tokens": k, "disable_by_batch_size": most}))
+               if spec_json else None)
+        engine = LLMEngine(EngineConfig(model=str(target), speculative_config=cfg, max_num_seqs=256,
+                                        max_num_batched_tokens=8192, max_model_len=args.max_model_len,
+                                        enable_prefix_caching=False, log_stats_interval=0))
+        result["load_s"].append(round(time.monotonic() - t0, 1))
+        result.setdefault("num_blocks", {})[phase] = engine.block_manager.num_blocks
+        spec = engine.speculator
+        if spec is not None:
+            spec.proposers = {m: spec.proposer for m in methods if m != "ngram"}
+            spec.proposers["ngram"] = NgramProposer(1, 3)
+        if prompts is None:
+            vocab = min(engine.spec.vocab_size, len(engine.tokenizer))
+            prompts = {c: [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(c)] for c in args.clients}
+        print(f"{phase}: built in {build_s:.0f} s, loaded in {result['load_s'][-1]:.0f} s; "
+              f"{engine.block_manager.num_blocks} blocks", flush=True)
+        configure(engine, spec, None, 0.0, default_batch)
+        run_clients(engine, prompts[args.clients[0]][:1], 8)  # warm: the first steps of a process are slow
+        for clients in args.clients:
+            if args.deadline and time.monotonic() - t_start > args.deadline:
+                break
+            result["rows"] += measure(engine, spec, phase, methods, clients, prompts[clients], args, plain_off, t_start)
+            path = write_result(result, args.out_dir, "spec" + suffix)  # after each client count: a deadline keeps what ran
+        engine.close()
+        del engine, spec
+        gc.collect()
+        torch.cuda.empty_cache()
     print(f"wrote {path}")
     print(f"{'clients':>7} {'config':<26} {'tok/s':>9} {'x':>6} {'TPOT ms':>8} {'xTPOT':>6} {'acc len':>7}")
     for r in result["rows"]:
@@ -213,9 +207,59 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['tpot_ms']:>8.2f} {r['tpot_speedup'] or 0:>6.2f} {r['mean_accepted_length'] or 0:>7.2f}")
 
 
+def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: int, prompts: list[list[int]], args,
+            plain_off: dict, t_start: float) -> list[dict]:
+    """One client count's rows on one engine: its "off" runs and each method's at each probability
+    (and forced), `--repeats` times in turn; speedups against the plain engine's "off" (recorded in
+    `plain_off` by the first phase; a later phase's own "off" row shows what its engine costs)."""
+    default_batch, k = SPEC_DISABLE_BY_BATCH_SIZE, args.num_speculative_tokens
+    ps = args.probabilities if clients in args.sweep_clients else [args.probability]
+    off = "off" if phase == "plain" else f"off, target feeding {phase}"
+    todo = [(off, None, 0.0, default_batch)]
+    todo += [(f"{m} p={p}", m, p, default_batch) for m in methods for p in ps]
+    if clients in args.forced_clients:
+        todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20) for m in methods]
+    runs = {name: [] for name, *_ in todo}
+    counters = {}
+    for rep in range(args.repeats if clients < 256 else args.repeats_256):
+        for name, method, p, max_batch in todo:
+            if args.deadline and time.monotonic() - t_start > args.deadline:
+                break
+            configure(engine, spec, method, p, max_batch, seed=rep)
+            runs[name].append(run_clients(engine, prompts, args.max_tokens))
+            if method is not None:  # summed over the repeats (each draws its own acceptances)
+                c, (d, t, a) = spec.counters, counters.get(name, (0, 0, 0))
+                counters[name] = (d + c.drafts, t + c.draft_tokens, a + c.accepted_tokens)
+    if runs[off] and clients not in plain_off:
+        plain_off[clients] = (statistics.median(r["output_tok_s"] for r in runs[off]),
+                              statistics.median(r["tpot_ms"] for r in runs[off]))
+    base, base_tpot = plain_off.get(clients, (None, None))
+    rows = []
+    for name, method, p, max_batch in todo:
+        if not runs[name]:
+            continue
+        tok_s = statistics.median(r["output_tok_s"] for r in runs[name])
+        tpot = statistics.median(r["tpot_ms"] for r in runs[name])
+        drafts, proposed, accepted = counters.get(name, (0, 0, 0))
+        row = dict(impl="flashpage", clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
+                   min_acceptance=SPEC_FLOORS[method] if method is not None else None,
+                   output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
+                   speedup=round(tok_s / base, 3) if base else None,
+                   tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,
+                   verifications=drafts, expected_accepted_length=round(expected_length(p, k), 3),
+                   mean_accepted_length=round(1 + accepted / drafts, 3) if drafts else None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def report(result: dict) -> str:
     """docs/benchmarks.md's table of a result file (benchmarks/make_report.py)."""
-    lines = [f"{result['target']} target, {result['draft']}-shaped draft, k = {result['k']}, prompts of "
+    drafts = [f"{result['draft']}-shaped draft"] if result.get("draft") else []
+    if result.get("eagle3_draft_vocab"):
+        drafts.append(f"a random EAGLE-3 head ({result['eagle3_draft_vocab']:,}-token draft vocabulary; the target "
+                      f"feeding it runs in an engine of its own, whose 'off' row is that engine without speculation)")
+    lines = [f"{result['target']} target, {' and '.join(drafts) or 'n-gram'}, k = {result['k']}, prompts of "
              f"{result['prompt_len']} random tokens, {result['max_tokens']} greedy tokens each; the oracle sets "
              f"the acceptance (p: each proposal the target's own token with that probability); speedups against "
              f"no speculation in the same process; 'forced' lifts the batch-size back-off "
@@ -241,7 +285,10 @@ def acceptance_report(result: dict) -> str:
         same = {True: "yes", False: "**no**"}.get(r.get("identical_to_no_speculation"), "")
         rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
-        lines.append(f"| {r['method']} | {rate} | {length} | {by_pos} | {same} | {r['wall_s']:.0f} |")
+        wall = f"{r['wall_s']:.0f}"
+        if "wall_s_without_speculation" in r:  # a row measured later (--merge), beside its own run without
+            wall += f" (without: {r['wall_s_without_speculation']:.0f}; {r['date']})"
+        lines.append(f"| {r['method']} | {rate} | {length} | {by_pos} | {same} | {wall} |")
     return "\n".join(lines)
 
 

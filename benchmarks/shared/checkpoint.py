@@ -117,3 +117,34 @@ def _llama_config(shape: str | dict):
 
     fields = dict(LLAMA_SHAPES[shape] if isinstance(shape, str) else shape)
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
+
+
+def make_random_eagle3(path: str | Path, target: str | Path, draft_vocab_size: int | None = None,
+                       layer_ids: list[int] | None = None, own_embedding: bool = False, std: float = 0.02,
+                       seed: int = 0, device: str = "cpu", dtype=None, **fields) -> Path:
+    """A random EAGLE-3 head for the checkpoint at `target`, in the published layout
+    (models/eagle3.py; written by models/eagle3_reference.py `save_head`): one layer of the target's
+    shape, `draft_vocab_size` (default the target's) a random subset of the target's ids in order,
+    `eagle_config.eagle_aux_hidden_state_layer_ids` when `layer_ids` is given, a token table of its
+    own with `own_embedding`; matrices normal(0, std), norm weights near one. `fields` override
+    config fields (e.g. another `hidden_size`)."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig
+
+    from models.eagle3_reference import Eagle3Reference, head_config, save_head
+
+    t = AutoConfig.from_pretrained(target)
+    g = torch.Generator().manual_seed(seed)
+    vocab = t.vocab_size
+    draft_vocab = draft_vocab_size or vocab
+    d = head_config(t, draft_vocab, layer_ids, **fields)
+    with torch.device(device):
+        head = Eagle3Reference(LlamaConfig(**d), own_embedding=own_embedding)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        head.set_draft_vocabulary(torch.randperm(vocab, generator=g)[:draft_vocab])
+    return save_head(head, d, path, dtype or torch.bfloat16)

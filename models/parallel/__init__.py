@@ -3,8 +3,8 @@ over it (`group.py`), and the sharded layers the families build from (`layers.py
 families themselves: it imports the kernels). The processes and what travels between them each
 step are the worker's (server/worker/parallel/)."""
 
-from models.parallel.group import (TensorParallel, close_tensor_parallel, init_tensor_parallel, kv_heads, shard_spec,
-                                   tensor_parallel)
+from models.parallel.group import (TensorParallel, built_as, close_tensor_parallel, init_tensor_parallel, kv_heads,
+                                   shard_spec, tensor_parallel)
 
-__all__ = ["TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "kv_heads", "shard_spec",
+__all__ = ["TensorParallel", "built_as", "close_tensor_parallel", "init_tensor_parallel", "kv_heads", "shard_spec",
            "tensor_parallel"]

@@ -16,6 +16,8 @@ with the batch. The invariant all-reduce gathers every rank's part and adds them
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -126,6 +128,18 @@ def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     _current = TensorParallel(rank, size)
     return _current
+
+
+@contextmanager
+def built_as(tp: TensorParallel) -> Iterator[TensorParallel]:
+    """Models built inside hold rank tp.rank's shard of a group of tp.size, with no process group:
+    building and loading communicate nothing (a split checked before the ranks start; tests)."""
+    global _current
+    saved, _current = _current, tp
+    try:
+        yield tp
+    finally:
+        _current = saved
 
 
 def close_tensor_parallel() -> None:

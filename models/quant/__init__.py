@@ -2,7 +2,8 @@
 
 The loader (models/loader.py) asks `detect` what a checkpoint's weights are, builds the model with
 its linears' 16-bit weights left unallocated (`models.linear.storage_later`), `attach`es a linear
-method (methods.py) to every `models.linear.Linear`, turns the checkpoint's tensors into the
+method (methods.py) to every `models.linear.Linear` (under tensor parallelism with the Shards of its
+rank's part of each tensor: shards.py), turns the checkpoint's tensors into the
 canonical layout (`convert`), lets the family's load_weights copy them as usual, then `finish`es
 the linears. Families take part in three places only: merged projections stack their parts'
 tensors with `merge_parts`, the Llama family's RMSNorm and silu_mul quantize the next linear's
@@ -23,6 +24,7 @@ from torch import nn
 from models.quant import awq, compressed_tensors, fp8, gptq
 from models.quant.methods import ActivationFormat, QuantizedInput, make_method, merge_parts
 from models.quant.scheme import METHODS, PER_CHANNEL, QuantScheme, compute_mode, refuse
+from models.quant.shards import shard_quantized
 
 FORMATS = {"compressed-tensors": compressed_tensors, "fp8": fp8, "awq": awq, "gptq": gptq}
 
@@ -62,10 +64,11 @@ def attach(model: nn.Module, scheme: QuantScheme, device: torch.device, dtype: t
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     method = make_method(scheme, compute_mode(device.type, capability, deterministic, scheme.weights), dtype)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
             module.quant = method
             method.create(module, device)
+            shard_quantized(name, module, scheme)  # a rank's part of each tensor, under tensor parallelism
     model.quant_scheme = scheme
 
 

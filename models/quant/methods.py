@@ -27,6 +27,7 @@ from kernels.quant_reference import dequant_fp8, dequant_int4
 from models.quant.fp8 import quantize_per_channel
 from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
 from models.quant.scheme import PER_CHANNEL, QuantScheme
+from models.quant.shards import whole_in_features
 
 
 class ActivationFormat(NamedTuple):
@@ -101,7 +102,9 @@ class Int4Method:
         n, k = linear.out_features, linear.in_features
         if k % 8:
             raise ValueError(f"int4 weights need input features divisible by 8 ({k})")
-        groups = _groups(k, self.scheme.group)
+        # a row-parallel rank's share of a desc_act layer keeps every group's scales and zero points
+        # (shards.py: its columns' groups lie anywhere in the layer)
+        groups = _groups(whole_in_features(linear) if self.scheme.g_idx else k, self.scheme.group)
         if "weight" in linear._parameters:
             delattr(linear, "weight")
         _param(linear, "qweight", torch.empty(n, k // 8, dtype=torch.int32, device=device))

@@ -19,7 +19,7 @@ from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
 from server.engine.faults import FaultInjector
-from server.engine.outputs import EngineSnapshot, RequestOutput
+from server.engine.outputs import EngineSnapshot, RequestOutput, failed_output
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
@@ -27,7 +27,7 @@ from server.engine.spec import make_speculator
 from server.engine.grammar_compile import CompileSetup, SpecCompiler
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
-from server.engine.stop import ABORT, ERROR, LENGTH, STOP, TIMEOUT, find_stop, held_back, token_stop
+from server.engine.stop import ABORT, ERROR, LENGTH, TIMEOUT, advance
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
@@ -386,36 +386,13 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End a request with finish_reason "error", with what it produced so far."""
         self._retire(seq, ERROR)
-        return RequestOutput(seq.request_id, "", [], True, ERROR, prompt_tokens=len(seq.prompt_token_ids),
-                             completion_tokens=len(seq.output_token_ids), text=seq.text,
-                             token_ids=list(seq.output_token_ids), error=message)
+        return failed_output(seq, message)
 
     def _advance(self, seq: Sequence, tok: int, logprob) -> RequestOutput:
-        """The stop rule (server/engine/stop.py) applied to a sequence's newest token."""
-        p = seq.params
-        # Resolved tokens only: with asynchronous scheduling token_ids already holds the next step's
-        # placeholder, which would end a sequence at the context limit one token early.
-        num_output = len(seq.output_token_ids)
-        reason = token_stop(tok, num_output, len(seq.prompt_token_ids) + num_output, p, self.eos_token_ids,
-                            self.max_model_len)
-        if seq.grammar is not None and reason is None and tok in self.eos_token_ids:
-            reason = STOP  # the grammar allowed its end (its matcher, in the grammar process, took it)
-        decoded = self.detokenizer.step(seq, final=reason is not None)
-        if p.stop and decoded and num_output >= p.min_tokens:
-            cut = find_stop(seq.text, len(decoded), p.stop)
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                reason = STOP
-        end = max(seq.emitted, len(seq.text) - held_back(p, reason is not None))
-        new_text, seq.emitted = seq.text[seq.emitted : end], end
-        if reason is not None:
-            self._retire(seq, reason)
-        return RequestOutput(seq.request_id, new_text, [tok], reason is not None, reason,
-                             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
-                             new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
-                             token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt,
-                             prompt_logprobs=seq.prompt_logprobs if num_output == 1 and p.prompt_logprobs is not None
-                             else None)
+        out = advance(seq, tok, logprob, self.eos_token_ids, self.max_model_len, self.detokenizer)
+        if out.finished:
+            self._retire(seq, out.finish_reason)
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Offline helper: run prompts to completion, return the final outputs in order."""

@@ -65,3 +65,10 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def failed_output(seq, message: str) -> RequestOutput:
+    """A request ended with finish_reason "error" (server/engine/stop.py), with what it produced so far."""
+    return RequestOutput(seq.request_id, "", [], True, "error", prompt_tokens=len(seq.prompt_token_ids),
+                         completion_tokens=len(seq.output_token_ids), text=seq.text,
+                         token_ids=list(seq.output_token_ids), error=message)

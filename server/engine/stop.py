@@ -11,7 +11,14 @@ one is held back from the client, so streamed text never holds what the final te
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from server.engine.outputs import RequestOutput
 from server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.detokenize import Detokenizer
+    from server.engine.sequence import Sequence
 
 STOP = "stop"
 LENGTH = "length"
@@ -47,3 +54,32 @@ def find_stop(text: str, new_len: int, stops: list[str]) -> int | None:
 def held_back(params: SamplingParams, finished: bool) -> int:
     """Characters at the end of the text that may not be sent yet: they could start a stop string."""
     return 0 if finished or not params.stop else max(map(len, params.stop)) - 1
+
+
+def advance(seq: Sequence, tok: int, logprob, eos_token_ids: frozenset[int], max_model_len: int,
+            detokenizer: Detokenizer) -> RequestOutput:
+    """The stop rule applied to a sequence's newest (resolved) token: its text, the reason it ends if
+    it does (the engine retires it then), and the output the client gets for this step."""
+    p = seq.params
+    # Resolved tokens only: with asynchronous scheduling token_ids already holds the next step's
+    # placeholder, which would end a sequence at the context limit one token early.
+    num_output = len(seq.output_token_ids)
+    reason = token_stop(tok, num_output, len(seq.prompt_token_ids) + num_output, p, eos_token_ids,
+                        max_model_len)
+    if seq.grammar is not None and reason is None and tok in eos_token_ids:
+        reason = STOP  # the grammar allowed its end (its matcher, in the grammar process, took it)
+    decoded = detokenizer.step(seq, final=reason is not None)
+    if p.stop and decoded and num_output >= p.min_tokens:
+        cut = find_stop(seq.text, len(decoded), p.stop)
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            reason = STOP
+    end = max(seq.emitted, len(seq.text) - held_back(p, reason is not None))
+    new_text, seq.emitted = seq.text[seq.emitted : end], end
+    return RequestOutput(seq.request_id, new_text, [tok], reason is not None, reason,
+                         prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+                         new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
+                         token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt,
+                         prompt_logprobs=seq.prompt_logprobs if num_output == 1 and p.prompt_logprobs is not None
+                         else None)
+

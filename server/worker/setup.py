@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
-from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, checkpoint_dtype, load_config, load_model,
-                    load_tokenizer, quantization_scheme, shard_spec, tensor_parallel, weights_info)
+from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, check_quantized_split, checkpoint_dtype, load_config,
+                    load_model, load_tokenizer, shard_spec, tensor_parallel, weights_info)
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
-from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, shared_blocks
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, load_eagle3, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -40,7 +40,7 @@ class Worker:
     max_model_len: int
     device: torch.device
     weights: WeightsInfo  # the weights' format and real bytes on the device (quantized or not)
-    draft: DraftRunner | None = None  # speculative decoding's draft model (server/worker/spec/draft.py)
+    draft: DraftRunner | None = None  # speculative decoding's draft model or EAGLE-3 head (server/worker/spec/)
     kv_scales: KVScales | None = None  # an fp8 cache's (kvcache/fp8.py), this rank's KV heads
 
 
@@ -66,15 +66,12 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
 
 def check_tensor_parallel(config: EngineConfig, path: Path) -> None:
     """What does not divide, or does not combine with tensor parallelism yet, stops the start here,
-    before any process starts (ValueError)."""
+    before any process starts (ValueError): heads, a quantized layer whose blocks or groups a rank's
+    share would cut (named), speculative decoding."""
     shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
+    check_quantized_split(path, config.quantization, config.tensor_parallel_size)
     if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
         raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
-    # quantized weights only: a checkpoint whose quantization_config carries an FP8 KV cache's scales
-    # alone has 16-bit weights, and its per-head scales are cut by rank like the heads
-    if quantization_scheme(path, config.quantization) is not None:
-        raise ValueError("--tensor-parallel-size above 1 does not combine with quantized weights yet "
-                         "(a quantized linear's scales are not split by rank)")
 
 
 def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
@@ -137,10 +134,11 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None,
                                   from_checkpoint=config.load_format != "dummy")
         log.info("KV cache %s: scales %s%s", dtype_name(cache_dtype), scales.describe(),
                  f" (rank {tp.rank}'s {spec.num_kv_heads} KV heads)" if tp.size > 1 else "")
-    draft = load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+    draft = (load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+             or load_eagle3(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens))
     num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
     if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
-        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.cache_spec)
+        num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.bytes_per_block)
     log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
     runner.allocate_cache(num_blocks, scales)
     if draft is not None:

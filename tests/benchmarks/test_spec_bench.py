@@ -16,13 +16,23 @@ from server.engine.spec.ngram import NgramProposer
 def engine(tiny_ckpt):
     spec = SpeculativeConfig.parse(json.dumps({"model": str(tiny_ckpt), "num_speculative_tokens": 4}))
     eng = LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", num_blocks=128, speculative_config=spec))
-    eng.speculator.draft_proposer = eng.speculator.proposer
-    eng.speculator.ngram_proposer = NgramProposer(1, 3)
+    eng.speculator.proposers = {"draft_model": eng.speculator.proposer, "ngram": NgramProposer(1, 3)}
     return eng
 
 
-@pytest.mark.parametrize("method,p", [("ngram", 0.77), ("draft_model", 0.5), ("ngram", 0.0)])
-def test_the_oracle_sets_the_mean_accepted_length(engine, method, p):
+@pytest.fixture(scope="module")
+def eagle3_engine(eagle3_pair):
+    """The target of an EAGLE-3 head (it feeds the head at every step: an engine of its own)."""
+    target, head = eagle3_pair
+    spec = SpeculativeConfig.parse(json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}))
+    eng = LLMEngine(EngineConfig(model=str(target), device="cpu", num_blocks=128, speculative_config=spec))
+    eng.speculator.proposers = {"eagle3": eng.speculator.proposer}
+    return eng
+
+
+@pytest.mark.parametrize("method,p", [("ngram", 0.77), ("draft_model", 0.5), ("ngram", 0.0), ("eagle3", 0.77)])
+def test_the_oracle_sets_the_mean_accepted_length(request, method, p):
+    engine = request.getfixturevalue("eagle3_engine" if method == "eagle3" else "engine")
     spec = engine.speculator
     configure(engine, spec, method, p, 32)
     prompts = [[i + 1] * 7 for i in range(4)]

@@ -1,8 +1,10 @@
 """GPU-only (skipped without CUDA): speculative decoding through the Triton backend and CUDA graphs
 (the verification graphs, the draft model's decode and prefill graphs) gives the greedy tokens of
 decoding without it, up to half-precision near-ties (each parting checked to be one), for the GPT-2
-family (its own draft, so runs are accepted, and n-gram) and a Llama-family shape with a smaller
-Llama draft; no block lost; the graphs really ran."""
+family (its own draft, so runs are accepted, and n-gram), a Llama-family shape with a smaller
+Llama draft, and the same shape with an EAGLE-3 head (its catch-up and chained steps in the draft's
+graphs, the target's states fused in the target's graphs: the head proposes in graphs what it
+proposes eagerly); no block lost; the graphs really ran."""
 
 import json
 
@@ -113,3 +115,41 @@ def test_penalized_and_constrained_rows_speculate_in_graphs(gpt2_ckpt):
     assert c.accepted_tokens > 0 and eng.runner.verify_graphs.graphs
     assert not eng.runner.counts.slots and not eng.runner.counts.scratched
     eng.close()
+
+
+def test_llama_family_with_an_eagle3_head(llama_pair, tmp_path):
+    from benchmarks.shared.checkpoint import make_random_eagle3
+
+    target, _ = llama_pair
+    head = make_random_eagle3(tmp_path / "eagle3", target, draft_vocab_size=512, layer_ids=[1, 2, 3], std=0.05)
+    prompts = _prompts(9, 4, 200, seed=24)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    ref, _ = _run(target, prompts, dtype="bfloat16")
+
+    def run(**kw):
+        """(tokens, {the sequence's tokens at a round: that round's proposals}, engine)"""
+        cfg = SpeculativeConfig.parse(json.dumps(spec))
+        eng = LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="bfloat16", num_blocks=2048,
+                                     speculative_config=cfg, max_num_batched_tokens=256, **kw))
+        proposer, rounds = eng.speculator.proposer, {}
+        propose = proposer.propose
+
+        def record(items):
+            drafts = propose(items)
+            rounds.update({tuple(seq.token_ids): list(d) for (seq, _, _), d in zip(items, drafts) if d is not None})
+            return drafts
+
+        proposer.propose = record
+        outs = eng.generate(prompts, GREEDY)
+        assert eng.block_manager.check_all_free()
+        return [o.token_ids for o in outs], rounds, eng
+
+    got, in_graphs, eng = run()
+    _assert_same_greedy(target, prompts, got, ref, "bfloat16")
+    assert eng.speculator.counters.drafts > 0 and eng.runner.verify_graphs.graphs
+    assert eng.speculator.proposer.runner.graphs is not None  # the head's decode graphs
+    _, eager, _ = run(enforce_eager=True)
+    shared = in_graphs.keys() & eager.keys()
+    assert len(shared) >= 0.5 * len(eager)
+    same = sum(in_graphs[t] == eager[t] for t in shared)
+    assert same >= 0.8 * len(shared), f"{same} of {len(shared)} rounds proposed alike in graphs and eagerly"

@@ -6,8 +6,11 @@ as test_gpu_parity does) and its chosen tokens' log-probabilities within bf16 no
 Llama-3.1-8B shape's attention (32 query and 8 K/V heads of 128, hidden 4096) with fewer layers, a
 narrower MLP and a smaller vocabulary; eager steps (--enforce-eager) likewise; the rank-0-only
 parts (penalties, seeded sampling, structured outputs with the grammar's wait on the device, prompt
-log-probabilities) run beside the collectives and choose what one GPU chooses; and --deterministic
-at two GPUs keeps a request's bits whatever shares its batch.
+log-probabilities) run beside the collectives and choose what one GPU chooses; --deterministic
+at two GPUs keeps a request's bits whatever shares its batch; and quantized checkpoints (FP8 per
+channel and in 128x128 blocks, GPTQ with act order, AWQ) at two GPUs, each rank holding its share of
+the quantized tensors (models/quant/shards.py), give one GPU's greedy tokens up to near-ties of the
+dequantized weights.
 
 The one-GPU reference engine runs on cuda:0 throughout; the two-GPU engines have rank 0 in this
 process and rank 1 in a process of its own on cuda:1, one at a time (one group per process)."""
@@ -142,3 +145,54 @@ def test_fp8_cache_at_two_gpus(ckpt, two_gpus):
     finally:
         two.close()
     _compare(ckpt, prompts, got, ref)
+
+
+# a format of each family (test_quant_shards.py's): FP8 per channel with per-token activations (a
+# row-parallel rank scales its own columns), FP8 blocks, GPTQ's act order (every group's scales on
+# each rank: the g_idx gathers), AWQ
+QUANT = ("fp8-dynamic", "fp8-block", "gptq-desc-act", "awq")
+
+
+@pytest.fixture(scope="module")
+def quantized(ckpt, tmp_path_factory):
+    """format -> (its checkpoint of the 8B-shape model, a 16-bit copy holding its dequantized
+    weights: the float32 reference of the parting points)."""
+    from benchmarks.quant.quant_checkpoint import quantize_checkpoint
+    from tests.helpers import with_tensors
+
+    root = tmp_path_factory.mktemp("tp-quant")
+    out = {}
+    for fmt in QUANT:
+        deq = quantize_checkpoint(ckpt, root / fmt, fmt, device="cuda")
+        out[fmt] = root / fmt, with_tensors(ckpt, root / f"{fmt}-dequantized", deq)
+    return out
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_quantized_checkpoints_at_two_gpus_give_one_gpus_tokens(quantized, fmt):
+    """Two GPUs with CUDA graphs (each rank's quantized GEMMs captured beside the all-reduces) against
+    one GPU's eager steps (whose bits its graphs replay: test_gpu_quant.py). Each rank holds half of
+    the quantized bytes (the embedding and head are split too; norms are whole). FP8 per channel
+    quantizes a row-parallel input per token over a rank's own columns, so its log-probabilities
+    move by that quantization's error, not bf16's alone. (Last in the file: the tests before close
+    the module's two-GPU engine, whose group would stop another's in this process.)"""
+    path, dequantized = quantized[fmt]
+    prompts = _workload()[::2]
+    one = _engine(path, 1, enforce_eager=True)
+    try:
+        want, whole = _logprobs(one, prompts), one.weight_bytes
+    finally:
+        one.close()
+    two = _engine(path, 2)
+    try:
+        got = _logprobs(two, prompts)
+        assert two.quantization == one.quantization and two.weight_bytes < 0.6 * whole
+        down = two.runner.model.layers[0].mlp.down_proj
+        held = down.weight if fmt.startswith("fp8") else down.qweight
+        assert held.dtype == (torch.float8_e4m3fn if fmt.startswith("fp8") else torch.int32)
+        assert held.shape[1] == (SHAPE["intermediate_size"] // 2) // (1 if fmt.startswith("fp8") else 8)
+    finally:
+        two.close()
+    order = [str(i) for i in range(len(prompts))]
+    _assert_same_greedy(dequantized, prompts, [got[0][r] for r in order], [want[0][r] for r in order], "bfloat16")
+    _assert_same_logprobs(got, want, bound=0.3 if fmt == "fp8-dynamic" else 0.15)

@@ -68,6 +68,30 @@ def test_int4_with_g_idx_matches_reference(m, n, k):
     assert not torch.allclose(ref, wo_matmul_ref(x, qweight, scale, zero, 128), atol=0.1)  # g_idx matters
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_int4_g_idx_gathers_from_more_groups_than_its_columns_span(m):
+    """A row-parallel rank's share of a desc_act layer (models/quant/shards.py): its 136 columns' g_idx
+    names 5 groups of the whole layer, whose scales and zero points it keeps; the GEMV (one row), the
+    tiles (more) and the dequantization into memory read them through g_idx."""
+    from kernels.dequant import dequantize
+    from kernels.gemv import wo_gemv
+    from kernels.quant_reference import dequant_int4
+
+    g = torch.Generator().manual_seed(m)
+    n, k, groups = 24, 136, 5
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    scale = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zero = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    g_idx = torch.randint(0, groups, (k,), generator=g).to(torch.int32)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    dev = [t.to(DEVICE) for t in (x, qweight, scale, zero)]
+    out = (wo_gemv if m == 1 else wo_matmul)(*dev, 128, g_idx=g_idx.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), wo_matmul_ref(x, qweight, scale, zero, 128, g_idx=g_idx), atol=2e-2, rtol=1e-2)
+    if m == 1:
+        w = dequantize(*dev[1:], 128, torch.bfloat16, g_idx.to(DEVICE))
+        assert torch.equal(w.cpu(), dequant_int4(qweight, scale, zero, 128, torch.bfloat16, g_idx))
+
+
 @pytest.mark.parametrize("group", [128, 1 << 30])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 256), (21, 40, 136)])
 def test_fp8_weight_only_matches_reference(group, m, n, k):

@@ -9,16 +9,13 @@ per-KV-head checkpoint scales sliced to each rank's head, or calibrated on both 
 prompt prefilled in two chunks (the second reads the first's K/V from the fp8 cache) gives the
 one-rank fp8 cache's logits."""
 
-import multiprocessing as mp
-import queue
-
 import pytest
 import torch
 
 from models.parallel import TensorParallel, kv_heads, shard_spec
 from models.parallel.layers import Shard, qkv_parts, split_parts, vocab_rows
 from models.spec import ModelSpec
-from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits, with_tensors
+from tests.helpers import make_checkpoint, make_llama_checkpoint, prefill_logits, run_ranks, with_tensors
 
 IDS = [5, 17, 99, 3, 250, 7, 42, 300, 11, 64, 128, 9, 77, 1, 2, 180, 33]  # 17 tokens: past a block
 
@@ -83,8 +80,7 @@ def _rank(rank: int, size: int, port: int, cases: list, fp8_cases: list, out) ->
             model = load_model(path, torch.float32, "cpu", "sdpa", load_format=load_format)
             logits = prefill_logits(model, IDS)
             if rank == 0:
-                # numpy, not tensors: a torch queue shares a tensor's storage through a descriptor
-                # the rank must outlive, and the ranks exit before the test reads everything
+                # numpy, not tensors (tests/helpers.py run_ranks)
                 out.put((name, logits.numpy(), (model.spec.num_heads, model.spec.num_kv_heads)))
         for name, path in fp8_cases:
             scales, logits = _fp8_worker(path, size)
@@ -125,26 +121,9 @@ def fp8_cases(cases, tmp_path_factory):
 
 
 def test_two_ranks_give_the_whole_models_logits(cases, fp8_cases):
-    from benchmarks.shared.common import free_port
     from models import load_model
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    ranks = [ctx.Process(target=_rank, args=(r, 2, port, cases, fp8_cases, out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    got = {}
-    try:
-        while len(got) < len(cases) + 2 * len(fp8_cases) + 1:
-            item = out.get(timeout=300)
-            got[item[0]] = item[1:]
-    except queue.Empty:
-        pytest.fail(f"the ranks reported {sorted(got)} only")
-    finally:
-        for p in ranks:
-            p.join(60)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    got = run_ranks(_rank, 2, (cases, fp8_cases), len(cases) + 2 * len(fp8_cases) + 1)
     for name, path, load_format in cases:
         whole = load_model(path, torch.float32, "cpu", "sdpa", load_format=load_format)
         ref = prefill_logits(whole, IDS)
@@ -189,14 +168,3 @@ def test_dummy_weights_need_no_weight_files_and_repeat(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_model(path, torch.float32, "cpu", "sdpa")
 
-
-def test_a_rank_refuses_quantized_weights(tmp_path, monkeypatch):
-    """A model built inside a tensor-parallel group (a rank's process) refuses a quantized scheme by
-    name before building anything: the linears' shards cut 16-bit weights only."""
-    import models.loader
-    from models import load_model
-
-    path = make_llama_checkpoint(tmp_path, "llama")
-    monkeypatch.setattr(models.loader, "tensor_parallel", lambda: TensorParallel(1, 2))
-    with pytest.raises(ValueError, match=r"quantized weights \(fp8 \(quantized at load.*tensor parallelism"):
-        load_model(path, torch.float32, "cpu", "sdpa", quantization="fp8")

@@ -121,7 +121,9 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
     ('{"method": "ngram"}', ["num_speculative_tokens must be an integer from 1 to 16"]),
     ('{"method": "ngram", "num_speculative_tokens": 0}', ["from 1 to 16"]),
     ('{"method": "medusa", "num_speculative_tokens": 2}', ["'medusa' is not supported"]),
-    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}', ["'eagle3' is not supported"]),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 2}', ["'eagle' (EAGLE-1 heads) is not supported",
+                                                                         '"method": "eagle3"']),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', ["eagle3 needs `model`"]),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', ["needs `model`"]),
     ('{"num_speculative_tokens": 2}', ["method must be one of"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
@@ -145,6 +147,8 @@ def test_speculative_config_reads_vllm_keys():
     assert (s.method, s.model, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", None, 5, 5)
     s = parse('{"model": "/models/draft", "num_speculative_tokens": 5, "disable_by_batch_size": 8}')
     assert (s.method, s.model, s.disable_by_batch_size) == ("draft_model", "/models/draft", 8)
+    s = parse('{"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 3}')
+    assert (s.method, s.model, s.num_speculative_tokens, s.min_acceptance) == ("eagle3", "/models/head", 3, 0.25)
 
 
 def test_auto_tool_choice_needs_a_parser(capsys):

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """How often speculative decoding's proposals stand for the embedded model on held-out docstrings:
-the n-gram method and the distilled draft (train_draft.py), each alone, greedy, on the CPU.
+the n-gram method, the distilled draft (train_draft.py) and the EAGLE-3 head (train_eagle3.py), each
+alone, greedy, on the CPU.
 
 Prompts are the first `--prompt-tokens` tokens of the validation split's documents (prepare_data.py
 holds them out of both models' training), continued `--max-tokens` greedy tokens. Each method runs
@@ -9,8 +10,11 @@ and its tokens are checked against decoding without speculation. Written to
 benchmarks/results/embedded_draft_acceptance.json: per method, verifications, proposals, accepted
 proposals, acceptance rate, mean accepted length (1 + accepted / verifications, vLLM's), acceptance
 by position, and the wall time beside decoding without speculation (CPU, indicative only).
+`--methods` runs some of them (decoding without speculation always: the tokens to check against);
+`--merge` keeps the file's rows of the others, the new rows carrying their own date and command.
 
     python tools/embedded/measure_acceptance.py --data-dir .corpus --draft models/embedded-draft
+    python tools/embedded/measure_acceptance.py --data-dir .corpus --methods eagle3 --merge
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
+# --methods' names -> (the row's method, its speculative config); decoding without speculation always runs
+METHODS = {
+    "ngram13": ("ngram (prompt_lookup 1-3)", lambda a: {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    "ngram5": ("ngram (vLLM's default lookup, 5)", lambda a: {"method": "ngram"}),
+    "draft": ("draft_model (models/embedded-draft)", lambda a: {"method": "draft_model", "model": a.draft}),
+    "eagle3": ("eagle3 (models/embedded-eagle3)", lambda a: {"method": "eagle3", "model": a.eagle3}),
+}
+
+
 def held_out_prompts(data_dir: Path, eot: int, n: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the first `n` validation documents at least twice that long."""
     val = np.fromfile(data_dir / "val.bin", dtype=np.uint16).astype(np.int64)
@@ -40,6 +53,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=".corpus")
     ap.add_argument("--draft", default=str(ROOT / "models" / "embedded-draft"))
+    ap.add_argument("--eagle3", default=str(ROOT / "models" / "embedded-eagle3"))
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument("--merge", action="store_true", help="keep the out file's rows of the methods not run")
     ap.add_argument("--documents", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -54,12 +70,7 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(2)
     k = args.num_speculative_tokens
-    methods = {
-        "none": None,
-        "ngram (prompt_lookup 1-3)": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-        "ngram (vLLM's default lookup, 5)": {"method": "ngram"},
-        "draft_model (models/embedded-draft)": {"method": "draft_model", "model": args.draft},
-    }
+    methods = {"none": None, **{METHODS[m][0]: METHODS[m][1](args) for m in args.methods}}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = None
     import triton
@@ -94,6 +105,13 @@ def main(argv=None) -> None:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         engine.close()
+    if args.merge and Path(args.out).exists():  # the file's rows, these in place of their method's (or added)
+        old = json.loads(Path(args.out).read_text())
+        none, *ran = result["rows"]  # (the file keeps its own run without speculation)
+        new = {r["method"]: {**r, "date": result["date"], "command": result["command"],
+                             "wall_s_without_speculation": none["wall_s"]} for r in ran}
+        rows = [new.pop(r["method"], r) for r in old["rows"]]
+        result = {**old, "rows": rows + list(new.values())}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -1,11 +1,18 @@
-"""The draft_model method's host side: what the draft (server/worker/spec/draft.py) has computed of
-each sequence, and which of its tokens a round feeds it.
+"""The draft_model and eagle3 methods' host side: what the draft (server/worker/spec/draft.py) or the
+EAGLE-3 head (server/worker/spec/eagle.py) has computed of each sequence, and which of its
+positions a round feeds it.
 
-A sequence's `SpecState.draft_computed` counts the leading tokens whose K/V the draft holds. It is 0
+A sequence's `SpecState.draft_computed` counts the leading positions whose K/V the draft holds. It is 0
 for a new sequence, even one whose prompt hit the prefix cache (the draft's K/V of a shared block
 is recomputed, not trusted: the sequence that published it may never have run the draft) and after
-a preemption; a round catches the draft up to the sequence's last token, then proposes; after the
-verification only the positions whose input tokens were accepted stay valid."""
+a preemption; a round catches the draft up to the sequence's last position, then proposes; after the
+verification only the positions whose inputs were accepted stay valid.
+
+A draft model's position p reads token p, so its last position is the sequence's last token's. An
+EAGLE-3 head's position p reads the target's state at p with token p + 1 (`lag` 1): its last is the
+one before, the target's states reach no further, and only the position before the verified chunk
+stays valid after it (the head's later positions were fed its own states, not the target's; they
+are recomputed from the target's, as vLLM does)."""
 
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ class CatchUp:
 
 
 class DraftProposer:
-    def __init__(self, runner, k: int, max_tokens: int) -> None:
-        self.runner, self.k, self.max_tokens = runner, k, max_tokens
+    def __init__(self, runner, k: int, max_tokens: int, lag: int = 0) -> None:
+        self.runner, self.k, self.max_tokens, self.lag = runner, k, max_tokens, lag
 
     def propose(self, items: list) -> list[list[int] | None]:
         """(sequence, position of its last token, most proposals) per sequence -> up to that many
@@ -37,10 +44,11 @@ class DraftProposer:
         for i in order:
             seq, last, k = items[i]
             st = seq.spec
-            n = min(last + 1 - st.draft_computed, budget)
+            end = last + 1 - self.lag  # the positions it reads: up to its last token's (draft), the one before (EAGLE)
+            n = min(end - st.draft_computed, budget)
             if n <= 0:
                 continue
-            done = st.draft_computed + n == last + 1
+            done = st.draft_computed + n == end
             chunks.append(CatchUp(seq, st.draft_computed, n, done))
             st.draft_computed += n
             budget -= n
@@ -56,8 +64,9 @@ class DraftProposer:
 
     def accepted(self, seq, start: int, proposed: int, accepted: int) -> None:
         """The draft wrote K/V for positions start .. start + proposed - 1 (its input there: the
-        last token, then its proposals); those up to the last accepted proposal stand."""
-        seq.spec.draft_computed = start + 1 + min(accepted, proposed - 1)
+        last token, then its proposals); those up to the last accepted proposal stand. An EAGLE-3
+        head's stand up to start - 1 (its positions from start on read its own states)."""
+        seq.spec.draft_computed = start if self.lag else start + 1 + min(accepted, proposed - 1)
 
     def reset(self, seq) -> None:
         seq.spec.draft_computed = 0

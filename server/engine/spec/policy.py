@@ -35,7 +35,7 @@ class SpecState:
     acceptance: float = 1.0  # moving average of accepted / proposed
     skip: int = 0  # steps left before it proposes again
     backoff: int = 0  # the length of its last back-off (0: none)
-    draft_computed: int = 0  # draft_model: leading tokens whose K/V the draft holds (spec/draft.py)
+    draft_computed: int = 0  # draft_model, eagle3: leading positions whose K/V the draft holds (spec/draft.py)
 
 
 def record(st: SpecState, proposed: int, accepted: int, floor: float) -> None:

@@ -84,7 +84,8 @@ class Speculator:
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
-            self.proposer = DraftProposer(draft_runner, self.k, config.max_num_batched_tokens)
+            self.proposer = DraftProposer(draft_runner, self.k, config.max_num_batched_tokens,
+                                          lag=1 if spec.method == "eagle3" else 0)
         self.acceptance = accepted_prefix  # which proposals stand (benchmarks swap in an oracle's)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self.counts = counts  # the runner's penalty counts: accepted runs are counted there

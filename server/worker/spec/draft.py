@@ -87,6 +87,11 @@ class DraftRunner:
                 self._events[0].synchronize()
             self._events.append(torch.cuda.Event())
 
+    @property
+    def bytes_per_block(self) -> int:
+        """What the draft adds to each KV block of the target's (server/worker/setup.py sizes the cache by it)."""
+        return self.cache_spec.bytes_per_block
+
     def forward(self, caches, input_ids, positions, rows: StepRows, sampled_ids=None) -> torch.Tensor:
         meta = self.model.attention.metadata(rows)
         return self.model.forward(input_ids, positions, caches, meta, sampled_ids=sampled_ids)
@@ -191,12 +196,14 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
                max_model_len: int, block_size: int, max_tokens: int) -> DraftRunner | None:
     """The draft of a draft_model speculative config (None for any other method), loaded as the
     target is (its dtype, attention backend and device)."""
-    from models import load_model, load_tokenizer, resolve_model_path
+    from models import is_eagle3_head, load_model, load_tokenizer, resolve_model_path
 
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
     path = resolve_model_path(spec.model)
+    if is_eagle3_head(path):
+        raise ValueError(f"{path} is an EAGLE-3 head, not a draft model: pass \"method\": \"eagle3\"")
     draft = load_model(path, dtype, device, attention)
     check_draft(draft, target, max_model_len)
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
@@ -211,10 +218,11 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
                        spec.num_speculative_tokens)
 
 
-def shared_blocks(config, num_blocks: int, target: CacheSpec, draft: CacheSpec) -> int:
-    """Blocks when each holds the draft's K/V beside the target's: the budget's blocks shrink by
-    the two sizes' ratio (--num-blocks is taken as given)."""
+def shared_blocks(config, num_blocks: int, target: CacheSpec, draft_bytes: int) -> int:
+    """Blocks when each holds the draft's `draft_bytes` (its K/V; an EAGLE-3 head's fused states too)
+    beside the target's K/V: the budget's blocks shrink by the two sizes' ratio (--num-blocks is
+    taken as given)."""
     if config.num_blocks is not None:
         return num_blocks
-    tb, db = target.bytes_per_block, draft.bytes_per_block
+    tb, db = target.bytes_per_block, draft_bytes
     return max(1, (num_blocks + 1) * tb // (tb + db) - 1)

@@ -46,12 +46,14 @@ def test_a_kv_budget_that_holds_no_block_stops_the_start_naming_the_flag():
 
 
 def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_rank_starts(tiny_ckpt, tmp_path):
-    """Heads that do not divide, speculative decoding and quantized weights stop the start at once,
-    naming the reason, before a rank's process is started (none is: this returns in milliseconds)."""
+    """Heads that do not divide, speculative decoding, a quantization format flashpage does not serve
+    and a quantized layer whose 128x128 blocks a rank's share would cut stop the start at once,
+    naming the reason, before a rank's process is started (none is: this returns in milliseconds).
+    Quantized weights that split pass (each rank cuts its share: tests/models/test_quant_shards.py)."""
     import pytest
 
     from server.config import EngineConfig, SpeculativeConfig
-    from server.worker.setup import start_worker
+    from server.worker.setup import check_tensor_parallel, start_worker
 
     tp = dict(model=str(tiny_ckpt), device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="attention heads"):
@@ -59,14 +61,18 @@ def test_tensor_parallelism_refuses_what_it_does_not_combine_with_before_any_ran
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="speculative"):
         start_worker(EngineConfig(**tp, speculative_config=spec), tiny_ckpt)
-    with pytest.raises(ValueError, match="quantized"):
-        start_worker(EngineConfig(**tp, quantization="fp8"), tiny_ckpt)
-    quantized = tmp_path / "fp8-blocks"  # a quantized checkpoint, no flag: its config.json says so
+    check_tensor_parallel(EngineConfig(**tp, quantization="fp8"), tiny_ckpt)  # no ValueError
+    quantized = tmp_path / "quantized"  # a quantized checkpoint, no flag: its config.json says so
     shutil.copytree(tiny_ckpt, quantized)
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized"):
+    with pytest.raises(ValueError, match=r"h\.0\.attn\.c_attn \(fp8 \(128x128 blocks\)\): --tensor-parallel-size 2 "
+                                         r"gives a rank output rows 0 to 32"):  # GPT-2's 64-wide parts
+        start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         start_worker(EngineConfig(**{**tp, "model": str(quantized)}), quantized)
 
 

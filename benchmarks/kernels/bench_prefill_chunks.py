@@ -1,0 +1,192 @@
+"""A long prompt's prefill as the engine runs it: in chunks, each attending to the cached prefix
+through the paged cache. Where issue 45's side by side lost (Llama-3.1-8B shape, a 32k-token prompt:
+TTFT 1,747 ms against vLLM's 1,240; at 8k the two tie), this times the attention of each chunk.
+
+    python -m benchmarks.kernels.bench_prefill_chunks [--prompt 32768] [--chunk 8192] [--out-dir benchmarks/results]
+
+For a prompt of N tokens cut into chunks of C (the engine's --max-num-batched-tokens), chunk i is C
+new tokens whose keys are the chunk's own (causal) plus the i·C before it, read from a paged KV cache
+(block 16, blocks in a shuffled order as a long-running server's are). Rows, per chunk:
+- flashpage: kernels/flash_prefill.py with the paged prefix, as the engine calls it;
+- flashpage_contiguous: the same queries over the same keys with the prefix passed as new tokens of
+  one sequence (no page table; only the last C queries' outputs are kept), the kernel's contiguous path;
+- vllm_fa3 (only where vLLM's site is importable, VLLM_SITE): vLLM's FlashAttention-3
+  `flash_attn_varlen_func` with the same block table, what `vllm serve` runs on Hopper;
+and one whole-prompt row per impl (the prompt in one call, the cuDNN SDPA backend as the contiguous
+ceiling). TFLOP/s counts the useful causal work: 4·H·D·C·(i·C + C/2) per chunk (H query heads).
+Time: triton.testing.do_bench medians. Before timing, each impl's chunk output is checked against
+kernels/reference.py's prefill_attention_ref on the last chunk (a failed check stops the run).
+Writes prefill_chunks_<gpu>.json; `--smoke` runs tiny sizes anywhere (the CPU under the interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks.shared.common import gpu_run_info, write_result
+from kernels.flash_prefill import flash_prefill
+from kernels.reference import prefill_attention_ref
+
+SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B's attention
+SMOKE = dict(heads=4, kv_heads=2, head_dim=16, block_size=4)
+
+
+def chunk_flops(start: int, n: int, heads: int, d: int) -> float:
+    """Useful causal work of n queries at positions [start, start + n): each attends to every
+    earlier position and itself (2 matmuls of 2 flops per multiply-add)."""
+    return 4.0 * heads * d * n * (start + (n + 1) / 2)
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, prefix: int, block_size: int, gen: torch.Generator):
+    """The first `prefix` tokens of k/v in a paged cache (shuffled blocks, the rest NaN, one spare
+    block): (k_cache, v_cache, block_table [1, blocks])."""
+    nb = -(-max(prefix, 1) // block_size)
+    perm = torch.randperm(nb + 1, generator=gen).to(k.device)
+    shape = (nb + 1, block_size, *k.shape[1:])
+    kc = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
+    vc = kc.clone()
+    pos = torch.arange(prefix, device=k.device)
+    kc[perm[pos // block_size], pos % block_size] = k[:prefix]
+    vc[perm[pos // block_size], pos % block_size] = v[:prefix]
+    return kc, vc, perm[:nb].to(torch.int32).unsqueeze(0)
+
+
+def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
+    """Callables running chunk [start, start + c) by each impl, each returning the chunk's output."""
+    dev = q.device
+    qc, kc, vc = q[start : start + c], k[start : start + c], v[start : start + c]
+    cu = torch.tensor([0, c], dtype=torch.int32, device=dev)
+    k_cache, v_cache, bt = cache
+    prefix = torch.tensor([start], dtype=torch.int32, device=dev)
+    impls = {"flashpage": lambda: flash_prefill(qc, kc, vc, cu, c, scale, k_cache=k_cache, v_cache=v_cache,
+                                                block_tables=bt, prefix_lens=prefix)}
+    n = start + c
+    cu_all = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    impls["flashpage_contiguous"] = lambda: flash_prefill(q[:n], k[:n], v[:n], cu_all, n, scale)[start:]
+    fa3 = vllm_fa3()
+    if fa3 is not None:
+        seqused = torch.tensor([n], dtype=torch.int32, device=dev)
+        # FA3 reads the chunk's own keys from the cache too: write them there first (outside the timing)
+        kcache, vcache, table = paged(k, v, n, k_cache.shape[1], torch.Generator().manual_seed(1))
+        impls["vllm_fa3"] = lambda: fa3(qc, kcache, vcache, max_seqlen_q=c, cu_seqlens_q=cu, max_seqlen_k=n,
+                                        seqused_k=seqused, softmax_scale=scale, causal=True, block_table=table,
+                                        fa_version=3)
+    return impls
+
+
+def vllm_fa3():
+    """vLLM's FlashAttention-3 varlen entry point, if its site is importable (VLLM_SITE) and on Hopper."""
+    site = os.environ.get("VLLM_SITE")
+    if not site or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    if site not in sys.path:
+        sys.path.append(site)  # after ours: vLLM's pinned packages must not shadow the server's
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as e:  # a missing library: say so, time the rest
+        print(f"vllm_fa3 skipped: {type(e).__name__}: {e}", flush=True)
+        return None
+    return flash_attn_varlen_func
+
+
+def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, timer) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    h, kvh, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
+    q = torch.randn(prompt, h, d, generator=gen).to(device, dtype)
+    k = torch.randn(prompt, kvh, d, generator=gen).to(device, dtype)
+    v = torch.randn(prompt, kvh, d, generator=gen).to(device, dtype)
+    scale, rows = d**-0.5, []
+    for start in range(0, prompt, chunk):
+        c = min(chunk, prompt - start)
+        cache = paged(k, v, start, bs, gen)
+        impls = chunk_impls(q, k, v, start, c, cache, scale)
+        if start + c == prompt:  # the last chunk: every impl against the reference before any timing
+            cu = torch.tensor([0, c], dtype=torch.int32, device=device)
+            ref = prefill_attention_ref(q[start:], k[start:], v[start:], cu, scale, k_cache=cache[0], v_cache=cache[1],
+                                        block_tables=cache[2],
+                                        prefix_lens=torch.tensor([start], dtype=torch.int32, device=device)).float()
+            for name, fn in impls.items():
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    raise SystemExit(f"CHECK FAILED: {name} on the chunk at {start}: relative error {err:.2e}")
+        for name, fn in impls.items():
+            ms = timer(fn)
+            rows.append(dict(impl=name, chunk_start=start, chunk_len=c, ms=ms,
+                             tflops=chunk_flops(start, c, h, d) / ms / 1e9))
+        print(" ".join(f"{r['impl']} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s" for r in rows[-len(impls):]),
+              f"(chunk at {start})", flush=True)
+    cu = torch.tensor([0, prompt], dtype=torch.int32, device=device)
+    whole = {"flashpage": lambda: flash_prefill(q, k, v, cu, prompt, scale)}
+    if device != "cpu":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                                                        enable_gqa=True)
+
+        whole["sdpa_cudnn"] = cudnn
+    for name, fn in whole.items():
+        ms = timer(fn)
+        rows.append(dict(impl=name, chunk_start=0, chunk_len=prompt, ms=ms, whole=True,
+                         tflops=chunk_flops(0, prompt, h, d) / ms / 1e9))
+    return rows
+
+
+def report(result: dict) -> str:
+    w = result["workload"]
+    lines = [f"A {w['prompt']:,}-token prompt in chunks of {w['chunk']:,} (heads {w['heads']}/{w['kv_heads']}, head_dim "
+             f"{w['head_dim']}, {w['dtype']}, cache blocks of {w['block_size']}); ms and TFLOP/s of useful causal work "
+             "per chunk; the last rows run the whole prompt in one call.", "",
+             "| chunk at | impl | ms | TFLOP/s |", "|---:|---|---:|---:|"]
+    for r in result["rows"]:
+        where = "whole prompt" if r.get("whole") else f"{r['chunk_start']:,}"
+        lines.append(f"| {where} | {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} |")
+    total = {}
+    for r in result["rows"]:
+        if not r.get("whole"):
+            total[r["impl"]] = total.get(r["impl"], 0.0) + r["ms"]
+    lines += ["", "Sum over the chunks: " + ", ".join(f"{k} {v:.1f} ms" for k, v in total.items()) + "."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=8192, help="the engine's --max-num-batched-tokens")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, any device (a check of this script)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        import time
+
+        def timer(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        rows = run(args.prompt, args.chunk, SMOKE, torch.float16 if device == "cpu" else torch.bfloat16, device, timer)
+        print(report(dict(workload=dict(prompt=args.prompt, chunk=args.chunk, dtype="smoke", **SMOKE), rows=rows)))
+        return
+    import triton.testing
+
+    def timer(fn):
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+    rows = run(args.prompt, args.chunk, SHAPE, torch.bfloat16, "cuda", timer)
+    result = dict(gpu_run_info("benchmarks.kernels.bench_prefill_chunks", argv),
+                  workload=dict(prompt=args.prompt, chunk=args.chunk, dtype="bfloat16", **SHAPE), rows=rows)
+    path = write_result(result, args.out_dir, "prefill_chunks")
+    print(report(result))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""benchmarks/kernels/bench_prefill_chunks.py on the CPU (interpreter): every chunk of a prompt with
+its paged prefix, checked against the reference before it is timed, and the report of the rows."""
+
+import pytest
+
+from benchmarks.kernels import bench_prefill_chunks as bench
+
+
+def test_chunks_with_their_paged_prefix_match_the_reference_and_report(capsys):
+    bench.main(["--smoke", "--prompt", "13", "--chunk", "6"])  # chunks at 0, 6, 12: the last one a single token
+    out = capsys.readouterr().out
+    for start in (0, 6, 12):
+        assert f"(chunk at {start})" in out
+    assert "| whole prompt | flashpage |" in out and "Sum over the chunks: flashpage" in out
+
+
+def test_a_wrong_kernel_output_stops_the_run(monkeypatch):
+    real = bench.flash_prefill
+    monkeypatch.setattr(bench, "flash_prefill", lambda *a, **kw: real(*a, **kw) * 1.5)
+    with pytest.raises(SystemExit, match="CHECK FAILED: flashpage"):
+        bench.main(["--smoke", "--prompt", "8", "--chunk", "4"])
+
+
+def test_flops_count_the_causal_work_of_a_chunk():
+    # 2 queries at positions 4 and 5 see 5 and 6 keys: 11 query-key pairs, 4 flops per pair per head-dim
+    assert bench.chunk_flops(4, 2, heads=1, d=1) == 4 * 11
