@@ -8,7 +8,7 @@ sequence owns with NaN. The invariance tests compute the same positions of one s
   - by prefills in several chunks of different boundaries (each after the previous chunks, as a
     prefix-cache hit or a chunked prefill would),
   - by decodes, one position at a time,
-  - inside batches of 1, 7 and 64 other sequences (rows), with the split path and without,
+  - inside batches of 1, 7 and 20 other sequences (rows), with the split path and without,
 and compare the outputs bitwise.
 """
 
@@ -123,11 +123,18 @@ def test_fp8_cache_matches_reference(split, fp8):
                                                                     (*CASES[0], "float8_e4m3fn")])
 def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens, fp8):
     """One sequence's positions computed in one chunk, in several chunks, by decodes, and among
-    other sequences' rows in batches of 1, 7 and 64 rows, split or not: bitwise equal (over an
-    fp8 cache too, with fewer chunkings and batches: what differs there is only the loads)."""
+    other sequences' rows in batches of 1, 7 and 20 rows, split or not: bitwise equal (over an
+    fp8 cache too, with fewer chunkings and batches: what differs there is only the loads).
+
+    CI time (the interpreter runs every tile): the MQA case (4 positions a tile, 3 segments) is cut
+    only at the segment edges (chunks that start off a tile's edge, after a prefix, and cross the
+    next segment's edge), as the fp8 case is; the MHA case's other cuts add a length-1 chunk, a
+    7-position one and many after prefixes. The largest batch is 20 rows (a row's programs depend
+    on the batch only past MAX_SPLIT_PROGRAMS, which test_decode_writes_its_own_kv caps); the chunk
+    among chunks is the sequence's last 40 positions after its prefix (`whole` is the one chunk)."""
     g = torch.Generator().manual_seed(11)
     n = max(lens)
-    others = [int(x) for x in torch.randint(1, SEGMENT + 40, (64,), generator=g)]
+    others = [int(x) for x in torch.randint(1, SEGMENT + 40, (20,), generator=g)]
     cache = Cache(g, [n] + others, kv_heads, head_dim, dtype)
     if fp8 is not None:
         cache.to_fp8(fp8)
@@ -136,7 +143,7 @@ def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens, fp8):
     whole = _run(cache, q_all, [(0, 0, n)], group, split=False)
     results = {"split whole": _run(cache, q_all, [(0, 0, n)], group, split=True)}
     cuttings = ([1, n // 3, n - 7], [SEGMENT - 1, SEGMENT + 1], list(range(0, n, 97)))
-    for cuts in cuttings if fp8 is None else cuttings[1:2]:
+    for cuts in cuttings if fp8 is None and group == 1 else cuttings[1:2]:
         bounds = sorted({0, *[c for c in cuts if 0 < c < n], n})
         pieces = [_run(cache, q_all[a:b], [(0, a, b - a)], group, split=(a % 2 == 0))
                   for a, b in zip(bounds, bounds[1:])]
@@ -145,18 +152,18 @@ def test_positions_are_invariant(heads, kv_heads, head_dim, dtype, lens, fp8):
     for split in (False, True):
         results[f"decodes alone split={split}"] = torch.cat(
             [_run(cache, q_all[p : p + 1], [(0, p, 1)], group, split) for p in probe])
-        for batch in (7, 64) if fp8 is None else (7,):  # the probes' decode rows, then other sequences' decode rows
+        for batch in (7, 20) if fp8 is None else (7,):  # the probes' decode rows, then other sequences' decode rows
             chunks = [(0, p, 1) for p in probe] + [(s, cache.keys[s].shape[0] - 1, 1) for s in range(1, batch - 4)]
             q = torch.randn(len(chunks), heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
             q[: len(probe)] = q_all[probe]
             results[f"decodes in {batch} split={split}"] = _run(cache, q, chunks, group, split)[: len(probe)]
-    # and as one chunk among other sequences' chunks
+    # and as one chunk (its last 40 positions, after its prefix) among other sequences' chunks
     mixed = [(s, max(0, cache.keys[s].shape[0] - 9), min(9, cache.keys[s].shape[0])) for s in range(1, 7)]
     q_mixed = torch.randn(sum(c[2] for c in mixed), heads, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
-    out = _run(cache, torch.cat([q_mixed, q_all]), mixed + [(0, 0, n)], group, split=False)
+    out = _run(cache, torch.cat([q_mixed, q_all[n - 40 :]]), mixed + [(0, n - 40, 40)], group, split=False)
     results["chunk among chunks"] = out[q_mixed.shape[0] :]
     for name, got in results.items():
-        want = whole[probe] if got.shape[0] == len(probe) else whole
+        want = whole[probe] if got.shape[0] == len(probe) else whole[n - got.shape[0] :]  # all, or the last 40
         assert torch.equal(bits(got), bits(want)), f"{name}: not bitwise equal to the one-chunk prefill"
     assert not torch.isnan(whole).any()
 
