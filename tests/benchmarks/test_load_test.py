@@ -310,9 +310,9 @@ def test_compare_levels_caps_and_api_sweep_arguments():
         with pytest.raises(ValueError):
             parse_compare(bad)
 
-    # room for every client: the engine's queue and the connection cap never answer 503 at 1024
-    assert server_room_args(256, []) == server_room_args(512, []) == []
-    assert server_room_args(1024, []) == ["--max-waiting-requests", "1024"]
+    # room for every client: the engine's queue (4096 by default) and the connection cap never answer 503
+    assert server_room_args(256, []) == server_room_args(1024, []) == []
+    assert server_room_args(8192, []) == ["--max-waiting-requests", "8192", "--max-connections", "8448"]
     assert server_room_args(4096, ["--max-waiting-requests", "-1"]) == ["--max-connections", "4352"]
 
 
@@ -358,9 +358,9 @@ def test_compare_bookkeeping_impl_then_api_sweep_into_one_file(tiny_ckpt, tmp_pa
         [("triton", 1), ("triton", 256), ("triton", 1024)] + [(i, c) for i in ("sdpa", "eager", "naive_hf") for c in (1, 256)]
     assert all("api_server_count" not in r for r in first["rows"])
     cmds = {c[c.index("--attention") + 1] if "--attention" in c else "naive_hf": c for c in FakeServer.commands}
-    assert cmds["triton"][-2:] == ["--max-waiting-requests", "1024"]  # room for 1024 waiting clients
-    assert "--max-waiting-requests" not in cmds["sdpa"] + cmds["naive_hf"]
-    assert first["rows"][2]["server_room_args"] == ["--max-waiting-requests", "1024"]
+    # the default queue has room for 1024 waiting clients: no flag added, and the row says so
+    assert "--max-waiting-requests" not in cmds["triton"] + cmds["sdpa"] + cmds["naive_hf"]
+    assert "server_room_args" not in first["rows"][2]
 
     offline = tmp_path / "throughput_cpu.json"
     offline.write_text(json.dumps({"device": "cpu", "torch": "x", "triton": "x", "date": "2026-01-01",
