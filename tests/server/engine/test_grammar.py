@@ -3,6 +3,7 @@ errors say what is wrong, outputs match their grammar and end with it, constrain
 unconstrained rows of their batch alone, and asynchronous scheduling, preemption and aborts keep
 every matcher in step with its sequence."""
 
+import contextlib
 import copy
 import json
 import re
@@ -26,9 +27,30 @@ SCHEMA = StructuredOutput("json", json.dumps({"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))  # the embedded model: real text
+    """The embedded model (real text), shared by the module's tests: each leaves it with nothing
+    running and every block free (they assert it), with its asynchronous scheduling on and a
+    grammar process that serves (those that kill one see another started). An engine of a test's
+    own is one more grammar process to start, seconds of CPU."""
+    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
     yield eng
     eng.close()  # its grammar process too
+
+
+@contextlib.contextmanager
+def sync_scheduling(engine):
+    """The engine with asynchronous scheduling off inside the block (each step collected before the
+    next is scheduled; the engine reads the mode at every step, and nothing is in flight between
+    requests, once the step launched past the last request's end is collected): the module's engine
+    serves both modes, where a second engine would start a grammar process of its own (seconds of CPU)."""
+    assert not engine.seqs and not engine.compiling and engine.config.async_scheduling
+    while engine.has_unfinished():
+        assert engine.step() == []
+    engine.config.async_scheduling = False
+    try:
+        yield engine
+        assert engine.inflight is None  # each step was collected at once
+    finally:
+        engine.config.async_scheduling = True
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +114,12 @@ def test_sampled_rows_stay_inside_the_grammar(engine):
 
 def test_async_and_sync_scheduling_agree(engine):
     texts = []
-    for eng in (engine, LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=False))):
-        outs = eng.generate([prompt(eng)] * 3, [SamplingParams(max_tokens=60, temperature=0, structured=s)
-                                                for s in (REGEX, CHOICE, SCHEMA)])
+    for mode in (contextlib.nullcontext(), sync_scheduling(engine)):
+        with mode:
+            outs = engine.generate([prompt(engine)] * 3, [SamplingParams(max_tokens=60, temperature=0, structured=s)
+                                                          for s in (REGEX, CHOICE, SCHEMA)])
         texts.append([o.text for o in outs])
-    assert engine.config.async_scheduling and texts[0] == texts[1]
+    assert texts[0] == texts[1]
 
 
 def test_preemption_keeps_matchers_in_step():
@@ -196,90 +219,88 @@ def test_a_constrained_step_is_chosen_once_its_masks_are_filled(engine):
         engine.step()
 
 
-def test_a_grammar_process_that_dies_fails_its_steps_and_another_starts():
+def test_a_grammar_process_that_dies_fails_its_steps_and_another_starts(engine):
     """The grammar process is killed mid-run: the steps it owed masks fail their requests (and their
     blocks go back, at once: no wait for an answer from a process that is gone), the engine serves
     on, and the next structured request, not a step, starts another process."""
-    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
-    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
-    eng.add_request("y", prompt(eng), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    for _ in range(500):  # until x decodes (the process's start and x's compile come first)
-        eng.step()
-        if len(eng.seqs["x"].output_token_ids) >= 3:
+    engine.add_request("x", prompt(engine), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
+    engine.add_request("y", prompt(engine), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(500):  # until x decodes (a process's start and x's compile, if due, come first)
+        engine.step()
+        if len(engine.seqs["x"].output_token_ids) >= 3:
             break
-    assert len(eng.seqs["x"].output_token_ids) >= 3
-    first = eng.grammars
+    assert len(engine.seqs["x"].output_token_ids) >= 3
+    first = engine.grammars
     first.proc.kill()
     first.proc.wait()
-    final = run_to_end(eng)
+    final = run_to_end(engine)
     assert final["x"].finish_reason == "error" and "the grammar process is gone" in final["x"].error
-    assert eng.block_manager.check_all_free() and not eng.seqs
-    assert eng._grammars is first  # the steps left started nothing: only a structured request does
-    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
-    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text) and eng.grammars is not first
-    eng.close()
+    assert engine.block_manager.check_all_free() and not engine.seqs
+    assert engine._grammars is first  # the steps left started nothing: only a structured request does
+    out = engine.generate([prompt(engine)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text) and engine.grammars is not first
 
 
-def test_steps_owed_by_a_dead_process_fail_at_once_once_another_has_started():
+def test_steps_owed_by_a_dead_process_fail_at_once_once_another_has_started(engine):
     """Killed mid-run, and a structured request starts another process before the next step: the
     steps the dead one owed fail as such (not after waiting for the new one to answer for them),
     and the new request is served by the new process."""
-    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
-    eng.add_request("x", prompt(eng), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
-    for _ in range(500):  # until x decodes (the process's start and x's compile come first)
-        eng.step()
-        if len(eng.seqs["x"].output_token_ids) >= 3:
+    engine.add_request("x", prompt(engine), SamplingParams(max_tokens=40, temperature=0, structured=SCHEMA))
+    for _ in range(500):  # until x decodes (a process's start and x's compile, if due, come first)
+        engine.step()
+        if len(engine.seqs["x"].output_token_ids) >= 3:
             break
-    first = eng.grammars
+    first = engine.grammars
     first.proc.kill()
     first.proc.wait()
-    eng.add_request("z", prompt(eng), SamplingParams(max_tokens=12, temperature=0, structured=REGEX))
-    assert eng.grammars is not first
-    final = run_to_end(eng)
+    engine.add_request("z", prompt(engine), SamplingParams(max_tokens=12, temperature=0, structured=REGEX))
+    assert engine.grammars is not first
+    final = run_to_end(engine)
     assert final["x"].finish_reason == "error"
     assert "the grammar process is gone" in final["x"].error or "started since" in final["x"].error, final["x"].error
     assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", final["z"].text)
-    assert eng.block_manager.check_all_free() and not eng.seqs
-    eng.close()
+    assert engine.block_manager.check_all_free() and not engine.seqs
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(async_scheduling):
+def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(engine, async_scheduling):
     """The grammar job raises while filling a step's masks: it still releases the step (which would
     otherwise wait for ever), the step's requests end with "error", no block leaks, and the next
     constrained requests are served."""
-    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256, async_scheduling=async_scheduling))
-    # compiled first, so that x is queued at once and shares its steps with y (a request whose
-    # grammar compiles is queued only once it has)
-    eng.generate([prompt(eng)], SamplingParams(max_tokens=1, temperature=0, structured=SCHEMA))
-    with failing_fill(eng, at=3):
-        eng.add_request("x", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
-        eng.add_request("y", prompt(eng), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-        final = run_to_end(eng)
-    assert final["x"].finish_reason == "error" and final["y"].finish_reason == "error"
-    assert "injected fill failure" in final["x"].error
-    assert eng.block_manager.check_all_free() and not eng.seqs
-    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
-    assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
+    with contextlib.nullcontext() if async_scheduling else sync_scheduling(engine):
+        # compiled first, so that x is queued at once and shares its steps with y (a request whose
+        # grammar compiles is queued only once it has)
+        engine.generate([prompt(engine)], SamplingParams(max_tokens=1, temperature=0, structured=SCHEMA))
+        with failing_fill(engine, at=3):
+            engine.add_request("x", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+            engine.add_request("y", prompt(engine), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+            final = run_to_end(engine)
+        assert final["x"].finish_reason == "error" and final["y"].finish_reason == "error"
+        assert "injected fill failure" in final["x"].error
+        assert engine.block_manager.check_all_free() and not engine.seqs
+        out = engine.generate([prompt(engine)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+        assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
 
 
-def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call():
+def test_a_step_launched_ahead_that_fails_is_reported_by_the_next_call(engine):
     """The fault lands in a step launched ahead (once a request has 3 tokens): the next step()
     finishes the step in flight first (its tokens are kept), then fails the batch's requests, as a
     failed launch at the start of a call would; no block leaks and the engine serves on."""
     from server.engine.faults import FaultInjector
 
-    eng = LLMEngine(EngineConfig(device="cpu", num_blocks=256))
-    doomed = prompt(eng, "Fails: ")
-    eng.faults = FaultInjector(raise_token=doomed[0], after=3)
-    assert doomed[0] not in prompt(eng)
-    eng.add_request("bad", doomed, SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
-    eng.add_request("other", prompt(eng), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
-    final = run_to_end(eng)
+    doomed = prompt(engine, "Fails: ")
+    kept, engine.faults = engine.faults, FaultInjector(raise_token=doomed[0], after=3)
+    try:
+        assert doomed[0] not in prompt(engine)
+        engine.add_request("bad", doomed, SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+        engine.add_request("other", prompt(engine), SamplingParams(max_tokens=30, temperature=0, structured=SCHEMA))
+        final = run_to_end(engine)
+    finally:
+        engine.faults = kept
     for rid in ("bad", "other"):  # both were in the failed batch
         assert final[rid].finish_reason == "error" and len(final[rid].token_ids) == 3
-    assert eng.block_manager.check_all_free() and not eng.seqs
-    out = eng.generate([prompt(eng)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
+    assert engine.block_manager.check_all_free() and not engine.seqs
+    out = engine.generate([prompt(engine)], SamplingParams(max_tokens=8, temperature=0, structured=REGEX))[0]
     assert re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", out.text)
 
 
