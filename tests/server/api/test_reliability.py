@@ -344,8 +344,16 @@ def test_sigterm_drains_then_exits_zero(servers, request):
 
 
 def listening(srv) -> list:
-    return [p for p in psutil.Process(srv.pid).children(recursive=True)
-            if any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))]
+    """The server's processes with a listening socket. A child listed may be gone by the time its
+    sockets are read (the killed API process, just reaped): it is not listening."""
+    out = []
+    for p in psutil.Process(srv.pid).children(recursive=True):
+        try:
+            if any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp")):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def test_an_api_process_that_dies_is_replaced_and_the_server_serves_on(servers, request):
