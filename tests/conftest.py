@@ -31,3 +31,19 @@ def tiny_ckpt(tmp_path_factory):
 def small_ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("small-gpt2"), n_layer=3, n_head=6, n_embd=96,
                            n_positions=512, vocab_size=700, seed=1)
+
+
+@pytest.fixture(scope="session")
+def plain_server(tiny_ckpt):
+    """`python -m server` on the tiny checkpoint with 64 KV blocks and nothing else set (its URL),
+    shared by the modules that only send it requests (tests/benchmarks/test_load_test.py,
+    tests/server/api/test_http.py, test_openai.py and test_chat.py's `bare`): they started four
+    identical servers (~7 s of CPU each), and none of them changes what the others see (every
+    request is its own; outputs do not depend on what ran before, which the prefix-cache tests
+    check); idle between them, it takes no CPU. Its graceful exit is still checked, once, when the
+    session ends."""
+    from benchmarks.shared.common import ServerProcess
+
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
+    yield srv.url
+    srv.stop(30, must_exit=True)

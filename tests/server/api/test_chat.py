@@ -8,7 +8,7 @@ tokenizer that adds BOS itself (as Llama's does), so a server that let the token
 tokens to the rendered prompt would double it. Three servers (the first two start together) and an app:
 - `chat`: that checkpoint;
 - `slow`: the chat checkpoint with steps slowed (test-only fault hook) and --request-timeout 3;
-- `bare`: the plain tiny checkpoint, which has no chat template (the package's shared server);
+- `bare`: the plain tiny checkpoint, which has no chat template (the session's shared server);
 - `override`: the chat checkpoint with `--chat-template` (a template of another shape, no BOS), the
   app in-process (tests/helpers.py's app_client): the flag changes only what the API layer renders.
 """
@@ -52,7 +52,7 @@ def servers(chat_ckpt, plain_server):
     started = {name: ServerProcess.python_server(["--model", *map(str, args), "--device", "cpu", "--num-blocks", "64"],
                                                  extra_env=env) for name, (args, env) in specs.items()}
     try:
-        # `bare`: the plain tiny checkpoint, the package's shared server (tests/server/api/conftest.py)
+        # `bare`: the plain tiny checkpoint, the session's shared server (tests/conftest.py)
         yield {"bare": plain_server, **{name: srv.wait_healthy(120).url for name, srv in started.items()}}
     finally:
         # SIGKILL: a graceful exit (1-2 s of CPU per process) is not what this file tests

@@ -12,7 +12,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def server(plain_server):
-    return plain_server  # tests/server/api/conftest.py
+    return plain_server  # tests/conftest.py
 
 
 NO_EOS = {"ignore_eos": True}  # flashpage extension: random weights may sample EOS early
