@@ -45,3 +45,19 @@ def eagle3_pair(tmp_path_factory):
     head = make_random_eagle3(tmp_path_factory.mktemp("eagle3-head"), target, draft_vocab_size=200,
                               layer_ids=[0, 1, 3], std=0.2)
     return target, head
+
+
+@pytest.fixture(scope="session")
+def plain_server(tiny_ckpt):
+    """`python -m server` on the tiny checkpoint with 64 KV blocks and nothing else set (its URL),
+    shared by the modules that only send it requests (tests/benchmarks/test_load_test.py,
+    tests/server/api/test_http.py, test_openai.py and test_chat.py's `bare`): they started four
+    identical servers (~7 s of CPU each), and none of them changes what the others see (every
+    request is its own; outputs do not depend on what ran before, which the prefix-cache tests
+    check); idle between them, it takes no CPU. Its graceful exit is still checked, once, when the
+    session ends."""
+    from benchmarks.shared.common import ServerProcess
+
+    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
+    yield srv.url
+    srv.stop(30, must_exit=True)

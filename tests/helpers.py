@@ -221,11 +221,35 @@ def with_chat_template(src, path, template: str):
     return path
 
 
-def openai_client(url: str, timeout: float = 120):
-    """The official `openai` client on a server at `url`: no retries, a generous timeout."""
+def openai_client(url: str, timeout: float = 120, http_client=None):
+    """The official `openai` client on a server at `url`: no retries, a generous timeout
+    (`http_client`: an app_client's TestClient, with url "http://testserver")."""
     import openai
 
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout, http_client=http_client)
+
+
+@contextlib.contextmanager
+def app_client(argv: list[str]):
+    """The app `python -m server ARGV --no-engine-process` serves, in this process and without
+    uvicorn: its config and limits from the command line's parser, the engine on a thread, requests
+    through Starlette's TestClient (base URL http://testserver). For what the API layer does with a
+    flag, where a server process would only add seconds of start-up (sockets, processes, signals and
+    timeouts are the real servers' tests)."""
+    from starlette.testclient import TestClient
+
+    from server.api.app import create_app
+    from server.api.guards import ServerLimits
+    from server.bridge.async_engine import AsyncEngine
+    from server.cli import build_parser, config_from_args
+    from server.engine import LLMEngine
+
+    args = build_parser().parse_args(argv)
+    limits = ServerLimits.from_args(args)
+    engine = AsyncEngine(LLMEngine(config_from_args(args)), max_waiting=limits.max_waiting_requests,
+                         request_timeout=limits.request_timeout)
+    with TestClient(create_app(engine, limits)) as client:
+        yield client
 
 
 def with_tensors(src, dst, tensors: dict):

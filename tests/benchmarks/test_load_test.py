@@ -4,7 +4,6 @@ compare.report and compare.py's CPU dry run."""
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.shared.common import REPO_ROOT, ServerProcess, free_port
+from benchmarks.shared.common import REPO_ROOT, free_port
 from benchmarks.serving.load_plots import plot
 from benchmarks.serving.load_test import run_load
 
@@ -21,16 +20,8 @@ VOCAB = 512  # tests/conftest.py make_checkpoint's default; n_positions 256
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    port = free_port()
-    # --no-engine-process: one Python process to start instead of two; this file tests the load
-    # generator, not the server's engine process (tests/server/api/test_reliability.py does).
-    cmd = [sys.executable, "-m", "server", "--model", str(tiny_ckpt), "--port", str(port), "--device", "cpu",
-           "--num-blocks", "128", "--log-level", "warning", "--no-engine-process"]
-    srv = ServerProcess(cmd, port, tmp_path_factory.mktemp("fp-log") / "server.log")
-    srv.wait_healthy(120)
-    yield srv.url
-    srv.stop(sig=signal.SIGKILL)  # its graceful exit is not what this file tests
+def server(plain_server):
+    return plain_server  # tests/conftest.py: the session's plain server on the tiny checkpoint
 
 
 def test_counts_and_latencies_closed_loop(server):

@@ -1,6 +1,6 @@
-"""Fixtures the API tests share: one plain server for the modules that only send it requests, the
-official client on the module's `server` (a module may define its own `client`), and the model it
-serves."""
+"""Fixtures the API tests share: the official client on the module's `server` (a module may define
+its own `client`), the model it serves, and the tool servers (the plain server the modules that only
+send requests share is tests/conftest.py's `plain_server`)."""
 
 import signal
 
@@ -8,18 +8,6 @@ import pytest
 
 from benchmarks.shared.common import ServerProcess
 from tests.helpers import openai_client
-
-
-@pytest.fixture(scope="package")
-def plain_server(tiny_ckpt):
-    """`python -m server` on the tiny checkpoint with 64 KV blocks and nothing else set, shared by
-    test_http, test_openai and test_chat's `bare`: they started three identical servers (~7 s of CPU
-    each), and none of them changes what the others see (every request is its own; outputs do not
-    depend on what ran before, which the prefix-cache tests check). Its graceful exit is still
-    checked, once, when the package's tests are done."""
-    srv = ServerProcess.python_server(["--model", str(tiny_ckpt), "--num-blocks", "64"]).wait_healthy(120)
-    yield srv.url
-    srv.stop(30, must_exit=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +41,12 @@ def tool_ckpts(tmp_path_factory):
 def tool_servers(tool_ckpts):
     """{name: url}: random Qwen2.5-, Qwen3- and Llama-3.2-shaped checkpoints with their families' tool
     templates (tests/server/api/tool_models.py), served with their tool and reasoning parsers (and one
-    with none), started together and shared by the tool, Responses and agent tests."""
+    with none), started together and shared by the tool, Responses and agent tests. Their engines
+    step on a thread of the server process (--no-engine-process: one Python process each to start,
+    not two): what these tests check is the API layer's, and the engine process is the other real
+    servers' (test_reliability, test_metrics, test_adversarial, test_structured, ...)."""
     started = {name: ServerProcess.python_server(["--model", str(tool_ckpts[family]), "--device", "cpu", "--num-blocks",
-                                                  "128", "--served-model-name", name, *flags])
+                                                  "128", "--served-model-name", name, "--no-engine-process", *flags])
                for name, (family, flags) in TOOL_SERVERS.items()}
     try:
         yield {name: srv.wait_healthy(180).url for name, srv in started.items()}

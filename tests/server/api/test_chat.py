@@ -5,11 +5,12 @@ strings, content parts, --chat-template, and errors in OpenAI's shape.
 
 The checkpoint is the session's tiny GPT-2 with a chat template in its tokenizer_config.json and a
 tokenizer that adds BOS itself (as Llama's does), so a server that let the tokenizer add special
-tokens to the rendered prompt would double it. Four servers (the first three start together):
+tokens to the rendered prompt would double it. Three servers (the first two start together) and an app:
 - `chat`: that checkpoint;
-- `override`: the same with `--chat-template` (a template of another shape, no BOS);
-- `bare`: the plain tiny checkpoint, which has no chat template (the package's shared server);
-- `slow`: the chat checkpoint with steps slowed (test-only fault hook) and --request-timeout 3.
+- `slow`: the chat checkpoint with steps slowed (test-only fault hook) and --request-timeout 3;
+- `bare`: the plain tiny checkpoint, which has no chat template (the session's shared server);
+- `override`: the chat checkpoint with `--chat-template` (a template of another shape, no BOS), the
+  app in-process (tests/helpers.py's app_client): the flag changes only what the API layer renders.
 """
 
 import signal
@@ -21,7 +22,7 @@ import openai
 import pytest
 
 from benchmarks.shared.common import ServerProcess
-from tests.helpers import openai_client, sse_events, with_chat_template
+from tests.helpers import app_client, openai_client, sse_events, with_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system message must be first') }}"
@@ -45,15 +46,13 @@ def tokenizer(chat_ckpt):
 
 
 @pytest.fixture(scope="module")
-def servers(chat_ckpt, plain_server, tmp_path_factory):
-    override = tmp_path_factory.mktemp("template") / "override.jinja"
-    override.write_text(OVERRIDE)
-    specs = {"chat": ([chat_ckpt], {}), "override": ([chat_ckpt, "--chat-template", override], {}),
+def servers(chat_ckpt, plain_server):
+    specs = {"chat": ([chat_ckpt], {}),
              "slow": ([chat_ckpt, "--request-timeout", "3"], {"FLASHPAGE_FAULT_INJECT": "sleep=0.02"})}
     started = {name: ServerProcess.python_server(["--model", *map(str, args), "--device", "cpu", "--num-blocks", "64"],
                                                  extra_env=env) for name, (args, env) in specs.items()}
     try:
-        # `bare`: the plain tiny checkpoint, the package's shared server (tests/server/api/conftest.py)
+        # `bare`: the plain tiny checkpoint, the session's shared server (tests/conftest.py)
         yield {"bare": plain_server, **{name: srv.wait_healthy(120).url for name, srv in started.items()}}
     finally:
         # SIGKILL: a graceful exit (1-2 s of CPU per process) is not what this file tests
@@ -65,6 +64,16 @@ def servers(chat_ckpt, plain_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(servers):
     return openai_client(servers["chat"])
+
+
+@pytest.fixture(scope="module")
+def override(chat_ckpt, tmp_path_factory):
+    """The official client on the chat checkpoint's app with --chat-template OVERRIDE."""
+    template = tmp_path_factory.mktemp("template") / "override.jinja"
+    template.write_text(OVERRIDE)
+    with app_client(["--model", str(chat_ckpt), "--device", "cpu", "--num-blocks", "64", "--chat-template",
+                     str(template)]) as app:
+        yield openai_client("http://testserver", http_client=app)
 
 
 def chat(client, model, **kw):
@@ -188,19 +197,18 @@ def test_text_parts_are_joined(client, model):
     assert a.choices[0].message.content == b.choices[0].message.content and a.usage == b.usage
 
 
-def test_chat_template_flag_overrides(servers, client, model, tokenizer):
-    over = openai_client(servers["override"])
-    c = chat(over, model, max_tokens=8)
+def test_chat_template_flag_overrides(override, client, model, tokenizer):
+    c = chat(override, model, max_tokens=8)
     rendered = tokenizer.apply_chat_template(MSGS, chat_template=OVERRIDE, tokenize=False, add_generation_prompt=True)
     assert rendered == "[SYSTEM] Be brief.\n[USER] The quick brown fox\n[ASSISTANT]"
     ids = tokenizer(rendered, add_special_tokens=False).input_ids
     assert c.usage.prompt_tokens == len(ids) != chat(client, model, max_tokens=1).usage.prompt_tokens
     # With no BOS in this template, /v1/completions of the rendered text is the same request.
-    comp = over.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, extra_body=NO_EOS)
+    comp = override.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, extra_body=NO_EOS)
     assert c.choices[0].message.content == comp.choices[0].text
     # The flag's template replaces the model's: the model's raise_exception no longer applies.
     late_system = [MSGS[1], MSGS[0]]
-    assert chat(over, model, messages=late_system, max_tokens=1).choices[0].finish_reason == "length"
+    assert chat(override, model, messages=late_system, max_tokens=1).choices[0].finish_reason == "length"
 
 
 def test_missing_template_names_the_flag(servers, tiny_ckpt):

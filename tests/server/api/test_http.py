@@ -10,7 +10,7 @@ from tests.helpers import sse_events
 
 @pytest.fixture(scope="module")
 def server(plain_server):
-    return plain_server  # tests/server/api/conftest.py
+    return plain_server  # tests/conftest.py
 
 
 def test_generate(server):

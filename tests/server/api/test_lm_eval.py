@@ -90,8 +90,10 @@ def task_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server():
+    # the engine on a thread of the server process (one Python process to start, not two): what
+    # lm_eval's scores check is the answers, wherever the engine steps
     srv = ServerProcess.python_server(["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-                                       "--num-blocks", "64"]).wait_healthy(120)
+                                       "--num-blocks", "64", "--no-engine-process"]).wait_healthy(120)
     yield srv
     srv.stop(30, sig=signal.SIGKILL)  # its graceful exit is not what this file tests (test_reliability's is)
 

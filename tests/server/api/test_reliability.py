@@ -23,6 +23,7 @@ import signal
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -88,7 +89,7 @@ def post(url: str, body=None, headers=AUTH, **kw) -> httpx.Response:
 
 
 # -- access -----------------------------------------------------------------------------------------
-def test_api_key(guarded):
+def test_api_key(guarded, tiny_ckpt):
     body = {"prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
         r = post(guarded, body, headers=headers)
@@ -99,6 +100,13 @@ def test_api_key(guarded):
     assert httpx.get(guarded + "/health").status_code == 200  # open, for probes
     r = post(guarded, body)
     assert r.status_code == 200 and r.json()["finish_reason"] == "length"
+    # /v1 too, through the official client: a wrong key is its AuthenticationError, the right one is served
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert client.completions.create(model=str(tiny_ckpt), prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    r = httpx.get(guarded + "/v1/models")
+    assert r.status_code == 401 and r.headers["x-request-id"]
     assert_all_free(guarded, AUTH)
 
 
