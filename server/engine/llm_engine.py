@@ -19,7 +19,7 @@ from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
 from server.engine.faults import FaultInjector
-from server.engine.outputs import EngineSnapshot, RequestOutput, failed_output
+from server.engine.outputs import EngineSnapshot, RequestOutput, failed_output, packed_prompt_logprobs
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
@@ -339,9 +339,8 @@ class LLMEngine:
                        for seq in handle.rows if seq.grammar in broken and seq.status is not Status.FINISHED]
         now = time.monotonic()
         advance = self._advance
-        for seq, first, entries in result.prompt_logprobs:
-            have = len(seq.prompt_logprobs)  # a recompute after preemption scores positions again
-            seq.prompt_logprobs += entries[have - first :] if first <= have else []
+        for scored in result.prompt_logprobs:  # arrays: nothing here is built per prompt token
+            scored.seq.take_scores(scored.first, scored.token_ids, scored.logprobs)
         for j, (seq, tok) in enumerate(zip(rows, ids)):
             if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
                 continue
@@ -349,7 +348,7 @@ class LLMEngine:
                 self._retire(seq, LENGTH)
                 outputs.append(RequestOutput(seq.request_id, "", [], True, LENGTH,
                                              prompt_tokens=len(seq.prompt_token_ids),
-                                             prompt_logprobs=seq.prompt_logprobs))
+                                             prompt_logprobs=packed_prompt_logprobs(seq)))
                 continue
             seq.resolve(tok)
             if seq.first_token_time is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import RequestOutput, packed_prompt_logprobs
 from server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -80,6 +80,6 @@ def advance(seq: Sequence, tok: int, logprob, eos_token_ids: frozenset[int], max
                          prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
                          new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
                          token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt,
-                         prompt_logprobs=seq.prompt_logprobs if num_output == 1 and p.prompt_logprobs is not None
-                         else None)
+                         prompt_logprobs=None if num_output != 1 or p.prompt_logprobs is None
+                         else packed_prompt_logprobs(seq))
 
