@@ -71,7 +71,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     text: str = ""  # everything so far
     token_ids: list[int] = []  # every output token so far
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
-    error: str | None = None  # with finish_reason "error": what failed
+    error: str | None = None  # with finish_reason "error": what failed ("refused": why)
     # on the request's first output, where asked: per prompt token after the first, (id, logprob)
     # then the top alternatives, packed
     prompt_logprobs: PromptLogprobs | None = None
@@ -116,9 +116,10 @@ class EngineSnapshot:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def failed_output(seq, message: str) -> RequestOutput:
-    """A request ended with finish_reason "error" (server/engine/stop.py), with what it produced so far."""
-    return RequestOutput(seq.request_id, "", [], True, "error", prompt_tokens=len(seq.prompt_token_ids),
+def failed_output(seq, message: str, reason: str = "error") -> RequestOutput:
+    """A request ended with finish_reason "error" (or "refused": server/engine/stop.py), with what it
+    produced so far."""
+    return RequestOutput(seq.request_id, "", [], True, reason, prompt_tokens=len(seq.prompt_token_ids),
                          completion_tokens=len(seq.output_token_ids), text=seq.text,
                          token_ids=list(seq.output_token_ids), error=message)
 

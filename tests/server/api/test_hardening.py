@@ -9,15 +9,17 @@ After each case /health answers and every KV block is free (test_adversarial's a
 One server for all cases but 2, kept lean for CI: the tiny checkpoint, one API process, the
 structured-output bounds at their defaults (issue 44's specs must trip them) but for a regex's
 length (raised, so that a slow one reaches the compile deadline), a short compile deadline, 64 KiB
-of compiled grammars per process and a sixteenth of the default --max-request-tokens. What needs
+of compiled grammars per process, a sixteenth of the default --max-request-tokens, and a grammar
+process that compiles one marked spec slowly (the test-only hook of server/engine/faults.py). What needs
 more than such a server is shown where it is cheap:
 - case 1's crash inside XGrammar (bounds raised past the crasher) and case 3's deadline on the
   crasher's scale: tests/server/engine/test_grammar_compile.py;
 - case 2 runs last, on a second server (two API processes, started beside the first); its parts:
   tests/server/bridge/test_engine_loop.py (a broken pipe closes its channel and frees its requests;
   a new channel is greeted and served) and tests/server/api/test_servers.py (restarts within a budget);
-- case 3's admission (a compiling grammar holds up no request behind it) and case 6's count of
-  compiled specs per process: tests/server/engine/test_grammar.py.
+- case 3's admission (a compiling grammar holds up no request behind it), the grammar process's
+  deadline beside a plain and a constrained request, and case 6's count of compiled specs per
+  process: tests/server/engine/test_grammar.py.
 """
 
 import asyncio
@@ -40,6 +42,9 @@ from tests.server.api.test_adversarial import healthy_and_all_free  # noqa: F401
 from tests.server.engine.test_grammar_bounds import ref_chain
 
 COMPILE_TIMEOUT = 3.0  # the server's --structured-compile-timeout (seconds)
+# the server's grammar process takes this much longer over a spec holding SLOW_MARKER (the test-only
+# hook of server/engine/faults.py): past the deadline there, though the API process's compile met it
+SLOW_MARKER, GRAMMAR_SLOW_S = "slow in the grammar process", COMPILE_TIMEOUT + 1.0
 REQUEST_TOKENS = 16_384  # its --max-request-tokens (a sixteenth of the default: CI time)
 PLAIN = {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 # /health: the issue's 100 ms for every probe, less the time the probing thread and the API
@@ -66,7 +71,8 @@ def servers(tiny_ckpt, tmp_path_factory):
                 "--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256", "--api-server-count", "1",
                 "--chat-template", str(template), "--structured-compile-timeout", str(COMPILE_TIMEOUT),
                 "--max-structured-regex-chars", "20000", "--structured-cache-memory", "64KiB",
-                "--max-request-tokens", str(REQUEST_TOKENS)]),
+                "--max-request-tokens", str(REQUEST_TOKENS)],
+                extra_env={"FLASHPAGE_FAULT_INJECT": f"compile_sleep={GRAMMAR_SLOW_S},compile_marker={SLOW_MARKER}"}),
             # steps of at least 20 ms (the test-only fault hook): 150 tokens are 3 s, so that a stream
             # is still running when its process dies
             ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256",
@@ -286,6 +292,28 @@ def test_slow_specs_end_at_the_deadline_after_the_cheap_checks_and_off_the_share
         assert (f"did not compile within {COMPILE_TIMEOUT:g} s" in message and "--structured-compile-timeout" in message
                 if r.status_code == 400 else int(r.headers["retry-after"]) >= 1), r.text
     assert took < 3 * COMPILE_TIMEOUT + 20, took
+
+
+# -- 3, again: the grammar process's own compile of a spec has the deadline too ------------------------------
+def test_a_spec_past_the_deadline_in_the_grammar_process_is_a_400_for_it_alone(srv, url, model):
+    """Before: the grammar process compiled each spec again (after the API process's compile met the
+    deadline) with only a 120 s backstop: a compile that ran long there ended its request in a 500
+    two minutes on. Now the deadline holds there too: that request alone gets the API process's
+    400 at about the deadline, and the grammar, compiled there in the end, serves the next request
+    of its spec (here the server's grammar process takes GRAMMAR_SLOW_S longer over SLOW_MARKER)."""
+    spec = {"choice": ["late", "later", SLOW_MARKER]}
+    with bystanders(srv):
+        t0 = time.monotonic()
+        r = post(url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 8, "temperature": 0,
+                                          "structured_outputs": spec})
+        took = time.monotonic() - t0
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+        assert f"did not compile within {COMPILE_TIMEOUT:g} s (--structured-compile-timeout)" in err["message"]
+        assert COMPILE_TIMEOUT <= took < GRAMMAR_SLOW_S, took  # at the deadline there, not at the compile's end
+        again = post(url, "/generate", {"prompt": "hi", "max_tokens": 8, "temperature": 0, "structured_outputs": spec})
+    assert again.status_code == 200 and again.json()["text"] in spec["choice"], again.text
+    assert srv.proc.poll() is None
 
 
 # -- 5: 41 bytes that asked XGrammar for gigabytes: refused before any compile -----------------------------
