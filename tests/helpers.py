@@ -24,6 +24,21 @@ def failing_fill(engine, at: int):
         engine.grammars.fail_fill_at(0)
 
 
+@contextlib.contextmanager
+def slow_compiles(engine, seconds: float, deadline: float):
+    """Inside the block, every spec new to the engine's grammar process takes `seconds` longer to
+    compile there, under a compile deadline of `deadline` seconds (its own, not the engine's
+    config: the API side's deadline is not changed)."""
+    proc = engine.grammars
+    kept, proc.compile_timeout = proc.compile_timeout, deadline
+    proc.slow_compiles(seconds)
+    try:
+        yield proc
+    finally:
+        proc.compile_timeout = kept
+        proc.slow_compiles(0)
+
+
 def run_to_end(engine) -> dict:
     """Step the engine until nothing is left: the final output of each request, by id."""
     final = {}

@@ -37,7 +37,7 @@ from server.api.metrics import install_metrics
 from server.api.openai import install_openai
 from server.api.render import router as render_router
 from server.api.responses.serving import router as responses_router
-from server.api.openai_serving import DONE, EventStream, encode_json, sse
+from server.api.openai_serving import DONE, EventStream, built, encode_json, sse
 from server.api.tokens import install_tokens
 from server.api.tokenize import encode, use_backend
 from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
@@ -320,11 +320,15 @@ def create_app(engine: AsyncEngine, limits: ServerLimits | None = None) -> FastA
             return error(500, str(e), "internal_error", headers=headers, rid=rid)
         result = {"id": rid, "text": last.text, "token_ids": last.token_ids, "finish_reason": last.finish_reason,
                   "usage": _usage(last.prompt_tokens, last.completion_tokens)}
-        if body.prompt_logprobs is not None:
-            result["prompt_logprobs"] = [None] + (prompt_logprobs or [])
-        # msgspec: ~10x faster than the json.dumps of JSONResponse (prompt scores are up to
-        # --max-request-tokens entries)
-        return Response(encode_json(result), media_type="application/json", headers=headers)
+
+        def build() -> bytes:  # msgspec: ~10x faster than the json.dumps of JSONResponse
+            if body.prompt_logprobs is not None:  # the engine's packed scores, expanded here
+                result["prompt_logprobs"] = [None] + (prompt_logprobs.entries() if prompt_logprobs else [])
+            return encode_json(result)
+
+        # prompt scores are up to --max-request-tokens pairs: a large answer is built on a thread
+        size = len(last.token_ids) + (prompt_logprobs.pairs if prompt_logprobs else 0)
+        return Response(await built(size, build), media_type="application/json", headers=headers)
 
     app.add_middleware(GuardMiddleware, limits=limits)  # API key, body size, UTF-8 (server/api/guards.py)
     install_openai(app, limits)  # /v1/completions, /v1/chat/completions, /v1/models, OpenAI errors
@@ -347,9 +351,10 @@ async def _sse(rid: str, first, stream):
             if last.prompt_logprobs is None:  # the same JSON as the dict below, built without one
                 yield b"".join((head, encode_json(last.new_text), b',"token_ids":', encode_json(last.new_token_ids),
                                 b',"finished":false}\n\n'))
-            else:  # on the first event only
-                yield sse({"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False,
-                           "prompt_logprobs": [None] + last.prompt_logprobs})
+            else:  # on the first event only, expanded from the engine's packed scores (a large one on a thread)
+                event = {"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False}
+                scores = last.prompt_logprobs
+                yield await built(scores.pairs, lambda: sse({**event, "prompt_logprobs": [None] + scores.entries()}))
             if last.finished:
                 break
             try:

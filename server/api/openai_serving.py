@@ -13,12 +13,14 @@ choice, admitted together, and the response: one JSON object, or SSE chunks then
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -51,11 +53,22 @@ encode_json = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
 BUILD_ON_LOOP = 4096  # request_tokens up to which a whole (not streamed) answer is built on the event loop
 _BUILDERS = ThreadPoolExecutor(2, thread_name_prefix="flashpage-answer")  # where larger answers are built
+T = TypeVar("T")
 
 
 def sse(obj) -> bytes:
     """One server-sent event carrying `obj` as JSON."""
     return b"data: " + encode_json(obj) + b"\n\n"
+
+
+async def built(size: int, build: Callable[[], T]) -> T:
+    """build()'s result, built here if `size` (tokens with their logprobs, as guards.request_tokens
+    counts them) is at most BUILD_ON_LOOP, else on a thread (issue 44: 76 MB of JSON held /health up
+    6.1 s; a 12.5k-token prompt's scores expand to 262k pairs), whose GIL the event loop gets back
+    every switch interval."""
+    if size <= BUILD_ON_LOOP:
+        return build()
+    return await asyncio.get_running_loop().run_in_executor(_BUILDERS, build)
 
 
 class EventStream(Response):
@@ -324,9 +337,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
 
     size = sum(request_tokens(c.params.max_tokens, c.params.logprobs, len(c.ids), c.params.prompt_logprobs)
                for c in choices)
-    # A large answer is built and encoded on a thread (issue 44: 76 MB of JSON held /health up 6.1 s),
-    # whose GIL the event loop gets back every switch interval; a small one here, without the hop.
-    body = build() if size <= BUILD_ON_LOOP else await asyncio.get_running_loop().run_in_executor(_BUILDERS, build)
+    body = await built(size, build)  # a large answer on a thread; a small one here, without the hop
     log.info("%s done: prompt_tokens=%d, completion_tokens=%d, finish_reason=%s", route.name, prompt_tokens,
              sum(c.completion_tokens for c in choices), ",".join(sorted({str(c.finish_reason) for c in choices})))
     return Response(body, media_type="application/json")
@@ -347,7 +358,10 @@ async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], cho
             if isinstance(out, BaseException):
                 tail = sse(from_engine_error(out).body())
                 break
-            pieces = c.chunks(out)
+            if out.prompt_logprobs is None:
+                pieces = c.chunks(out)
+            else:  # an echo's first piece expands the prompt's scores (logprobs): a large one on a thread
+                pieces = await built(out.prompt_logprobs.pairs, functools.partial(c.chunks, out))
             events = [prefix + encode_json(piece) + suffix for piece in pieces]
             if extra and events:  # the first chunk carries them
                 events[0] = sse({**head, "choices": pieces[:1], **({"usage": None} if include_usage else {}), **extra})

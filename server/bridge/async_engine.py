@@ -24,7 +24,7 @@ from server.bridge.engine_process import EngineClient
 from server.bridge.messages import RequestRefused
 from server.bridge.thread_core import ThreadCore
 from server.engine import LLMEngine, RequestError, RequestOutput, merge_outputs
-from server.engine.stop import ABORT, ERROR, TIMEOUT
+from server.engine.stop import ABORT, ERROR, REFUSED, TIMEOUT
 from server.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.engine")
@@ -156,7 +156,8 @@ class AsyncEngine:
         """Yield outputs as they come (merged when the consumer is behind); abort the request if
         the consumer stops early.
 
-        Raises RequestError (400), ServiceUnavailableError (503: draining, or the waiting queue is
+        Raises RequestError (400; also for a request the engine refused after queueing it),
+        ServiceUnavailableError (503: draining, or the waiting queue is
         full), EngineDeadError (503), RequestFailedError (500: the step that ran it failed). A
         request past its deadline is ended by the engine with finish_reason "timeout"; one cut off by
         shutdown ends with "abort"; both keep the text generated so far. `validated`: the caller
@@ -200,6 +201,9 @@ class AsyncEngine:
                 if item.finish_reason == ERROR:
                     finished = True
                     raise RequestFailedError(item.error or "the engine step running this request failed")
+                if item.finish_reason == REFUSED:  # refused after it was queued (before any token): a 400
+                    finished = True
+                    raise RequestError(item.error or "the engine refused this request")
                 finished, last = item.finished, item
                 yield item
         finally:

@@ -6,7 +6,9 @@ Format: comma-separated `key=value` pairs:
 - `raise=<token id>`: a step whose batch holds a prompt containing that token raises before the
   model runs (so every request scheduled in that step fails, as a real step failure would);
 - `after=<n>`: with `raise`, only once that sequence has generated n tokens (a mid-stream failure);
-- `sleep=<seconds>`: every step sleeps that long first (makes timing tests deterministic).
+- `sleep=<seconds>`: every step sleeps that long first (makes timing tests deterministic);
+- `compile_sleep=<seconds>`: in the grammar process, a spec whose text holds `compile_marker=<text>`
+  (every spec without one) takes that much longer to compile (a compile past the deadline there).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    def __init__(self, raise_token: int | None = None, sleep: float = 0.0, after: int = 0) -> None:
+    def __init__(self, raise_token: int | None = None, sleep: float = 0.0, after: int = 0,
+                 compile_sleep: float = 0.0, compile_marker: str = "") -> None:
         self.raise_token = raise_token
         self.sleep = sleep
         self.after = after
+        self.compile_sleep, self.compile_marker = compile_sleep, compile_marker  # GrammarProcess.slow_compiles
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
@@ -33,7 +37,8 @@ class FaultInjector:
         if not spec:
             return None
         kv = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-        return cls(int(kv["raise"]) if "raise" in kv else None, float(kv.get("sleep", 0.0)), int(kv.get("after", 0)))
+        return cls(int(kv["raise"]) if "raise" in kv else None, float(kv.get("sleep", 0.0)), int(kv.get("after", 0)),
+                   float(kv.get("compile_sleep", 0.0)), kv.get("compile_marker", ""))
 
     def before_step(self, batch) -> None:
         if self.sleep:

@@ -73,6 +73,13 @@ class CompilerBusy(RuntimeError):
 class CompileTimeout(RequestError):
     """The spec ran past the deadline (remembered for a while only: a loaded host is slower)."""
 
+    @classmethod
+    def of(cls, spec: StructuredOutput, timeout: float) -> CompileTimeout:
+        """What the client reads (a 400), wherever the spec ran out of time: here, or in the grammar
+        process (server/engine/grammar_process.py)."""
+        return cls(f"the {spec_name(spec.kind)} did not compile within {timeout:g} s (--structured-compile-timeout); "
+                   "a simpler one may")
+
 
 class CompileWorker:
     """One sacrificial compile process (started at once), used by one thread at a time."""
@@ -126,8 +133,7 @@ class CompileWorker:
         name = spec_name(spec.kind)
         if not answered:
             log.warning("a %s ran past %g s in the compile process: killed it, started another", name, timeout)
-            raise CompileTimeout(f"the {name} did not compile within {timeout:g} s (--structured-compile-timeout); "
-                                 "a simpler one may")
+            raise CompileTimeout.of(spec, timeout)
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         log.warning("a %s crashed the compile process (%s): started another", name, how)
         raise RequestError(f"the {name} crashed the grammar compiler ({how}); nothing else was affected, but it "

@@ -13,6 +13,7 @@ import mmap
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
@@ -57,6 +58,12 @@ def serve(conn: Connection, fd: int) -> None:
             return None, f"{type(e).__name__}: {e}"
 
     def make(key: int, spec: StructuredOutput) -> None:
+        with held:
+            new = spec not in compiled
+        if new:  # the engine's deadline for it counts from now (grammar_process.py)
+            reply(("compiling", key, time.monotonic()))
+            if slow[0] and slow[1] in spec.spec:  # tests only
+                time.sleep(slow[0])
         m, error = matcher(spec)
         with held:
             making.discard(key)
@@ -87,6 +94,7 @@ def serve(conn: Connection, fd: int) -> None:
     filled: list[int] | None = None  # the last fill's rows: whose matchers the next ids advance
     runs = False  # the last fill had verifications: its ids are runs
     fills, fail_at = 0, 0
+    slow = (0.0, "")  # tests: seconds the compile of a spec holding the text is made to take longer ("slow")
     while True:
         try:
             msg = conn.recv()
@@ -133,6 +141,8 @@ def serve(conn: Connection, fd: int) -> None:
             compiles.submit(make, msg[1], StructuredOutput(msg[2], msg[3]))
         elif kind == "fail_at":
             fail_at = fills + msg[1] if msg[1] else 0
+        elif kind == "slow":
+            slow = msg[1:]
         elif kind == "count":
             reply(("count", len(matchers), len(compiled)))
         elif kind == "check":

@@ -29,8 +29,12 @@ Protocol: pickled tuples over a socket pair; the masks and flags in a memfd both
                                                whose ids next job are each one's run, then -1
                      ("check", ref, [(key, proposals)])  how many proposals each matcher accepts
                      ("fail_at", n)            tests: the n-th fill from now fails (0: none)
+                     ("slow", seconds, marker) tests: every compile from now of a spec holding
+                                               `marker` takes that much longer
                      ("count",)                tests: how many matchers and compiled specs it holds
-  process -> engine: ("added", key, (error, bytes))  error None, or what is wrong with the spec;
+  process -> engine: ("compiling", key, t)      key's spec began to compile at time.monotonic() t
+                                               (one clock for every process): its deadline counts from t
+                     ("added", key, (error, bytes))  error None, or what is wrong with the spec;
                                                the compiled grammar's size
                      ("broken", key, error)    a job's matcher of `adds` could not be made (its row
                                                is left alone; the engine fails its request)
@@ -44,6 +48,14 @@ Why adds and drops ride on the jobs: a batch of 64 requests of one schema cost 1
 them (GPT-2 small on an H100, `bench_structured.py --timeline`: a run takes ~80 ms). A
 request whose spec the process has compiled is admitted at once; its matcher is made before the
 first fill that needs it, in the same message.
+A spec compiles here under the request's deadline (`structured_compile_timeout`, the one it met
+in the API process's compile process, server/engine/grammar_compile.py), counted from when its
+compile begins here (not from the ask: the process's start, or other specs compiling first, are not
+the spec's doing; START_TIMEOUT_S is their backstop). Past it the request alone is refused as the
+API process refuses one (server/engine/llm_engine.py: a 400 saying so) and its blocks are freed.
+A thread's compile cannot be stopped: it runs to its end (a spec that compiled in time in the compile
+process takes about as long here) and the grammar is kept, listed when its answer comes, for the
+next request of that spec; new specs wait behind it on the one compile thread meanwhile.
 The process keeps each spec it compiled (a job's adds make their matchers from it, ~10 us) until
 the engine says to forget it: the engine keeps the list, least recently used first, within
 `cache_bytes` of compiled grammars (the sizes the process reports), so that what it admits at once
@@ -70,6 +82,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from server.config import StructuredLimits
+from server.engine.grammar import spec_name
+from server.engine.grammar_compile import CompileTimeout
 from server.engine.requests import RequestError
 from server.sampling_params import StructuredOutput
 from server.worker.grammar_rows import MaskLayout, MaskMemory
@@ -98,9 +113,11 @@ class GrammarProcess:
     """The engine's side: starts the process, sends it work, reads its replies without blocking."""
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: frozenset[int], fd: int,
-                 memory: MaskMemory, owed: dict[int, str] | None = None, cache_bytes: int = -1) -> None:
+                 memory: MaskMemory, owed: dict[int, str] | None = None, cache_bytes: int = -1,
+                 compile_timeout: float = StructuredLimits.structured_compile_timeout) -> None:
         """`owed`: the failed steps of the process this one replaces (`abandon`), which the engine
-        checks with this one. `cache_bytes`: the compiled grammars it keeps, at most (-1: no bound)."""
+        checks with this one. `cache_bytes`: the compiled grammars it keeps, at most (-1: no bound).
+        `compile_timeout`: seconds a spec may compile here (StructuredLimits.structured_compile_timeout)."""
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, str(theirs.fileno()), str(fd)],
                                      pass_fds=(theirs.fileno(), fd))
@@ -110,6 +127,8 @@ class GrammarProcess:
         self.conn.send((model_path, vocab_size, sorted(stop_token_ids), layout.rows, layout.words, cache_bytes))
         self.flags = layout.views(memory.buffer)[0]
         self.replies: dict[int, tuple[str | None, int]] = {}  # key -> (error of its matcher (None: made), bytes)
+        self.compile_timeout = compile_timeout
+        self.started: dict[int, float] = {}  # key -> when its spec began to compile there (unanswered keys)
         self.unwanted: dict[int, StructuredOutput | None] = {}  # keys dropped before their reply came, their specs
         self.failures: dict[int | None, str] = dict(owed or {})  # step -> why its job failed
         self.broken: dict[int, str] = {}  # key -> why its matcher of a job's adds was not made
@@ -141,11 +160,15 @@ class GrammarProcess:
             while self.conn.poll(timeout):
                 timeout = 0.0
                 kind, ref, text = self.conn.recv()
-                if kind == "added" and ref in self.unwanted:  # its matcher is not kept; its spec is
+                if kind == "compiling":
+                    self.started[ref] = text
+                elif kind == "added" and ref in self.unwanted:  # its matcher is not kept; its spec is
+                    self.started.pop(ref, None)
                     spec, (error, nbytes) = self.unwanted.pop(ref), text
                     if error is None and spec is not None:  # compiled there: listed, so that it is let go of in turn
                         self.compiled(spec, nbytes)
                 elif kind == "added":
+                    self.started.pop(ref, None)
                     self.replies[ref] = text
                 elif kind == "broken":
                     self.broken[ref] = text
@@ -187,6 +210,7 @@ class GrammarProcess:
         reply about it was read (else it is not kept when it comes; `spec` is listed compiled then)."""
         if not answered and self.replies.pop(key, self) is self:
             self.unwanted[key] = spec
+        self.started.pop(key, None)
         self.broken.pop(key, None)
         for i, add in enumerate(self.adds):
             if add[0] == key:  # never sent: nothing to make or drop
@@ -260,6 +284,11 @@ class GrammarProcess:
         """Tests: the n-th fill from now fails (0: none does)."""
         self._send(("fail_at", n))
 
+    def slow_compiles(self, seconds: float, marker: str = "") -> None:
+        """Tests: every compile from now of a spec whose text holds `marker` takes `seconds` longer
+        (0: none does; FLASHPAGE_FAULT_INJECT's compile_sleep, server/engine/faults.py)."""
+        self._send(("slow", seconds, marker))
+
     def check(self, step: int) -> None:
         """After a constrained step's ids are in: raise if its fill failed, or never came."""
         if step in self.failures or int(self.flags[1]) == step or int(self.flags[0]) < step:
@@ -281,18 +310,23 @@ class GrammarProcess:
 
 @dataclass
 class PendingMatcher:
-    """A matcher the process is making: done() once it answered (or it is gone, or START_TIMEOUT_S
-    passed: a backstop, since its spec compiled in a compile process within the deadline before it
-    came here, server/engine/grammar_compile.py); result() the key, or RequestError."""
+    """A matcher the process is making: done() once it answered, it is gone, or the spec's compile
+    there ran past the deadline (`compile_timeout`, from the time it began: see the module
+    docstring), or START_TIMEOUT_S passed since the ask (a backstop: the process's start, or compiles
+    before it); result() the key, else RequestError (CompileTimeout past the deadline)."""
 
     process: GrammarProcess
     key: int
     spec: StructuredOutput
     asked: float = field(default_factory=time.monotonic)
 
+    def _late(self) -> bool:
+        started = self.process.started.get(self.key)
+        return started is not None and time.monotonic() - started > self.process.compile_timeout
+
     def done(self) -> bool:
         self.process.drain()
-        return (self.key in self.process.replies or not self.process.alive
+        return (self.key in self.process.replies or not self.process.alive or self._late()
                 or time.monotonic() - self.asked > START_TIMEOUT_S)
 
     def result(self, timeout: float = START_TIMEOUT_S) -> int:
@@ -300,6 +334,11 @@ class PendingMatcher:
         while self.key not in self.process.replies:
             if not self.process.alive:
                 raise RequestError("the grammar process did not answer (it is gone)")
+            if self._late():  # its matcher, should it still come, is not kept; its grammar is
+                log.warning("a %s ran past %g s in the grammar process: its request is refused",
+                            spec_name(self.spec.kind), self.process.compile_timeout)
+                self.process.drop(self.key, answered=False, spec=self.spec)
+                raise CompileTimeout.of(self.spec, self.process.compile_timeout)
             if time.monotonic() > deadline:
                 self.process.drop(self.key, answered=False, spec=self.spec)  # should it still come, it is not kept
                 raise RequestError(f"the grammar process did not compile it within {timeout:g} s")

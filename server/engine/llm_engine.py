@@ -19,15 +19,15 @@ from models import eos_token_ids, load_tokenizer, resolve_model_path
 from server.config import EngineConfig
 from server.engine.detokenize import Detokenizer
 from server.engine.faults import FaultInjector
-from server.engine.outputs import EngineSnapshot, RequestOutput, failed_output
+from server.engine.outputs import EngineSnapshot, RequestOutput, failed_output, packed_prompt_logprobs
 from server.engine.requests import EngineFatalError, RequestBounds, RequestError, validate_request
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.spec import make_speculator
-from server.engine.grammar_compile import CompileSetup, SpecCompiler
+from server.engine.grammar_compile import CompileSetup, CompileTimeout, SpecCompiler
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
-from server.engine.stop import ABORT, ERROR, LENGTH, TIMEOUT, advance
+from server.engine.stop import ABORT, ERROR, LENGTH, REFUSED, TIMEOUT, advance
 from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
@@ -101,7 +101,10 @@ class LLMEngine:
                 self.config.max_num_seqs, covered, lambda: self._grammars is not None and self._grammars.alive)
         self._grammars = GrammarProcess(self.model_path, self.spec.vocab_size, self.eos_token_ids, self._mask_fd,
                                         self.runner.grammar_memory, owed=proc.abandon() if proc is not None else None,
-                                        cache_bytes=self.config.structured.structured_cache_memory)
+                                        cache_bytes=self.config.structured.structured_cache_memory,
+                                        compile_timeout=self.config.structured.structured_compile_timeout)
+        if self.faults is not None and self.faults.compile_sleep:  # tests only
+            self._grammars.slow_compiles(self.faults.compile_sleep, self.faults.compile_marker)
         return self._grammars
 
     def limits(self) -> RequestBounds:
@@ -213,7 +216,8 @@ class LLMEngine:
     def _compiled(self, wait: bool) -> list[RequestOutput]:
         """Queue each request whose grammar has compiled, with its matcher (issue 44: one that waited
         in the queue for a compile of seconds held up every request behind it); one whose compile
-        failed ends with finish_reason "error". `wait`: nothing runs, so wait a little
+        failed ends with finish_reason "error", one whose compile ran past the deadline with "refused"
+        (the client's 400, server/engine/grammar_process.py). `wait`: nothing runs, so wait a little
         (COMPILE_WAIT_S) for the matchers asked for, rather than admit them a few at a time."""
         if wait:
             deadline = time.monotonic() + COMPILE_WAIT_S
@@ -228,6 +232,10 @@ class LLMEngine:
             future, seq.compiling = seq.compiling, None
             try:
                 seq.grammar = future.result()
+            except CompileTimeout as e:  # past the deadline there: refused as the API process refuses one
+                self._retire(seq, REFUSED)
+                outputs.append(failed_output(seq, str(e), REFUSED))
+                continue
             except Exception as e:
                 outputs.append(self._fail(seq, f"the request's grammar failed to compile: {e}"))
                 continue
@@ -339,9 +347,8 @@ class LLMEngine:
                        for seq in handle.rows if seq.grammar in broken and seq.status is not Status.FINISHED]
         now = time.monotonic()
         advance = self._advance
-        for seq, first, entries in result.prompt_logprobs:
-            have = len(seq.prompt_logprobs)  # a recompute after preemption scores positions again
-            seq.prompt_logprobs += entries[have - first :] if first <= have else []
+        for scored in result.prompt_logprobs:  # arrays: nothing here is built per prompt token
+            scored.seq.take_scores(scored.first, scored.token_ids, scored.logprobs)
         for j, (seq, tok) in enumerate(zip(rows, ids)):
             if seq.status is Status.FINISHED:  # stopped, aborted or failed while this step was in flight
                 continue
@@ -349,7 +356,7 @@ class LLMEngine:
                 self._retire(seq, LENGTH)
                 outputs.append(RequestOutput(seq.request_id, "", [], True, LENGTH,
                                              prompt_tokens=len(seq.prompt_token_ids),
-                                             prompt_logprobs=seq.prompt_logprobs))
+                                             prompt_logprobs=packed_prompt_logprobs(seq)))
                 continue
             seq.resolve(tok)
             if seq.first_token_time is None:

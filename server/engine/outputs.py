@@ -5,6 +5,55 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """A request's prompt log-probabilities, packed: row p is prompt token p + 1's id and
+    log-probability, then its top `k` alternatives' (the first token has none). Two arrays' bytes
+    from the worker to the API process, so that neither the engine's thread nor the pipe handles an
+    object per token (issue 44: a 12.5k-token prompt with 20 alternatives held the engine's loop
+    128-533 ms as lists of tuples). Read as a sequence, row p is [(id, logprob), (alt id, logprob),
+    ...]: built when read, which the API process does off its event loop for a large one."""
+
+    token_ids: bytes  # int32 [n, 1 + k], row-major
+    logprobs: bytes  # float32 [n, 1 + k]
+    k: int
+
+    @classmethod
+    def pack(cls, chunks: list[tuple[np.ndarray, np.ndarray]], k: int) -> PromptLogprobs:
+        """One record of the (token_ids, logprobs) arrays of consecutive chunks of rows."""
+        if not chunks:
+            return cls(b"", b"", k)
+        ids, logprobs = zip(*chunks)
+        return cls(np.concatenate(ids).tobytes(), np.concatenate(logprobs).tobytes(), k)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids, logprobs), [n, 1 + k] each, read-only views of the bytes."""
+        return (np.frombuffer(self.token_ids, np.int32).reshape(-1, 1 + self.k),
+                np.frombuffer(self.logprobs, np.float32).reshape(-1, 1 + self.k))
+
+    @property
+    def pairs(self) -> int:
+        """The (id, logprob) pairs it expands to: what reading it costs."""
+        return len(self.token_ids) // 4
+
+    def entries(self, rows: slice = slice(None)) -> list[list[tuple[int, float]]]:
+        """Rows as lists of (id, logprob): the token's, then its alternatives'."""
+        ids, logprobs = self.arrays()
+        return [list(zip(i, v)) for i, v in zip(ids[rows].tolist(), logprobs[rows].tolist())]
+
+    def __len__(self) -> int:
+        return len(self.token_ids) // (4 * (1 + self.k))
+
+    def __iter__(self):
+        return iter(self.entries())
+
+    def __getitem__(self, index: int | slice):
+        if isinstance(index, slice):
+            return self.entries(index)
+        index = range(len(self))[index]  # IndexError past either end, as a list's
+        return self.entries(slice(index, index + 1))[0]
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -22,10 +71,10 @@ class RequestOutput(msgspec.Struct, array_like=True):
     text: str = ""  # everything so far
     token_ids: list[int] = []  # every output token so far
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
-    error: str | None = None  # with finish_reason "error": what failed
+    error: str | None = None  # with finish_reason "error": what failed ("refused": why)
     # on the request's first output, where asked: per prompt token after the first, (id, logprob)
-    # then the top alternatives
-    prompt_logprobs: list | None = None
+    # then the top alternatives, packed
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -67,8 +116,14 @@ class EngineSnapshot:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def failed_output(seq, message: str) -> RequestOutput:
-    """A request ended with finish_reason "error" (server/engine/stop.py), with what it produced so far."""
-    return RequestOutput(seq.request_id, "", [], True, "error", prompt_tokens=len(seq.prompt_token_ids),
+def failed_output(seq, message: str, reason: str = "error") -> RequestOutput:
+    """A request ended with finish_reason "error" (or "refused": server/engine/stop.py), with what it
+    produced so far."""
+    return RequestOutput(seq.request_id, "", [], True, reason, prompt_tokens=len(seq.prompt_token_ids),
                          completion_tokens=len(seq.output_token_ids), text=seq.text,
                          token_ids=list(seq.output_token_ids), error=message)
+
+
+def packed_prompt_logprobs(seq) -> PromptLogprobs:
+    """A sequence's prompt log-probabilities (all scored by now), as they cross to the API process."""
+    return PromptLogprobs.pack(seq.prompt_logprobs, seq.params.prompt_logprobs or 0)

@@ -43,8 +43,11 @@ class Sequence:
     read_offset: int = 0
     first_token_time: float | None = None
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: chosen, then top alternatives
-    # prompt_logprobs[p]: prompt token p + 1's (id, logprob) then alternatives (the first token has none)
-    prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # The prompt log-probabilities scored so far, as the worker's arrays (server/worker/scoring.py):
+    # chunks of (token_ids, logprobs) rows, row p of them all prompt token p + 1's id and logprob then
+    # alternatives (the first token has none); num_prompt_scored rows in all
+    prompt_logprobs: list[tuple[Any, Any]] = field(default_factory=list)
+    num_prompt_scored: int = 0
     grammar: Any = None  # its XGrammar matcher, for structured output (server/engine/grammar.py)
     compiling: Any = None  # a Future of that matcher while its grammar compiles; not admitted till then
     # Asynchronous scheduling: a step is launched before the previous one's sampled ids reach the
@@ -94,7 +97,15 @@ class Sequence:
     @property
     def scores_prompt(self) -> bool:
         """Still owes prompt log-probabilities (so it may not take prefix-cache hits)."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        return self.params.prompt_logprobs is not None and self.num_prompt_scored < len(self.prompt_token_ids) - 1
+
+    def take_scores(self, first: int, token_ids, logprobs) -> None:
+        """Rows of prompt log-probabilities from position `first` on: those not scored before (a
+        recompute after preemption scores positions again) are kept."""
+        skip = self.num_prompt_scored - first
+        if 0 <= skip < len(token_ids):
+            self.prompt_logprobs.append((token_ids[skip:], logprobs[skip:]))
+            self.num_prompt_scored += len(token_ids) - skip
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,10 @@ A sequence stops on any of the model's end-of-sequence tokens (unless `ignore_eo
 complete (STOP; server/engine/grammar.py), at `max_tokens` or the context limit (LENGTH), or when its text contains a stop string
 (STOP; the text is cut where the string starts). It is cut off when its deadline passes (TIMEOUT:
 `--request-timeout`, checked by the engine at every step, queued or running), when its client left
-or the server shuts down (ABORT), or when the step running it failed (ERROR). While a stop string could still complete, the tail that might start
+or the server shuts down (ABORT), or when the step running it failed (ERROR). It is refused after it
+was queued, before any token, when its structured-output spec ran past the compile deadline in the
+grammar process (REFUSED: the client gets a 400 saying so, as from the API process's own compile;
+server/engine/grammar_process.py). While a stop string could still complete, the tail that might start
 one is held back from the client, so streamed text never holds what the final text cuts.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import RequestOutput, packed_prompt_logprobs
 from server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,6 +28,7 @@ LENGTH = "length"
 TIMEOUT = "timeout"
 ABORT = "abort"
 ERROR = "error"
+REFUSED = "refused"
 
 
 def token_stop(tok: int, num_output: int, num_tokens: int, params: SamplingParams, eos_token_ids: frozenset[int],
@@ -80,6 +84,6 @@ def advance(seq: Sequence, tok: int, logprob, eos_token_ids: frozenset[int], max
                          prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
                          new_logprobs=[logprob] if logprob is not None else [], text=seq.text,
                          token_ids=seq.output_token_ids, cached_prompt_tokens=seq.num_cached_prompt,
-                         prompt_logprobs=seq.prompt_logprobs if num_output == 1 and p.prompt_logprobs is not None
-                         else None)
+                         prompt_logprobs=None if num_output != 1 or p.prompt_logprobs is None
+                         else packed_prompt_logprobs(seq))
 

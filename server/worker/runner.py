@@ -366,7 +366,7 @@ class ModelRunner:
             raise handle.error
         if handle.event is not None:
             handle.event.synchronize()  # releases the GIL while the device finishes
-        prompt = [(s.seq, s.first, unpack(s)) for s in handle.scores]
+        prompt = [unpack(s) for s in handle.scores]
         if handle.ids is None:
             return StepResult([], prompt_logprobs=prompt)
         ids = handle.ids.tolist()

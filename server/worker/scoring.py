@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from server.worker.logits import to_device
@@ -79,9 +80,26 @@ def score_chunks(lm_head, hidden: torch.Tensor, prefills: list, vocab_size: int,
     return out
 
 
-def unpack(scores: PromptScores) -> list[list[tuple[int, float]]]:
-    """Per scored token: (token id, logprob), then the top alternatives (as many as asked)."""
+@dataclass(slots=True)
+class ScoredPrompt:
+    """What a step scored of one sequence's prompt, on the host: row j is prompt token first + 1 + j's
+    id and log-probability, then its top alternatives' (as many as the request asked for). Two arrays,
+    not a list a token: a 12.5k-token prompt with 20 alternatives was 262k tuples built on the
+    engine's thread (issue 44); the API process expands them (server/engine/outputs.py PromptLogprobs)."""
+
+    seq: object  # the engine's Sequence (the worker's SeqState)
+    first: int  # position p of the first row: it scores prompt token p + 1
+    token_ids: np.ndarray  # int32 [n, 1 + want]
+    logprobs: np.ndarray  # float32 [n, 1 + want]
+
+
+def unpack(scores: PromptScores) -> ScoredPrompt:
+    """The host copy of a chunk's scores as arrays (once the copy has landed)."""
     k, want = scores.k, scores.seq.params.prompt_logprobs or 0
-    prompt, first = scores.seq.prompt_token_ids, scores.first
-    return [[(prompt[first + 1 + j], r[0])] + [(int(t), v) for t, v in zip(r[1 : 1 + want], r[1 + k : 1 + k + want])]
-            for j, r in enumerate(scores.packed.tolist())]
+    packed = scores.packed.numpy()
+    n, first = packed.shape[0], scores.first
+    token_ids = np.empty((n, 1 + want), np.int32)
+    token_ids[:, 0] = scores.seq.prompt_token_ids[first + 1 : first + 1 + n]
+    token_ids[:, 1:] = packed[:, 1 : 1 + want]  # ids below 2**24: exact in fp32
+    logprobs = np.concatenate([packed[:, :1], packed[:, 1 + k : 1 + k + want]], axis=1)
+    return ScoredPrompt(scores.seq, first, token_ids, logprobs)

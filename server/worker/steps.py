@@ -10,7 +10,7 @@ import torch
 from server.worker.grammar_rows import GrammarFill
 from server.worker.inputs import SeqState
 from server.worker.logits import StepControls
-from server.worker.scoring import PromptScores
+from server.worker.scoring import PromptScores, ScoredPrompt
 
 
 @dataclass(slots=True)
@@ -73,5 +73,5 @@ class StepResult:
     token_ids: list[int]
     # per row, (chosen id, logprob) then the top alternatives, where requests asked for logprobs
     logprobs: list[list[tuple[int, float]]] | None = None
-    # (sequence, position p of the first, per prompt token p + 1...: (id, logprob) then alternatives)
-    prompt_logprobs: list[tuple[object, int, list[list[tuple[int, float]]]]] = field(default_factory=list)
+    # what prefill chunks scored of their prompts (per sequence, arrays: server/worker/scoring.py)
+    prompt_logprobs: list[ScoredPrompt] = field(default_factory=list)

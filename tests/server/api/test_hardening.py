@@ -9,21 +9,24 @@ After each case /health answers and every KV block is free (test_adversarial's a
 One server for all cases but 2, kept lean for CI: the tiny checkpoint, one API process, the
 structured-output bounds at their defaults (issue 44's specs must trip them) but for a regex's
 length (raised, so that a slow one reaches the compile deadline), a short compile deadline, 64 KiB
-of compiled grammars per process and a sixteenth of the default --max-request-tokens. What needs
+of compiled grammars per process, a sixteenth of the default --max-request-tokens, and a grammar
+process that compiles one marked spec slowly (the test-only hook of server/engine/faults.py). What needs
 more than such a server is shown where it is cheap:
 - case 1's crash inside XGrammar (bounds raised past the crasher) and case 3's deadline on the
   crasher's scale: tests/server/engine/test_grammar_compile.py;
 - case 2 runs last, on a second server (two API processes, started beside the first); its parts:
   tests/server/bridge/test_engine_loop.py (a broken pipe closes its channel and frees its requests;
   a new channel is greeted and served) and tests/server/api/test_servers.py (restarts within a budget);
-- case 3's admission (a compiling grammar holds up no request behind it) and case 6's count of
-  compiled specs per process: tests/server/engine/test_grammar.py.
+- case 3's admission (a compiling grammar holds up no request behind it), the grammar process's
+  deadline beside a plain and a constrained request, and case 6's count of compiled specs per
+  process: tests/server/engine/test_grammar.py.
 """
 
 import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,17 +43,28 @@ from tests.server.api.test_adversarial import healthy_and_all_free  # noqa: F401
 from tests.server.engine.test_grammar_bounds import ref_chain
 
 COMPILE_TIMEOUT = 3.0  # the server's --structured-compile-timeout (seconds)
+# the server's grammar process takes this much longer over a spec holding SLOW_MARKER (the test-only
+# hook of server/engine/faults.py): past the deadline there, though the API process's compile met it
+SLOW_MARKER, GRAMMAR_SLOW_S = "slow in the grammar process", COMPILE_TIMEOUT + 1.0
 REQUEST_TOKENS = 16_384  # its --max-request-tokens (a sixteenth of the default: CI time)
 PLAIN = {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-# /health: the issue's 100 ms for every probe, less the time the probing thread and the API
-# processes' event-loop threads waited for a CPU meanwhile (the kernel's run queue, read from
-# /proc/<tid>/schedstat; nothing where there is none): what is left is the server's own latency (its
-# loop's work, GIL waits, I/O), which our code decides: at most 27 ms in 162 cases measured. The run
-# queue is the host's: on the shared 2-core host this was measured on (load 3-10 from other work)
-# whole probes passed 100 ms in 5 of 210 cases on the one-process server (cases 1, 3 and 8; at most
-# 335 ms, of which the probing thread had waited 333 ms for a CPU), and the API loop's longest
-# stalls were 70-90% run-queue wait. Whole probes must still be within 100 ms at the median and 1 s
-# each: a blocked event loop shows seconds (issue 44: 6.1 s).
+# /health: the issue asks that a concurrent probe stay under 100 ms during each case. Here a probe's
+# time is the host's too: ~8 engineers share its 2 cores (load 3-10), and a thread ready to run waits
+# in the kernel's run queue for one. So every probe must answer within HEALTH_BOUND_S of server time:
+# its whole time less the run-queue waits, during that probe, of the probing thread and of the event
+# loop's thread in the API process that holds the probe's connection (/proc/<tid>/schedstat's second
+# field; nothing is taken out where there is none). Nothing else is: a loop thread that runs (its own
+# work) or sleeps (a blocking call, the GIL, a lock) accrues no run-queue wait, so a loop blocked by
+# 200 ms of its own work still shows ~200 ms (test_the_health_bound_fails_on_a_loop_blocked_for_200_ms;
+# 0.18-0.20 s seen here, idle and beside 3-4 processes spinning on the 2 cores), less at most the
+# probing thread's wait before its request went out (while it waits for the answer it sleeps). Only
+# the serving process's loop counts: with two API processes, taking out the other's waits as well hid
+# a 200 ms block beside 3 spinning processes (3 tries of 3). Measured on the shared host (load 3-10;
+# then every API loop's waits were taken out, which for one API process is the same): server time
+# was at most 27 ms in 162 cases; whole probes passed 100 ms in 5 of 210 cases on the one-process
+# server (cases 1, 3 and 8; at most 335 ms, of which the probing thread had waited 333 ms for a
+# CPU), and the API loop's longest stalls were 70-90% run-queue wait. Whole probes must still be
+# within 100 ms at the median and 1 s each: a blocked event loop shows seconds (issue 44: 6.1 s).
 HEALTH_BOUND_S, HEALTH_WORST_S, PLAIN_SLACK_S = 0.1, 1.0, 2.0
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -66,7 +80,8 @@ def servers(tiny_ckpt, tmp_path_factory):
                 "--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256", "--api-server-count", "1",
                 "--chat-template", str(template), "--structured-compile-timeout", str(COMPILE_TIMEOUT),
                 "--max-structured-regex-chars", "20000", "--structured-cache-memory", "64KiB",
-                "--max-request-tokens", str(REQUEST_TOKENS)]),
+                "--max-request-tokens", str(REQUEST_TOKENS)],
+                extra_env={"FLASHPAGE_FAULT_INJECT": f"compile_sleep={GRAMMAR_SLOW_S},compile_marker={SLOW_MARKER}"}),
             # steps of at least 20 ms (the test-only fault hook): 150 tokens are 3 s, so that a stream
             # is still running when its process dies
             ServerProcess.python_server(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "256",
@@ -120,36 +135,47 @@ def plain_time(url: str) -> float:
 
 _BYSTANDER = r"""
 import json, sys, threading, time
-import httpx
+import httpx, psutil
 url, plain, loops = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 stop = time.monotonic() + 600
 seen = {"health": [], "plain": [], "lost": 0}
 sys.setswitchinterval(0.0005)  # the two threads share a GIL: a probe must not wait 5 ms for it
-def queued(tid_paths):  # seconds each of these threads has waited for a CPU so far
+def queued(tids):  # seconds each of these threads has waited for a CPU so far
     waits = {}
-    for path in tid_paths:
+    for tid in tids:
         try:
-            with open(path) as f:
-                waits[path] = int(f.read().split()[1]) / 1e9
+            with open(f"/proc/{tid}/task/{tid}/schedstat") as f:
+                waits[tid] = int(f.read().split()[1]) / 1e9
         except (OSError, IndexError, ValueError):  # gone (a killed API process), or no schedstat
             pass
     return waits
-def timed(name, call):
-    threads = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
-    threads += [f"/proc/{p}/task/{p}/schedstat" for p in loops]  # each API process's main thread: its loop
-    c = httpx.Client(base_url=url, timeout=60)
-    while time.monotonic() < stop:
-        t, q = time.perf_counter(), queued(threads)
+def holder(port):  # the API process (its pid: its loop's thread) holding our connection from `port`
+    if len(loops) == 1:
+        return loops[0]
+    for pid in loops:
         try:
-            ok = call(c).status_code == 200
+            if any(k.raddr and k.raddr.port == port for k in psutil.Process(pid).net_connections("tcp")):
+                return pid
+        except psutil.Error:
+            pass
+    return None  # not found: only the probing thread's waits are taken out
+def timed(name, call):
+    me = threading.get_native_id()
+    c, port, loop = httpx.Client(base_url=url, timeout=60), None, None
+    while time.monotonic() < stop:
+        t, q = time.perf_counter(), queued([me, *loops])
+        try:
+            r = call(c)
         except httpx.TransportError:  # counted: the case fails on it
             seen["lost"] += 1
             c.close()
             c = httpx.Client(base_url=url, timeout=60)
             continue
-        took, now = time.perf_counter() - t, queued(threads)
-        waited = sum(now[p] - q[p] for p in q.keys() & now.keys())
-        seen[name].append(None if not ok else [took, took - waited] if name == "health" else took)
+        took, now = time.perf_counter() - t, queued([me, *loops])
+        if name == "health" and (p := r.extensions["network_stream"].get_extra_info("client_addr")[1]) != port:
+            port, loop = p, holder(p)  # a new connection (the first, or one after a lost one)
+        waited = sum(now[k] - q[k] for k in (me, loop) if k in q and k in now)
+        seen[name].append(None if r.status_code != 200 else [took, took - waited] if name == "health" else took)
         time.sleep(0.02 if name == "health" else 0)
     c.close()
 threading.Thread(target=timed, args=("health", lambda c: c.get("/health")), daemon=True).start()
@@ -192,7 +218,8 @@ def bystanders(srv, loops: list[int] | None = None, lost: int = 0):
     """While the block runs, in a process of their own (so that the test's own work never delays
     them): GET /health every 20 ms and plain completions one after another, each timed. After it:
     every probe answered 200 within HEALTH_BOUND_S less the run-queue waits of its thread and of the
-    event loops of `loops` (the API processes' pids; default: the server's own), whole probes within
+    event loop of the one of `loops` (the API processes' pids; default: the server's own) holding
+    its connection (see HEALTH_BOUND_S), whole probes within
     HEALTH_BOUND_S at the median and HEALTH_WORST_S each; at least one completion, each answered 200
     within PLAIN_SLACK_S of its time alone; at most `lost` connections lost. It starts once the server
     is idle (`settle`)."""
@@ -214,10 +241,63 @@ def bystanders(srv, loops: list[int] | None = None, lost: int = 0):
     health, plain = seen["health"], seen["plain"]
     assert health and None not in health, health
     whole = sorted(took for took, _ in health)
-    assert max(own for _, own in health) < HEALTH_BOUND_S, sorted(health, key=lambda h: h[1])[-3:]  # [whole, own]
+    worst = sorted(health, key=lambda h: h[1])[-3:]  # [whole, own]
+    assert worst[-1][1] < HEALTH_BOUND_S, (f"/health took {worst[-1][1]:.3f} s of server time; "
+                                           f"worst [whole, own]: {worst}")
     assert whole[len(whole) // 2] < HEALTH_BOUND_S and whole[-1] < HEALTH_WORST_S, whole[-5:]
     assert plain and None not in plain and max(plain) < normal + PLAIN_SLACK_S, (normal, plain)
     assert seen["lost"] <= lost, seen["lost"]
+
+
+# -- the bystander's own check: what it takes out of a probe's time cannot hide a blocked loop ----------
+_BLOCKING_SERVER = r"""
+import sys, time
+import uvicorn
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/block":  # the event loop works 200 ms of CPU before it answers
+        t = time.thread_time()
+        while time.thread_time() - t < 0.2:
+            pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", lifespan="off")
+"""
+
+
+def test_the_health_bound_fails_on_a_loop_blocked_for_200_ms():
+    """Against a server whose event loop works 200 ms of CPU on each POST /block (two of them in
+    the window), `bystanders` fails on the own-time bound, having seen ~200 ms of server time: the
+    run-queue waits it takes out (HEALTH_BOUND_S) do not hide the block, also when the server's other
+    "API process" (here a process that only spins, so that it waits for a CPU on a loaded host) is
+    listed beside the one holding the probe's connection."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake = subprocess.Popen([sys.executable, "-c", _BLOCKING_SERVER, str(port)])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        srv = type("Fake", (), {"url": f"http://127.0.0.1:{port}", "pid": fake.pid})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(srv.url + "/health")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        for loops in ([fake.pid], [spinner.pid, fake.pid]):
+            with pytest.raises(AssertionError, match=r"/health took (\d\.\d+) s of server time") as e:
+                with bystanders(srv, loops=loops):
+                    for _ in range(2):
+                        time.sleep(0.2)
+                        httpx.post(srv.url + "/block", timeout=10)
+            assert float(re.search(r"took (\d\.\d+) s", str(e.value))[1]) > 0.15, str(e.value)
+    finally:
+        for p in (fake, spinner):
+            p.kill()
+            p.wait()
 
 
 # -- 1: a schema that crashed XGrammar is refused before any compile; nothing else notices ------------
@@ -286,6 +366,28 @@ def test_slow_specs_end_at_the_deadline_after_the_cheap_checks_and_off_the_share
         assert (f"did not compile within {COMPILE_TIMEOUT:g} s" in message and "--structured-compile-timeout" in message
                 if r.status_code == 400 else int(r.headers["retry-after"]) >= 1), r.text
     assert took < 3 * COMPILE_TIMEOUT + 20, took
+
+
+# -- 3, again: the grammar process's own compile of a spec has the deadline too ------------------------------
+def test_a_spec_past_the_deadline_in_the_grammar_process_is_a_400_for_it_alone(srv, url, model):
+    """Before: the grammar process compiled each spec again (after the API process's compile met the
+    deadline) with only a 120 s backstop: a compile that ran long there ended its request in a 500
+    two minutes on. Now the deadline holds there too: that request alone gets the API process's
+    400 at about the deadline, and the grammar, compiled there in the end, serves the next request
+    of its spec (here the server's grammar process takes GRAMMAR_SLOW_S longer over SLOW_MARKER)."""
+    spec = {"choice": ["late", "later", SLOW_MARKER]}
+    with bystanders(srv):
+        t0 = time.monotonic()
+        r = post(url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 8, "temperature": 0,
+                                          "structured_outputs": spec})
+        took = time.monotonic() - t0
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+        assert f"did not compile within {COMPILE_TIMEOUT:g} s (--structured-compile-timeout)" in err["message"]
+        assert COMPILE_TIMEOUT <= took < GRAMMAR_SLOW_S, took  # at the deadline there, not at the compile's end
+        again = post(url, "/generate", {"prompt": "hi", "max_tokens": 8, "temperature": 0, "structured_outputs": spec})
+    assert again.status_code == 200 and again.json()["text"] in spec["choice"], again.text
+    assert srv.proc.poll() is None
 
 
 # -- 5: 41 bytes that asked XGrammar for gigabytes: refused before any compile -----------------------------

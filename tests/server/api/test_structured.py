@@ -6,6 +6,7 @@ every route."""
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,6 +17,9 @@ from transformers import AutoTokenizer
 
 from benchmarks.shared.common import ServerProcess
 from models import EMBEDDED_MODEL
+from server.api.openai_serving import BUILD_ON_LOOP
+from server.engine.outputs import PromptLogprobs
+from tests.helpers import app_client
 from tests.server.api.structured_schemas import SCHEMAS
 
 MSGS = [{"role": "user", "content": "Give me the data as JSON."}]
@@ -167,3 +171,34 @@ def test_prompt_logprobs_on_generate_equal_echo(server, client, model):
     assert all("prompt_logprobs" not in e for e in events[1:])
     r = httpx.post(server + "/generate", json={"prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_large_prompt_scores_are_expanded_off_the_event_loop(tiny_ckpt, monkeypatch):
+    """The engine hands prompt scores over packed (server/engine/outputs.py PromptLogprobs); the
+    API process expands a large one (past BUILD_ON_LOOP pairs) on a thread of its own, whole or
+    streamed, on /generate and on /v1/completions' echo (issue 44), and a small one in place.
+    In-process (server/api/app.py on a thread engine), where the threads can be seen."""
+    where = []
+    expand = PromptLogprobs.entries
+    monkeypatch.setattr(PromptLogprobs, "entries", lambda self, *a: where.append(
+        threading.current_thread().name.startswith("flashpage-answer")) or expand(self, *a))
+    prompt = [5 + i % 300 for i in range(250)]  # 249 scored x 21 = 5,229 pairs: past BUILD_ON_LOOP
+    assert 249 * 21 > BUILD_ON_LOOP
+    with app_client(["--model", str(tiny_ckpt), "--device", "cpu", "--num-blocks", "64"]) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        asks = [("/generate", {"prompt_token_ids": prompt, "max_tokens": 1, "prompt_logprobs": 20}),
+                ("/generate", {"prompt_token_ids": prompt, "max_tokens": 1, "prompt_logprobs": 20, "stream": True}),
+                ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 20}),
+                ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 20,
+                                     "stream": True}),
+                ("/generate", {"prompt_token_ids": prompt[:20], "max_tokens": 1, "prompt_logprobs": 2})]
+        for path, body in asks:
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text[:300]
+            whole = r.json() if not body.get("stream") else json.loads(r.text.split("\n\n")[0].removeprefix("data: "))
+            if path == "/generate":
+                assert whole["prompt_logprobs"][0] is None and len(whole["prompt_logprobs"]) == len(body["prompt_token_ids"])
+                assert all(len(e) == 1 + body["prompt_logprobs"] for e in whole["prompt_logprobs"][1:])
+            else:
+                assert len(whole["choices"][0]["logprobs"]["token_logprobs"]) >= len(prompt)
+    assert where == [True, True, True, True, False]

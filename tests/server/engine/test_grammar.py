@@ -15,7 +15,7 @@ from server.config import EngineConfig
 from server.engine import LLMEngine, RequestError
 from server.engine.grammar import Grammars, choice_grammar
 from server.sampling_params import SamplingParams, StructuredOutput
-from tests.helpers import failing_fill, run_to_end
+from tests.helpers import failing_fill, run_to_end, slow_compiles
 
 REGEX = StructuredOutput("regex", r"[a-z]{3,6}-[0-9]{2}")
 CHOICE = StructuredOutput("choice", json.dumps(["red", "green", "blue sky", 'say "hi"']))
@@ -193,6 +193,46 @@ def test_a_request_whose_grammar_compiles_holds_up_no_request_behind_it(engine):
     final.update(run_to_end(engine))
     assert len(final["plain"].token_ids) == 3 and final["slow"].finish_reason in ("stop", "length")
     assert engine.block_manager.check_all_free() and not engine.compiling
+
+
+def test_a_compile_past_the_deadline_in_the_grammar_process_refuses_its_request_alone(engine):
+    """Issue 44: the grammar process compiles every spec again once the API process's compile met
+    the deadline; one that ran long there waited for a 120 s backstop and ended with "error" (a 500).
+    Now the deadline holds there too, counted from when the compile begins: past it the request alone
+    is refused in the API process's words ("refused": a 400) and nothing of it is left, while a plain
+    request and one of a spec compiled before are served meanwhile; the grammar, compiled in the end,
+    is kept for the next request of its spec."""
+    import time
+
+    engine.generate([prompt(engine)], SamplingParams(max_tokens=2, structured=REGEX))  # compiled there now
+    late = StructuredOutput("choice", json.dumps(["late", "later"]))
+    order, final = [], {}
+    with slow_compiles(engine, 2.0, deadline=0.5) as proc:
+        engine.add_request("late", prompt(engine), SamplingParams(max_tokens=5, temperature=0, structured=late),
+                           validated=True)
+        engine.add_request("plain", prompt(engine), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                           validated=True)
+        engine.add_request("known", prompt(engine), SamplingParams(max_tokens=20, temperature=0, structured=REGEX),
+                           validated=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    order.append(out.request_id)
+                    final[out.request_id] = out
+    assert final["late"].finish_reason == "refused" and final["late"].token_ids == [], final["late"]
+    assert "did not compile within 0.5 s (--structured-compile-timeout)" in final["late"].error
+    assert order.index("plain") < order.index("late")  # served while the grammar compiled
+    assert len(final["plain"].token_ids) == 3 and re.fullmatch(REGEX.spec, final["known"].text)
+    assert engine.block_manager.check_all_free() and not engine.seqs and not engine.compiling
+    deadline = time.monotonic() + 30
+    while late not in proc.ready and time.monotonic() < deadline:  # its compile's answer, 2 s on
+        proc.drain(0.05)
+    engine.add_request("again", prompt(engine), SamplingParams(max_tokens=5, temperature=0, structured=late),
+                       validated=True)
+    assert engine.seqs["again"].compiling is None  # admitted at once
+    assert run_to_end(engine)["again"].text in ("late", "later")
+    assert proc.held() == 0 and not proc.started and not proc.unwanted
+    assert engine.block_manager.check_all_free()
 
 
 def test_a_constrained_step_is_chosen_once_its_masks_are_filled(engine):

@@ -3,14 +3,17 @@ transformers: prompt scores equal its log-softmax (with and without prefix-cache
 preempted), and greedy decoding under penalties, logit_bias and min_tokens equals a reference loop
 that applies each definition to transformers' logits."""
 
+import gc
 import random
 
+import msgspec
 import pytest
 import torch
 from transformers import GPT2LMHeadModel as HFModel
 
 from server.config import EngineConfig
-from server.engine import LLMEngine, RequestError
+from server.engine import LLMEngine, RequestError, RequestOutput
+from server.engine.outputs import PromptLogprobs
 from server.sampling_params import SamplingParams
 
 
@@ -90,6 +93,40 @@ def test_max_tokens_zero_scores_the_prompt_only(eng, hf, prompts):
     check_scores(out, hf, prompts[1])
     with pytest.raises(RequestError, match="max_tokens is 0"):
         eng.add_request("x", prompts[1], SamplingParams(max_tokens=0))
+    assert eng.block_manager.check_all_free()
+
+
+def test_prompt_logprobs_travel_packed_with_no_object_a_token(eng, hf):
+    """Issue 44: a 12.5k-token prompt with 20 alternatives held the engine's loop 128-533 ms while the
+    worker and the engine built a list of tuples a prompt position. Now the step that scores a prompt
+    allocates fewer GC-tracked objects (lists, tuples) than the prompt has tokens, and its output
+    carries two arrays' bytes, which cross the pipe as two blobs; they read as the same entries."""
+    prompt = [random.Random(5).randrange(400) for _ in range(250)]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20)
+    eng.generate([prompt], params)  # warm: what a first request builds once (detokenizer, caches)
+    eng.add_request("packed", prompt, params)
+    collections = []
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
+    gc.set_threshold(len(prompt), *threshold[1:])  # a collection per prompt's length of container objects
+    try:
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.pop()
+    assert len(collections) < 3, f"{len(collections)} collections: objects built per prompt token"  # lists: 22
+    [out] = outs
+    scores = out.prompt_logprobs
+    assert isinstance(scores, PromptLogprobs) and type(scores.token_ids) is bytes and type(scores.logprobs) is bytes
+    assert len(scores) == len(prompt) - 1 and scores.pairs == 21 * (len(prompt) - 1)
+    wire = msgspec.msgpack.encode(out)
+    assert len(wire) < 8 * scores.pairs + 200  # int32 + fp32 a pair, and little else
+    decoded = msgspec.msgpack.Decoder(RequestOutput).decode(wire)
+    check_scores(decoded, hf, prompt, k=20)
+    assert decoded.prompt_logprobs[0] == scores.entries()[0] and decoded.prompt_logprobs[-1] == list(scores)[-1]
     assert eng.block_manager.check_all_free()
 
 
