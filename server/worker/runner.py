@@ -79,12 +79,19 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int, scales=None) -> None:
         """`scales`: an fp8 cache's KVScales (kvcache/fp8.py)."""
+        if self.on_cuda:  # one allocation of most of the GPU: what an earlier engine in this process left
+            gc.collect()  # in freed segments (collected late, after the budget was measured) goes back first
+            torch.cuda.empty_cache()
         self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device, scales)
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
         self.graphs = self.prefill_graphs = self.choice_graphs = self.verify_graphs = None
         self.kv_caches = []
+        # Graphs that captured collectives must be gone before the group is destroyed: NCCL's
+        # destroy_process_group hangs while one lives (pytorch/pytorch#115388), and a graph in a
+        # reference cycle lives until the collector runs.
+        gc.collect()
         if self.peers is not None:
             self.peers.close()
             self.peers = None

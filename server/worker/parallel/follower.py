@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
         torch.manual_seed(config.seed)
         worker = bring_up(config, Path(start.path), device)
         if follow(worker.runner, conn):  # Stop (else rank 0 is gone: nothing to leave)
+            worker.runner.close()  # its graphs first: destroying the group while they live hangs
             close_tensor_parallel()
     except BaseException:
         log.exception("tensor-parallel rank %d failed", start.rank)
