@@ -1,7 +1,9 @@
 """The README's one performance table: flashpage against vLLM and transformers on the shapes that
 matter (offline throughput, HTTP throughput at 256 streaming clients, batch-1 time per output token),
-each cell taken from a current result file in benchmarks/results/ and linked to it; make_report.py
-writes it between the README's headline markers."""
+each cell taken from a current result file in benchmarks/results/ and linked to it; then what the
+capabilities past 16-bit decoding (speculation, quantized weights, an FP8 KV cache, tensor
+parallelism) change on the Llama-3.1-8B shape, against their issues' goals. make_report.py writes
+both between the README's headline markers."""
 
 from __future__ import annotations
 
@@ -136,3 +138,72 @@ def headline(results: Path) -> str:
     if failed:
         lines += ["", f"¹ {VLLM_FAILURE}."]
     return "\n".join(lines)
+
+
+def _ratio(without: float, with_: float, lower_is_better: bool) -> float:
+    return without / with_ if lower_is_better else with_ / without
+
+
+def capabilities(results: Path) -> str:
+    """One row per capability and measure: without, with, the speed-up (or the ratio the goal is
+    stated in), the goal, from the current spec_, quant_, fp8_kv_engine_ and tp_ result files."""
+    rows = []
+
+    def add(what: str, measure: str, name: str, result: dict, without: float, with_: float, fmt: str, goal: str,
+            lower_is_better: bool = True, as_fraction: bool = False) -> None:
+        r = _ratio(without, with_, lower_is_better)
+        cell = f"{1 / r:.2f}× the time" if as_fraction else f"{r:.2f}×"
+        rows.append(f"| {what} | {measure} | {without:{fmt}} | {_link(name, format(with_, fmt))} | {cell} | {goal} | "
+                    f"{gpu_slug(result['device']).upper()} | {result['date']} |")
+
+    for name, methods in (("spec_h100.json", ("ngram", "draft_model")), ("spec_eagle3_h100.json", ("eagle3",))):
+        spec = _load(results, name)
+        if not spec:
+            continue
+        by = {(r["clients"], r["config"]): r for r in spec["rows"]}
+        draft = SHAPE_NAMES.get(spec.get("draft"), spec.get("draft"))
+        label = {"ngram": "n-gram", "draft_model": f"{draft}-shaped draft", "eagle3": "EAGLE-3 head"}
+        for m in methods:
+            one, off1 = by.get((1, f"{m} p=0.8")), by.get((1, "off"))
+            if one and off1 and one["mean_accepted_length"]:
+                add(f"speculation, {label[m]}", f"batch 1, TPOT ms (mean accepted length {one['mean_accepted_length']:.2f})",
+                    name, spec, off1["tpot_ms"], one["tpot_ms"], ".2f", "≥ 2.2× at length 3")
+            many, off = by.get((256, f"{m} p=0.8")), by.get((256, "off"))
+            if many and off:
+                add(f"speculation, {label[m]}", "256 clients, output tok/s", name, spec, off["output_tok_s"],
+                    many["output_tok_s"], ",.0f", "≥ 0.98×", lower_is_better=False)
+    quant = _load(results, "quant_h100.json")
+    if quant:
+        by = {(r["step"], r["format"]): r for r in quant["rows"] if r["step"] in ("tpot", "throughput")}
+        for fmt in [f for f in quant["formats"] if f != "bf16"]:
+            if ("tpot", fmt) in by and ("tpot", "bf16") in by:
+                add(f"weights: {fmt}", "batch 1, TPOT ms", "quant_h100.json", quant, by["tpot", "bf16"]["tpot_ms"],
+                    by["tpot", fmt]["tpot_ms"], ".2f", "≤ 0.6× (FP8), ≤ 0.4× (4-bit)", as_fraction=True)
+            if ("throughput", fmt) in by and ("throughput", "bf16") in by:
+                add(f"weights: {fmt}", "offline, output tok/s", "quant_h100.json", quant,
+                    by["throughput", "bf16"]["tok_per_s"], by["throughput", fmt]["tok_per_s"], ",.0f", "≥ 1.3× (FP8)",
+                    lower_is_better=False)
+    kv = _load(results, "fp8_kv_engine_h100.json")
+    if kv:
+        by = {r["kv_cache_dtype"]: r for r in kv["rows"] if r.get("impl") == "engine"}
+        if "auto" in by and "fp8" in by:
+            a, f, name = by["auto"], by["fp8"], "fp8_kv_engine_h100.json"
+            add("KV cache: fp8", f"{kv['args']['prompt_len'] // 1024}k-token prompts, as many as fit: output tok/s", name, kv,
+                a["output_tok_s"], f["output_tok_s"], ",.0f", "≥ 1.3×", lower_is_better=False)
+            add("KV cache: fp8", "sequences resident at once", name, kv, a["most_running"], f["most_running"], ",.0f",
+                "2×", lower_is_better=False)
+            add("KV cache: fp8", f"{a['tpot_context'] // 1024}k context, batch 1, TPOT ms", name, kv, a["tpot_ms"],
+                f["tpot_ms"], ".2f", "≥ 1.15×")
+    tp = _load(results, "tp_llama-3.1-8b_h100.json")
+    if tp:
+        by = {r["tp"]: r for r in tp["rows"]}
+        for size in sorted(s for s in by if s > 1 and 1 in by):
+            add(f"tensor parallel, {size} GPUs", "batch 1, TPOT ms", "tp_llama-3.1-8b_h100.json", tp, by[1]["tpot_ms"],
+                by[size]["tpot_ms"], ".2f", "≤ 0.6× the time (2 GPUs)", as_fraction=True)
+    if not rows:
+        return ""
+    return "\n".join(["| capability | Llama-3.1-8B shape (random weights) | without | with | speed-up | goal | device | date |",
+                      "|---|---|---:|---:|---:|---|---|---|", *rows, "",
+                      "Speculation: k = 4, acceptance set by an oracle proposer (each proposal the target's own next "
+                      "token with probability 0.8), 256-token prompts, 128 outputs. Without: the same engine, "
+                      f"no speculation (tensor parallel: one GPU). Every configuration: [{DOC}]({DOC})."])

@@ -153,11 +153,12 @@ def render_doc(results_dir: Path = RESULTS) -> str:
 
 
 def render_readme(text: str, results_dir: Path = RESULTS) -> str:
-    from benchmarks.headline import headline
+    from benchmarks.headline import capabilities, headline
 
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{headline(results_dir)}\n{END}{tail}"
+    more = capabilities(results_dir)
+    return f"{head}{BEGIN}\n{headline(results_dir)}{chr(10) * 2 + more if more else ''}\n{END}{tail}"
 
 
 def main(argv=None) -> int:

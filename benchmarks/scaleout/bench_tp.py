@@ -22,7 +22,7 @@ goals of issue 50: Llama-3.1-8B, TPOT at TP=2 <= 0.6 x TP=1's; Llama-3.1-70B at 
 its floor (35.3 GB a rank: 11.8 ms).
 
 Writes <out-dir>/tp_<shape>_<gpu>.json: {device, torch, triton, date, command, shape, hbm_tbps,
-rows: [{tp, start_s, tpot_ms, tpot_runs_ms, floor_ms, tpot_over_floor, load: [load_test rows],
+rows: [{impl, tp, start_s, tpot_ms, tpot_runs_ms, floor_ms, tpot_over_floor, load: [load_test rows],
 offline: {requests, tokens, seconds, tokens_per_s}}], goals: [...]}, rewritten after every size.
 """
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hbm_tbps": args.hbm_tbps, "max_model_len": args.max_model_len, "rows": []}
     for tp in args.tp_sizes:
         print(f"{args.shape} at --tensor-parallel-size {tp}", flush=True)
-        row = measure_server(path, tp, vocab, args)
+        row = {"impl": "flashpage", **measure_server(path, tp, vocab, args)}
         floor_ms = weights / tp / (args.hbm_tbps * 1e12) * 1e3
         row["floor_ms"], row["tpot_over_floor"] = round(floor_ms, 4), round(row["tpot_ms"] / floor_ms, 3)
         if args.offline_requests:

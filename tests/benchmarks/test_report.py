@@ -59,6 +59,28 @@ def test_headline_table_cells_come_from_their_files():
     assert re.search(r"\| batch 1, TPOT ms \| Llama-3.1-8B \| \[\d+\.\d\d\]", text)
 
 
+def test_capability_rows_come_from_their_files(tmp_path):
+    """The capabilities table: each 'with' figure links its file, the speed-up is computed from the
+    two figures, and a capability without a current file has no row."""
+    import shutil
+
+    from benchmarks.headline import capabilities
+
+    for name in ("spec_h100.json", "tp_llama-3.1-8b_h100.json"):
+        shutil.copy(make_report.RESULTS / name, tmp_path / name)
+    text = capabilities(tmp_path)
+    spec = json.loads((tmp_path / "spec_h100.json").read_text())
+    by = {(r["clients"], r["config"]): r for r in spec["rows"]}
+    on, off = by[1, "ngram p=0.8"], by[1, "off"]
+    row = next(line for line in text.splitlines() if line.startswith("| speculation, n-gram | batch 1"))
+    assert f"| {off['tpot_ms']:.2f} | [{on['tpot_ms']:.2f}](benchmarks/results/spec_h100.json) | " \
+           f"{off['tpot_ms'] / on['tpot_ms']:.2f}× |" in row
+    tp = {r["tp"]: r for r in json.loads((tmp_path / "tp_llama-3.1-8b_h100.json").read_text())["rows"]}
+    assert f"{tp[2]['tpot_ms'] / tp[1]['tpot_ms']:.2f}× the time" in text
+    assert "KV cache: fp8" not in text and "weights:" not in text and "EAGLE-3" not in text
+    assert capabilities(tmp_path / "none") == ""
+
+
 def test_runs_of_a_kind_are_rows_of_one_table(tmp_path, monkeypatch):
     def result(date, tok):
         return {"device": "NVIDIA H100 80GB HBM3", "torch": "x", "triton": "x", "date": date, "command": "c",
