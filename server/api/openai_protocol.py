@@ -111,9 +111,19 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_engine_error(e: BaseException) -> OpenAIError:
+def structured_param(body) -> str:
+    """The field a body's structured-output spec came in: what a 400 about that spec names."""
+    if getattr(body, "tools", None):
+        return "tools"
+    return "structured_outputs" if getattr(body, "structured_outputs", None) is not None else "response_format"
+
+
+def from_engine_error(e: BaseException, body=None) -> OpenAIError:
     if isinstance(e, (RequestError, LimitError)):
-        return OpenAIError(400, str(e), param=getattr(e, "param", None) or "prompt")
+        param = getattr(e, "param", None) or "prompt"
+        if param == "structured_outputs" and body is not None:  # the engine's refusal of a spec: the body's field
+            param = structured_param(body)
+        return OpenAIError(400, str(e), param=param)
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), "server_error", code="engine_dead")
     status = getattr(e, "status_code", None)  # ServiceUnavailableError (503), RequestFailedError (500)

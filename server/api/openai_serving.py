@@ -35,7 +35,7 @@ from server.api.guards import (MAX_CHOICES, LimitError, ServerLimits, check_requ
                                wait_disconnect)
 from server.api.request_id import DIRECT_SEND
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
-                                        usage_dict, validation_error)
+                                        structured_param, usage_dict, validation_error)
 from server.bridge.async_engine import AsyncEngine, ServiceUnavailableError
 from server.engine import RequestError
 from server.logs import request_id_var
@@ -203,8 +203,7 @@ async def check_structured_output(request: Request, engine, body: SamplingReques
     try:
         await check_structured(request.app.state, engine, body.structured())
     except RequestError as e:
-        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
-        raise OpenAIError(400, str(e), param="tools" if getattr(body, "tools", None) else param) from None
+        raise OpenAIError(400, str(e), param=structured_param(body)) from None
     except ServiceUnavailableError as e:  # too many compiles wait already: 503 with Retry-After
         raise from_engine_error(e) from None
 
@@ -304,7 +303,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
             raise
         if isinstance(first[1], BaseException):
             await close()
-            raise from_engine_error(first[1])
+            raise from_engine_error(first[1], body)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen = _stream(route, first, take, choices, head, include_usage, prompt_tokens, close, extra)
         return EventStream(gen, headers={"Cache-Control": "no-cache"})
@@ -321,7 +320,7 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
                 return JSONResponse(OpenAIError(499, "client disconnected").body(), status_code=499)
             c, out = getter.result()
             if isinstance(out, BaseException):
-                raise from_engine_error(out)
+                raise from_engine_error(out, body)
             arrived.append((c, out))
             done += out.finished
     finally:

@@ -201,9 +201,9 @@ class AsyncEngine:
                 if item.finish_reason == ERROR:
                     finished = True
                     raise RequestFailedError(item.error or "the engine step running this request failed")
-                if item.finish_reason == REFUSED:  # refused after it was queued (before any token): a 400
-                    finished = True
-                    raise RequestError(item.error or "the engine refused this request")
+                if item.finish_reason == REFUSED:  # its grammar's compile ran past the deadline in the grammar
+                    finished = True  # process, after it was queued (before any token): a 400 about its spec
+                    raise RequestError(item.error or "the engine refused this request", param="structured_outputs")
                 finished, last = item.finished, item
                 yield item
         finally:

@@ -383,6 +383,7 @@ def test_a_spec_past_the_deadline_in_the_grammar_process_is_a_400_for_it_alone(s
         took = time.monotonic() - t0
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+        assert err["param"] == "structured_outputs", err  # the spec's field, as the API side's refusal names it
         assert f"did not compile within {COMPILE_TIMEOUT:g} s (--structured-compile-timeout)" in err["message"]
         assert COMPILE_TIMEOUT <= took < GRAMMAR_SLOW_S, took  # at the deadline there, not at the compile's end
         again = post(url, "/generate", {"prompt": "hi", "max_tokens": 8, "temperature": 0, "structured_outputs": spec})
