@@ -127,7 +127,7 @@ for step in "${@:-tests throughput prefix}"; do
       tp2)
         timeout 280 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
           | tee "$OUT/tp2.log" || status=1
-        timeout 250 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized" -p no:cacheprovider 2>&1 \
+        timeout 300 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized" -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_tests.log" | tail -8 || status=1 ;;
       tp2quant)
         timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k quantized -p no:cacheprovider 2>&1 \

@@ -186,7 +186,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Give back the GPU memory (CUDA graphs, KV cache) so that another engine fits in this
-        process; stop the grammar process."""
+        process (the draft's too); stop the grammar process."""
+        if self.speculator is not None:
+            self.speculator.close()
         self.runner.close()
         if self._grammars is not None:
             self._grammars.close()

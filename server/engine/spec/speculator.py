@@ -90,6 +90,12 @@ class Speculator:
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self.counts = counts  # the runner's penalty counts: accepted runs are counted there
 
+    def close(self) -> None:
+        """Give back the draft's device memory (its CUDA graphs and KV cache), as the engine's runner does."""
+        runner = getattr(self.proposer, "runner", None)
+        if runner is not None:
+            runner.close()
+
     def snapshot(self) -> dict:
         """The counters as EngineSnapshot's spec_* fields."""
         c = self.counters

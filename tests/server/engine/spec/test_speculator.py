@@ -148,7 +148,10 @@ def test_sampled_controls_and_constrained_rows_beside_speculating_ones(tiny_ckpt
     got, eng = _run(tiny_ckpt, prompts, params, _draft(tiny_ckpt))
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert eng.speculator.counters.accepted_tokens > 0
+    draft = eng.speculator.proposer.runner
+    assert draft.kv_caches
     eng.close()
+    assert draft.kv_caches == [] and draft.graphs is None  # the draft's memory goes back with the engine's
 
 
 def test_penalized_rows_speculate_and_choose_as_without(tiny_ckpt):
