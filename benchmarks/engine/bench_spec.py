@@ -79,10 +79,12 @@ def expected_length(p: float, k: int) -> float:
     return float(k + 1) if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
 
 
-def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int, seed: int = 0) -> None:
+def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int, seed: int = 0,
+              floor: float | None = None) -> None:
     """Point the engine at one configuration: None = no speculation; else `method`'s proposer
     (`spec.proposers[method]`) under an oracle of probability p (its draws seeded by `seed`),
-    speculating up to `max_batch` running sequences; the speculator's counters from zero."""
+    speculating up to `max_batch` running sequences, backing off below acceptance `floor` (the
+    method's default min_acceptance if None); the speculator's counters from zero."""
     if method is None:
         engine.speculator = None
         return
@@ -90,7 +92,7 @@ def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: 
     spec.proposer = Oracle(spec.proposers[method], p, seed)
     spec.acceptance = spec.proposer.judge
     spec.max_batch = max_batch
-    spec.floor = SPEC_FLOORS[method]  # each method's default
+    spec.floor = SPEC_FLOORS[method] if floor is None else floor
     c = spec.counters
     c.drafts = c.draft_tokens = c.accepted_tokens = 0
     c.accepted_per_pos[:] = [0] * len(c.accepted_per_pos)
@@ -141,7 +143,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="client counts also run with the batch-size back-off lifted")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--deadline", type=float, default=None, help="stop adding runs after this many seconds")
+    ap.add_argument("--floors", nargs="*", default=[], metavar="METHOD=MIN_ACCEPTANCE",
+                    help="run METHOD at each of these back-off floors (repeat it: draft_model=0.25 draft_model=0.4), "
+                         "side by side in the same process; without it, the method's default (server/config.py)")
     args = ap.parse_args(argv)
+    args.floors = parse_floors(ap, args.floors)
     t_start = time.monotonic()
     from benchmarks.shared.checkpoint import make_random_eagle3, make_random_llama
 
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     prompts = None
     suffix = "" if args.methods == ["ngram", "draft_model"] else "_" + "_".join(args.methods)
+    suffix += "_floors" if args.floors else ""  # an A/B of back-off floors: a file of its own
     result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape,
                   draft=args.draft_shape if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
                   k=k, prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
@@ -207,6 +214,21 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['tpot_ms']:>8.2f} {r['tpot_speedup'] or 0:>6.2f} {r['mean_accepted_length'] or 0:>7.2f}")
 
 
+def parse_floors(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, list[float]]:
+    """--floors' METHOD=VALUE items as {method: [floors, in order]}; the parser's error for a bad one."""
+    floors: dict[str, list[float]] = {}
+    for item in items:
+        method, _, value = item.partition("=")
+        try:
+            f = float(value)
+        except ValueError:
+            f = -1.0
+        if method not in SPEC_FLOORS or not 0.0 <= f <= 1.0:
+            ap.error(f"--floors {item!r}: METHOD=MIN_ACCEPTANCE, a method of {sorted(SPEC_FLOORS)} and a value in [0, 1]")
+        floors.setdefault(method, []).append(f)
+    return floors
+
+
 def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: int, prompts: list[list[int]], args,
             plain_off: dict, t_start: float) -> list[dict]:
     """One client count's rows on one engine: its "off" runs and each method's at each probability
@@ -215,17 +237,19 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
     default_batch, k = SPEC_DISABLE_BY_BATCH_SIZE, args.num_speculative_tokens
     ps = args.probabilities if clients in args.sweep_clients else [args.probability]
     off = "off" if phase == "plain" else f"off, target feeding {phase}"
-    todo = [(off, None, 0.0, default_batch)]
-    todo += [(f"{m} p={p}", m, p, default_batch) for m in methods for p in ps]
+    floors = getattr(args, "floors", {})
+    todo = [(off, None, 0.0, default_batch, None)]
+    todo += [(f"{m} p={p}" + (f" floor={f}" if f is not None else ""), m, p, default_batch, f)
+             for m in methods for p in ps for f in floors.get(m, [None])]
     if clients in args.forced_clients:
-        todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20) for m in methods]
+        todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20, None) for m in methods]
     runs = {name: [] for name, *_ in todo}
     counters = {}
     for rep in range(args.repeats if clients < 256 else args.repeats_256):
-        for name, method, p, max_batch in todo:
+        for name, method, p, max_batch, floor in todo:
             if args.deadline and time.monotonic() - t_start > args.deadline:
                 break
-            configure(engine, spec, method, p, max_batch, seed=rep)
+            configure(engine, spec, method, p, max_batch, seed=rep, floor=floor)
             runs[name].append(run_clients(engine, prompts, args.max_tokens))
             if method is not None:  # summed over the repeats (each draws its own acceptances)
                 c, (d, t, a) = spec.counters, counters.get(name, (0, 0, 0))
@@ -235,14 +259,14 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
                               statistics.median(r["tpot_ms"] for r in runs[off]))
     base, base_tpot = plain_off.get(clients, (None, None))
     rows = []
-    for name, method, p, max_batch in todo:
+    for name, method, p, max_batch, floor in todo:
         if not runs[name]:
             continue
         tok_s = statistics.median(r["output_tok_s"] for r in runs[name])
         tpot = statistics.median(r["tpot_ms"] for r in runs[name])
         drafts, proposed, accepted = counters.get(name, (0, 0, 0))
         row = dict(impl="flashpage", clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
-                   min_acceptance=SPEC_FLOORS[method] if method is not None else None,
+                   min_acceptance=(SPEC_FLOORS[method] if floor is None else floor) if method is not None else None,
                    output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
                    speedup=round(tok_s / base, 3) if base else None,
                    tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,

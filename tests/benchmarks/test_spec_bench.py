@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.engine.bench_spec import configure, expected_length, run_clients
+from benchmarks.engine.bench_spec import configure, expected_length, main, measure, run_clients
 from server.config import EngineConfig, SpeculativeConfig
 from server.engine import LLMEngine
 from server.engine.spec.ngram import NgramProposer
@@ -51,3 +51,20 @@ def test_off_is_the_plain_engine(engine):
     run_clients(engine, [[5, 6, 7]], 10)
     configure(engine, spec, "ngram", 0.9, 32)
     assert engine.speculator is spec and spec.counters.drafts == 0
+
+
+def test_floors_run_side_by_side(engine):
+    """--floors: a method at each back-off floor, rows of their own that record the floor; a floor
+    of 1 backs off after the first miss, so it verifies less often than a floor of 0."""
+    import argparse
+
+    args = argparse.Namespace(probabilities=[0.5], sweep_clients=[2], probability=0.5, forced_clients=[],
+                              repeats=1, repeats_256=1, num_speculative_tokens=4, max_tokens=40, deadline=None,
+                              floors={"ngram": [0.0, 1.0]})
+    prompts = [[i + 3] * 9 for i in range(2)]
+    rows = {r["config"]: r for r in measure(engine, engine.speculator, "plain", ["ngram"], 2, prompts, args, {}, 0.0)}
+    low, high = rows["ngram p=0.5 floor=0.0"], rows["ngram p=0.5 floor=1.0"]
+    assert (low["min_acceptance"], high["min_acceptance"]) == (0.0, 1.0)
+    assert 0 < high["verifications"] < low["verifications"], (high, low)
+    with pytest.raises(SystemExit):
+        main(["--floors", "draft_model=1.5"])
