@@ -113,7 +113,7 @@ class OpenAIError(Exception):
 
 def structured_param(body) -> str:
     """The field a body's structured-output spec came in: what a 400 about that spec names."""
-    if getattr(body, "tools", None):
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":  # "none": no tool grammar
         return "tools"
     return "structured_outputs" if getattr(body, "structured_outputs", None) is not None else "response_format"
 

@@ -311,3 +311,7 @@ def engine_main(config: EngineConfig, channels: list[EngineChannel], log_level: 
         raise SystemExit(1)
     finally:
         gc.unfreeze()  # as in server/api/lifecycle.py: let exit free what start-up froze
+        try:  # the graphs before the tensor-parallel group (runner.close): NCCL's destroy hangs while they live
+            engine.close()
+        except Exception:
+            log.exception("closing the engine failed")

@@ -35,21 +35,32 @@ def _run(path, prompts, max_tokens=24, **kw):
     return [o.token_ids for o in outs]
 
 
-def _fp8_error(path, kv_cache_dtype):
-    """A function of a token sequence: how far an eager engine over a `kv_cache_dtype` cache moves
-    the gaps between next-token log-probabilities from float32's (transformers), over its top 20."""
-    eng = LLMEngine(EngineConfig(model=str(path), device="cuda", num_blocks=512, attention="eager", dtype="bfloat16",
-                                 enforce_eager=True, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+class _Fp8Error:
+    """How far an fp8 cache moves the gap between two tokens' log-probabilities after a context: the
+    gap from an eager engine over that cache minus the gap from the same engine over a 16-bit cache
+    (the same bf16 weights and kernels, so what both runs of a test share drops out). The engines
+    start at the first parting and close with `close()`."""
 
-    def error(tokens, fp32_logprobs):
-        top = eng.generate([tokens], params)[0].new_logprobs[0]
-        ids = torch.tensor([t for t, _ in top], device=fp32_logprobs.device)
-        ours = torch.tensor([lp for _, lp in top], device=fp32_logprobs.device)
-        theirs = fp32_logprobs[ids]
-        return ((ours - ours[0]) - (theirs - theirs[0])).abs().max().item()
+    def __init__(self, path, kv_cache_dtype):
+        self.path, self.kv_cache_dtype, self.engines = path, kv_cache_dtype, None
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
 
-    return error
+    def __call__(self, tokens, a: int, b: int) -> float:
+        if self.engines is None:
+            self.engines = [LLMEngine(EngineConfig(model=str(self.path), device="cuda", num_blocks=512, attention="eager",
+                                                   dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+                                                   kv_cache_dtype=kv)) for kv in (self.kv_cache_dtype, "auto")]
+        gaps = []
+        for eng in self.engines:
+            top = dict(eng.generate([tokens], self.params)[0].new_logprobs[0])
+            if a not in top or b not in top:
+                return 0.0  # either outside the top 20: no allowance, the bf16 tie alone
+            gaps.append(top[a] - top[b])
+        return abs(gaps[0] - gaps[1])
+
+    def close(self) -> None:
+        for eng in self.engines or []:
+            eng.close()
 
 
 def _assert_same_greedy(path, prompts, got, ref, dtype="float16", min_exact=0.75, kv_cache_dtype=None):
@@ -63,11 +74,18 @@ def _assert_same_greedy(path, prompts, got, ref, dtype="float16", min_exact=0.75
     Over an fp8 cache (`kv_cache_dtype`), two runs quantize K/V computed by different kernels: a
     value that lands near a rounding boundary of the 3-bit mantissa goes one way in one run and the
     other way in the other, a step far larger than bf16's. So there a parting's gap may also be as
-    large as twice the fp8 cache's own error at that position (measured: an eager run over the same
-    cache dtype against float32, the largest change of a gap between its top 20 log-probabilities):
-    each run's choice is off float32's by at most about that much. A real bug still parts at gaps
-    many times that."""
-    error = _fp8_error(path, kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else None
+    large as twice what the fp8 cache does to that pair's gap there (measured: an eager run over the
+    same cache dtype against one over a 16-bit cache, _Fp8Error): each run's rounding moves the gap
+    by about that much, the two runs' by up to twice it. A real bug still parts at gaps many times that."""
+    error = _Fp8Error(path, kv_cache_dtype) if kv_cache_dtype not in (None, "auto") else None
+    try:
+        _check_partings(path, prompts, got, ref, dtype, min_exact, error)
+    finally:
+        if error is not None:
+            error.close()
+
+
+def _check_partings(path, prompts, got, ref, dtype, min_exact, error):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
@@ -82,7 +100,7 @@ def _assert_same_greedy(path, prompts, got, ref, dtype="float16", min_exact=0.75
         gap = (logits[r[i]] - logits[g[i]]).abs().item()
         tie = 16 * torch.finfo(getattr(torch, dtype)).eps * logits.abs().max().item()
         if error is not None:
-            tie += 2 * error(prompt + r[:i], torch.log_softmax(logits, -1))
+            tie += 2 * error(prompt + r[:i], r[i], g[i])
         assert gap < tie, f"parted at token {i} where the logits differ by {gap:.3f} (tie: < {tie:.3f})"
     if dtype == "float16":  # bf16 keeps 8 bits of mantissa: near-ties are common, partings too
         assert exact >= min_exact * len(prompts), f"only {exact} of {len(prompts)} sequences token-identical"

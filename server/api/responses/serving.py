@@ -83,7 +83,7 @@ async def _create(body: ResponsesRequest, request: Request):
         first = await anext(stream)  # engine errors before the response starts keep their status code
     except Exception as e:
         await stream.aclose()
-        raise from_engine_error(e) from None
+        raise from_engine_error(e, chat) from None
     if body.stream:
         return EventStream(_events(first, stream, step, finish, builder, resp_id, body, created),
                            headers={"Cache-Control": "no-cache"})
@@ -96,7 +96,7 @@ async def _create(body: ResponsesRequest, request: Request):
     except ClientDisconnected:
         return JSONResponse(OpenAIError(499, "client disconnected").body(), status_code=499)
     except Exception as e:
-        raise from_engine_error(e) from None
+        raise from_engine_error(e, chat) from None
     finally:
         await stream.aclose()
     return finish(last)

@@ -214,3 +214,17 @@ def test_request_id_header_on_every_endpoint(server, model):
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert r.headers["content-type"].startswith("text/event-stream") and r.headers["x-request-id"]
     assert events[-1] == "[DONE]" and json.loads(events[0])["id"] == "cmpl-" + r.headers["x-request-id"]
+
+
+def test_a_spec_refusal_names_the_field_the_spec_came_in():
+    """structured_param: the field a 400 about a body's structured-output spec names, on either side
+    (the API process's compile or the grammar process's deadline)."""
+    from types import SimpleNamespace as Body
+
+    from server.api.openai_protocol import structured_param
+
+    tool = [{"type": "function", "function": {"name": "f"}}]
+    assert structured_param(Body(tools=tool, tool_choice="auto", structured_outputs=None)) == "tools"
+    assert structured_param(Body(tools=tool, tool_choice="none", structured_outputs=None)) == "response_format"
+    assert structured_param(Body(tools=None, structured_outputs={"regex": "a"})) == "structured_outputs"
+    assert structured_param(Body(response_format={"type": "json_object"})) == "response_format"
