@@ -21,17 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-
-
-class RMSNormRef(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # the norm the target's reference uses
 
 
 class _Attention(nn.Module):
@@ -79,9 +69,9 @@ class _Midlayer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm, self.hidden_norm = RMSNormRef(h, eps), RMSNormRef(h, eps)
+        self.input_layernorm, self.hidden_norm = LlamaRMSNorm(h, eps), LlamaRMSNorm(h, eps)
         self.self_attn = _Attention(config)
-        self.post_attention_layernorm = RMSNormRef(h, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps)
         self.mlp = _Mlp(config)
 
 
@@ -98,7 +88,7 @@ class Eagle3Reference(nn.Module):
         self.config = config
         self.fc = nn.Linear(3 * target_hidden, h, bias=False)
         self.midlayer = _Midlayer(config)
-        self.norm = RMSNormRef(h, config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
