@@ -56,6 +56,30 @@ def lr_at(step: int, args) -> float:
 
 
 @torch.no_grad()
+def load(args) -> tuple[np.ndarray, np.ndarray, torch.nn.Module]:
+    """Seed and threads set, then (train tokens, held-out tokens, the frozen fp32 target) — what
+    every draft trained here starts from (this script's, tools/embedded/train_eagle3.py's)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    data_dir = Path(args.data_dir)
+    train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval().requires_grad_(False)
+    return train, val, teacher
+
+
+def optimize(opt: torch.optim.Optimizer, params, loss: torch.Tensor, step: int, args) -> None:
+    """One optimizer step at the schedule's rate (lr_at), gradients clipped to norm 1."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, args)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def agreement(student, teacher, data: np.ndarray, block: int, windows: int = 16) -> dict:
     """Greedy agreement (the draft's argmax is the target's) and the KL on held-out windows."""
     student.eval()
@@ -74,14 +98,9 @@ def agreement(student, teacher, data: np.ndarray, block: int, windows: int = 16)
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    data_dir = Path(args.data_dir)
-    train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
-    val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval().requires_grad_(False)
+    train, val, teacher = load(args)
     tc = teacher.config
     config = GPT2Config(vocab_size=tc.vocab_size, n_positions=tc.n_positions, n_embd=tc.n_embd,
                         n_layer=args.n_layer, n_head=tc.n_head, activation_function=tc.activation_function,
@@ -109,13 +128,7 @@ def main(argv=None) -> None:
         logq = logits.log_softmax(-1)
         kl = F.kl_div(logq, target, log_target=True, reduction="batchmean") / inputs.shape[1]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        loss = kl + args.ce_weight * ce
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
+        optimize(opt, student.parameters(), kl + args.ce_weight * ce, step, args)
         if step % 50 == 0 or step == args.steps - 1:
             ev = agreement(student, teacher, val, args.block_size)
             ev.update(step=step, kl=round(kl.item(), 4), ce=round(ce.item(), 4), seconds=round(time.monotonic() - t0, 1))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "embedded")]
 
-from train_draft import lr_at  # noqa: E402  (the draft's schedule: warm-up, then cosine to a tenth)
+from train_draft import load, optimize  # noqa: E402  (the draft's set-up and schedule)
 
 LAYERS = [1, 3, 5]
 
@@ -119,16 +119,11 @@ def agreement(head, teacher, data: np.ndarray, draft_ids: torch.Tensor, args, wi
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     from models.eagle3_reference import Eagle3Reference, head_config, save_head
 
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    data_dir = Path(args.data_dir)
-    train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
-    val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval().requires_grad_(False)
+    train, val, teacher = load(args)
     draft_ids = torch.from_numpy(np.argsort(-np.bincount(train, minlength=teacher.config.vocab_size), kind="stable")
                                  [: args.draft_vocab].astype(np.int64)).sort().values
     config = head_config(teacher.config, args.draft_vocab, LAYERS, intermediate_size=args.intermediate_size)
@@ -155,13 +150,7 @@ def main(argv=None) -> None:
             e = embed(x[:, 1:-1])
         outs = unrolled(head, e, head.fc(aux), args.depth)
         losses = [-(logp[:, s:].exp() * head.logits(o)[:, s:].log_softmax(-1)).sum(-1).mean() for s, o in enumerate(outs)]
-        loss = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimize(opt, params, sum(w * x for w, x in zip(weights, losses)) / sum(weights), step, args)
         if step % 50 == 0 or step == args.steps - 1:
             ev = {"step": step, "loss": [round(v.item(), 4) for v in losses],
                   "greedy_agreement_by_step": agreement(head, teacher, val, draft_ids, args),
