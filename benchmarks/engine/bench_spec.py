@@ -237,10 +237,9 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
     default_batch, k = SPEC_DISABLE_BY_BATCH_SIZE, args.num_speculative_tokens
     ps = args.probabilities if clients in args.sweep_clients else [args.probability]
     off = "off" if phase == "plain" else f"off, target feeding {phase}"
-    floors = getattr(args, "floors", {})
     todo = [(off, None, 0.0, default_batch, None)]
     todo += [(f"{m} p={p}" + (f" floor={f}" if f is not None else ""), m, p, default_batch, f)
-             for m in methods for p in ps for f in floors.get(m, [None])]
+             for m in methods for p in ps for f in args.floors.get(m, [None])]
     if clients in args.forced_clients:
         todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20, None) for m in methods]
     runs = {name: [] for name, *_ in todo}

@@ -16,6 +16,7 @@ with the batch. The invariant all-reduce gathers every rank's part and adds them
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -143,8 +144,11 @@ def built_as(tp: TensorParallel) -> Iterator[TensorParallel]:
 
 
 def close_tensor_parallel() -> None:
-    """Leave the group (models built after this are whole again)."""
+    """Leave the group (models built after this are whole again). Drop this rank's CUDA graphs
+    first: NCCL's destroy hangs while a graph that captured collectives lives (pytorch/pytorch#115388);
+    one in a reference cycle lives until the collector runs, so it runs here."""
     global _current
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
     _current = TensorParallel()

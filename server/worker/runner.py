@@ -88,11 +88,7 @@ class ModelRunner:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""
         self.graphs = self.prefill_graphs = self.choice_graphs = self.verify_graphs = None
         self.kv_caches = []
-        # Graphs that captured collectives must be gone before the group is destroyed: NCCL's
-        # destroy_process_group hangs while one lives (pytorch/pytorch#115388), and a graph in a
-        # reference cycle lives until the collector runs.
-        gc.collect()
-        if self.peers is not None:
+        if self.peers is not None:  # (the group's destroy collects the graphs dropped above first)
             self.peers.close()
             self.peers = None
         if self.grammar is not None:

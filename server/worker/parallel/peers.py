@@ -25,7 +25,6 @@ that has exited holds no GPU memory any more.
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
 import os
 import socket
@@ -112,7 +111,6 @@ class Peers:
             self.watcher.join(timeout=5)
         for conn in self.conns:
             conn.close()
-        gc.collect()  # a CUDA graph that captured collectives, in a reference cycle, must be gone first (runner.close)
         close_tensor_parallel()
 
     def _watch(self) -> None:
