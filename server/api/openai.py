@@ -20,7 +20,8 @@ shape, not FastAPI's 422.
 - `echo`: the prompt text is prepended. With `logprobs`, every prompt token after the first has
   its real log-probability and top alternatives, computed in the same prefill pass (such requests
   take no prefix-cache hits: every position is computed); `max_tokens: 0` with `echo` scores the
-  prompt and generates nothing (what lm-evaluation-harness sends for log-likelihoods).
+  prompt and generates nothing (what lm-evaluation-harness sends for log-likelihoods); without
+  `logprobs` it answers with the prompt's text and runs nothing on the engine.
 - `presence_penalty`, `frequency_penalty` (-2..2), `logit_bias` (token id -> bias, clamped to
   +-100; ids checked against the vocabulary) and the extensions `repetition_penalty`, `min_tokens`:
   applied on the device for the whole batch (server/worker/logits.py).

@@ -249,6 +249,11 @@ class ChoiceBase:
         self.finish_reason: str | None = None
         self.emitted, self.hold = 0, max((len(s) for s in params.stop), default=1) - 1
 
+    @property
+    def engine_free(self) -> bool:
+        """Its answer needs no engine step (a completions echo of max_tokens 0 without logprobs)."""
+        return False
+
     def advance(self, out) -> str:
         """The new text of `out` that can go out now (all that is left once it is finished)."""
         end = len(out.text) if out.finished else max(self.emitted, len(out.text) - self.hold)
@@ -276,6 +281,12 @@ class Choice(ChoiceBase):
         self.prompt_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
         self.lp = _Logprobs(tokenizer) if params.logprobs is not None else None
         self.logprobs: dict | None = None
+
+    @property
+    def engine_free(self) -> bool:
+        # echo with max_tokens 0 and no logprobs: the answer is the prompt's text, nothing to compute
+        # (its params carry prompt_logprobs 0 only to pass the engine's validation of max_tokens 0)
+        return self.echo and self.params.max_tokens == 0 and self.lp is None
 
     def chunks(self, out) -> list[dict]:
         text, logprobs = self.advance(out), None

@@ -37,7 +37,7 @@ from server.api.request_id import DIRECT_SEND
 from server.api.openai_protocol import (ChoiceBase, OpenAIError, SamplingRequest, check_request, from_engine_error,
                                         structured_param, usage_dict, validation_error)
 from server.bridge.async_engine import AsyncEngine, ServiceUnavailableError
-from server.engine import RequestError
+from server.engine import RequestError, RequestOutput
 from server.logs import request_id_var
 from server.sampling_params import SamplingParams
 
@@ -258,6 +258,8 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
     tag = uuid.uuid4().hex[:8]  # engine ids stay unique even when a client reuses its X-Request-ID
 
     def generate(c: ChoiceBase):
+        if c.engine_free:
+            return _prompt_only(c)
         return aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True, admitted=True)
 
     _admit(aengine, len(choices))  # all of them or none: a request half admitted could only fail
@@ -340,6 +342,11 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
     log.info("%s done: prompt_tokens=%d, completion_tokens=%d, finish_reason=%s", route.name, prompt_tokens,
              sum(c.completion_tokens for c in choices), ",".join(sorted({str(c.finish_reason) for c in choices})))
     return Response(body, media_type="application/json")
+
+
+async def _prompt_only(c: ChoiceBase) -> AsyncIterator[RequestOutput]:
+    """The engine's answer to a choice that generates and scores nothing: finished at once, at its length."""
+    yield RequestOutput("", "", [], True, "length", prompt_tokens=len(c.ids))
 
 
 async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], choices: list[ChoiceBase], head: dict,

@@ -2,11 +2,13 @@
 `openai` client: completions, streaming, n > 1, logprobs, echo, prompt lists, errors, models."""
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 
 
@@ -141,6 +143,33 @@ def test_echo(client, model):
     assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len("The quick brown")
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, echo=True, stream=True))
     assert streamed == echo.text
+
+
+def _engine_finished(url: str) -> float:
+    """Requests the engine has finished, every reason (its /metrics counter)."""
+    return sum(s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               for s in fam.samples if s.name == "flashpage_requests_finished_total")
+
+
+def test_echo_of_nothing_runs_nothing(server, client, model):
+    """echo with max_tokens 0 and no logprobs answers with the prompt and costs the engine nothing
+    (it once scored every prompt position for no one to read)."""
+    before = _engine_finished(server)
+    kw = dict(model=model, prompt="The quick brown", max_tokens=0, echo=True)
+    whole = client.completions.create(**kw)
+    [c] = whole.choices
+    assert (c.text, c.logprobs, c.finish_reason) == ("The quick brown", None, "length")
+    plain = client.completions.create(model=model, prompt="The quick brown", max_tokens=1, extra_body=NO_EOS)
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == plain.usage.prompt_tokens > 0
+    streamed = list(client.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text and streamed[-1].choices[0].finish_reason == "length"
+    client.completions.create(model=model, prompt="x", max_tokens=1)
+    # two requests generated: once the counter shows both, it shows any that finished before them
+    for _ in range(100):
+        if _engine_finished(server) >= before + 2:
+            break
+        time.sleep(0.05)
+    assert _engine_finished(server) == before + 2
 
 
 @pytest.mark.parametrize("kw,param", [
