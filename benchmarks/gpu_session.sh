@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2quant|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
+#                                   tp2|tp2tests|tp2quant|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -120,15 +120,21 @@ for step in "${@:-tests throughput prefix}"; do
           tests/kernels/test_gemv.py tests/kernels/test_dequant.py tests/kernels/test_fp8_quant.py \
           tests/kernels/test_fp8_matmul.py tests/kernels/test_wo_matmul.py tests/models/test_quant_gemms.py 2>&1 \
           | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
-      # Issue 50: tensor parallelism. tp2 (two GPUs): the Llama-3.1-8B shape's batch-1 TPOT at TP=1
-      # and TP=2, then the TP GPU tests; tp2quant (two GPUs; its own call: tp2 fills one): quantized
-      # checkpoints at two GPUs against one (issues 47 + 50); tp4 (four GPUs): the Llama-3.1-70B shape
-      # at TP=4 (dummy weights): batch-1 TPOT against its floor, the load test's levels, offline throughput.
+      # Issue 50: tensor parallelism. tp2 (two GPUs): the all-reduce alone (NCCL's and the one-shot
+      # over symmetric memory, 8 KB to 4 MB), the Llama-3.1-8B shape's batch-1 TPOT at TP=1 and at
+      # TP=2 both ways (--disable-custom-all-reduce and --no-disable-custom-all-reduce), then the
+      # custom all-reduce's GPU tests; tp2tests (two GPUs; its own call: tp2 fills one): the other TP
+      # GPU tests; tp2quant (two GPUs, likewise): quantized checkpoints at two GPUs against one (issues
+      # 47 + 50); tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy weights): batch-1 TPOT
+      # against its floor, the load test's levels, offline throughput.
       tp2)
-        timeout 280 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --out-dir "$OUT" 2>&1 \
-          | tee "$OUT/tp2.log" || status=1
-        timeout 300 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized" -p no:cacheprovider 2>&1 \
-          | tee "$OUT/tp_tests.log" | tail -8 || status=1 ;;
+        timeout 330 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1
+        timeout 240 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
+          | tee "$OUT/tp_custom_all_reduce_tests.log" | tail -8 || status=1 ;;
+      tp2tests)
+        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized and not all_reduce" -p no:cacheprovider \
+          2>&1 | tee "$OUT/tp_tests.log" | tail -8 || status=1 ;;
       tp2quant)
         timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k quantized -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_quant_tests.log" | tail -12 || status=1 ;;

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d.tensor_parallel_size,
                    help="GPUs (cuda:0..N-1, or from --device's index) that split the model, each holding 1/N of "
                         "its attention heads and MLP, one process each (on the CPU: N processes over gloo)")
+    p.add_argument("--disable-custom-all-reduce", action=argparse.BooleanOptionalAction,
+                   default=d.disable_custom_all_reduce,
+                   help="tensor parallelism on CUDA: every all-reduce through NCCL (--no-disable-custom-all-reduce: "
+                        "a decode step's small all-reduces as a one-shot over symmetric memory, NVLink peer loads)")
     p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
                    help="auto: the checkpoint's weight files; dummy: random weights at the checkpoint's shape, "
                         "from its config.json alone (benchmarks without the weight files)")

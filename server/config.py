@@ -109,6 +109,11 @@ class EngineConfig:
     # Processes (one per GPU: cuda:0..N-1 from --device's index) that each hold 1/N of the model's
     # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
     tensor_parallel_size: int = 1
+    # The small all-reduces of tensor parallelism (a decode step's rows) over NCCL, not the one-shot
+    # all-reduce over symmetric memory (models/parallel/symm_all_reduce.py; vLLM's flag, whose default
+    # is False). On trial: True (NCCL) until tests/gpu/test_gpu_tp.py and bench_tp show it correct
+    # and faster on two H100s; --no-disable-custom-all-reduce turns it on
+    disable_custom_all_reduce: bool = True
     load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)
     # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its
     # quantization_config); "fp8" also quantizes a 16-bit checkpoint at load (--quantization)

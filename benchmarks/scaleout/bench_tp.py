@@ -3,6 +3,7 @@ floor, the load test's HTTP levels, and offline throughput, for a Llama shape se
 --load-format dummy (random weights made on the GPUs from config.json alone: no weight files).
 
     python -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --out-dir /tmp/out           # 2 GPUs
+    python -m benchmarks.scaleout.bench_tp --tp-sizes 1 2 --custom-all-reduce off on --out-dir /tmp/out     # both ways
     python -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \\
         --offline-requests 512 --out-dir /tmp/out                                                  # 4 GPUs
 
@@ -15,6 +16,13 @@ its median); then each --load-levels concurrency C, closed loop as benchmarks/se
 and with --offline-requests > 0 an offline LLMEngine of the same size generates that many requests
 of the same shape (benchmarks/engine/bench_throughput.py's workload and timing).
 
+--custom-all-reduce off on: each size N > 1 once with NCCL's all-reduces (--disable-custom-all-reduce,
+the default) and once with the one-shot over symmetric memory (--no-disable-custom-all-reduce;
+models/parallel/symm_all_reduce.py), a row each, naming it (`custom_all_reduce`; None at N = 1).
+Before the servers, at each N > 1 on CUDA: the all-reduce alone, NCCL's against the one-shot, at
+each of --all-reduce-bytes (benchmarks/scaleout/all_reduce_micro.py: the median of graph replays,
+microseconds an all-reduce).
+
 The floor of a decode step at batch 1 is reading one rank's weights once: the model's parameter
 bytes (bf16) over N (norms are replicated, and K/V heads would be past N = num_kv_heads, which
 these shapes do not reach) over --hbm-tbps (3.0 TB/s: what a GEMV reaches of an H100's 3.35). The
@@ -22,8 +30,10 @@ goals of issue 50: Llama-3.1-8B, TPOT at TP=2 <= 0.6 x TP=1's; Llama-3.1-70B at 
 its floor (35.3 GB a rank: 11.8 ms).
 
 Writes <out-dir>/tp_<shape>_<gpu>.json: {device, torch, triton, date, command, shape, hbm_tbps,
-rows: [{impl, tp, start_s, tpot_ms, tpot_runs_ms, floor_ms, tpot_over_floor, load: [load_test rows],
-offline: {requests, tokens, seconds, tokens_per_s}}], goals: [...]}, rewritten after every size.
+all_reduce: [{tp, graph_ops, replays, custom, rows: [{bytes, nccl_us, custom_us, nccl_over_custom}]}],
+rows: [{impl, tp, custom_all_reduce, start_s, tpot_ms, tpot_runs_ms, floor_ms, tpot_over_floor,
+load: [load_test rows], offline: {requests, tokens, seconds, tokens_per_s}}], goals: [...]},
+rewritten after every row.
 """
 
 from __future__ import annotations
@@ -53,23 +63,28 @@ def parameter_bytes(path: Path) -> int:
     return 2 * sum(p.numel() for p in model.parameters())
 
 
-def serve(path: Path, tp: int, args) -> ServerProcess:
+def _tag(tp: int, custom: bool | None) -> str:
+    return f"tp{tp}" + {None: "", False: "-nccl", True: "-custom"}[custom]
+
+
+def serve(path: Path, tp: int, custom: bool | None, args) -> ServerProcess:
+    flag = [] if custom is None else ["--no-disable-custom-all-reduce" if custom else "--disable-custom-all-reduce"]
     return ServerProcess.python_server(
         ["--model", str(path), "--load-format", "dummy", "--tensor-parallel-size", str(tp), "--dtype", "bfloat16",
-         "--max-model-len", str(args.max_model_len), "--device", args.device, *args.server_args],
-        log_path=Path(args.out_dir) / f"server_tp{tp}.log")
+         "--max-model-len", str(args.max_model_len), "--device", args.device, *flag, *args.server_args],
+        log_path=Path(args.out_dir) / f"server_{_tag(tp, custom)}.log")
 
 
-def measure_server(path: Path, tp: int, vocab: int, args) -> dict:
+def measure_server(path: Path, tp: int, custom: bool | None, vocab: int, args) -> dict:
     t0 = time.monotonic()
-    srv = serve(path, tp, args).wait_healthy(args.start_timeout)
-    row = {"tp": tp, "start_s": round(time.monotonic() - t0, 1)}
+    srv = serve(path, tp, custom, args).wait_healthy(args.start_timeout)
+    row = {"tp": tp, "custom_all_reduce": custom, "start_s": round(time.monotonic() - t0, 1)}
     try:
         runs = []
         for i in range(args.tpot_repeats):  # one request at a time: batch 1 throughout
             r = run_load(srv.url, concurrency=1, num_requests=args.tpot_requests, input_len=args.tpot_input_len,
                          output_len=args.tpot_output_len, vocab_size=vocab, warmup=1 if i == 0 else 0, seed=i,
-                         progress=False, label=f"tp{tp}")
+                         progress=False, label=_tag(tp, custom))
             runs.append(r["tpot_p50_ms"])
         row["tpot_runs_ms"] = [round(t, 3) for t in runs]
         row["tpot_ms"] = round(statistics.median(runs), 3)
@@ -78,16 +93,17 @@ def measure_server(path: Path, tp: int, vocab: int, args) -> dict:
             level = run_load(srv.url, concurrency=c, num_requests=max(4 * c, 16), duration=args.level_duration,
                              grace=5.0, input_len=args.input_len, input_jitter=args.input_len // 4,
                              output_len=args.output_len, output_jitter=args.output_len // 4, vocab_size=vocab,
-                             warmup=min(c, 8), seed=c, progress=False, label=f"tp{tp}")
+                             warmup=min(c, 8), seed=c, progress=False, label=_tag(tp, custom))
             row["load"].append(level)
-            print(f"  tp={tp} c={c}: {level['output_tokens_per_s']:.0f} tok/s, ttft p50 {level['ttft_p50_ms']:.1f} ms,"
+            print(f"  {_tag(tp, custom)} c={c}: {level['output_tokens_per_s']:.0f} tok/s,"
+                  f" ttft p50 {level['ttft_p50_ms']:.1f} ms,"
                   f" tpot p50 {level['tpot_p50_ms']:.2f} ms, errors {level['errors']}", flush=True)
     finally:
         srv.stop()
     return row
 
 
-def offline(path: Path, tp: int, vocab: int, args) -> dict:
+def offline(path: Path, tp: int, custom: bool | None, vocab: int, args) -> dict:
     """An offline engine of `tp` ranks in this process (rank 0): --offline-requests of the levels' shape."""
     import torch
 
@@ -96,8 +112,9 @@ def offline(path: Path, tp: int, vocab: int, args) -> dict:
     from server.engine import LLMEngine
     from server.sampling_params import SamplingParams
 
+    setting = {} if custom is None else {"disable_custom_all_reduce": not custom}
     engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", tensor_parallel_size=tp, dtype="bfloat16",
-                                    max_model_len=args.max_model_len, device=args.device))
+                                    max_model_len=args.max_model_len, device=args.device, **setting))
     try:
         spread = (args.input_len - args.input_len // 4, args.input_len + args.input_len // 4)
         prompts, outs = workload(args.offline_requests, spread, (args.output_len * 3 // 4, args.output_len * 5 // 4),
@@ -116,31 +133,46 @@ def offline(path: Path, tp: int, vocab: int, args) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
+def _all_reduce_name(row: dict) -> str:
+    return {None: "", False: " (NCCL all-reduce)", True: " (custom all-reduce)"}[row.get("custom_all_reduce")]
+
+
 def goals(shape: str, rows: list[dict]) -> list[dict]:
+    """The issue's goal for each row at its size (one per all-reduce setting)."""
     kind, tp, base, bound = GOALS.get(shape, (None, None, None, None))
-    by_tp = {r["tp"]: r for r in rows}
-    if kind == "speedup" and tp in by_tp and base in by_tp:
-        ratio = by_tp[tp]["tpot_ms"] / by_tp[base]["tpot_ms"]
-        return [{"goal": f"TPOT at TP={tp} <= {bound} x TP={base}'s", "ratio": round(ratio, 3), "met": ratio <= bound}]
-    if kind == "floor" and tp in by_tp:
-        ratio = by_tp[tp]["tpot_over_floor"]
-        return [{"goal": f"TPOT at TP={tp} <= {bound} x its floor ({by_tp[tp]['floor_ms']} ms)", "ratio": ratio,
-                 "met": ratio <= bound}]
-    return []
+    at = [r for r in rows if r["tp"] == tp]
+    out = []
+    for row in at:
+        name = f"TPOT at TP={tp}{_all_reduce_name(row)}"
+        if kind == "speedup" and any(r["tp"] == base for r in rows):
+            ratio = row["tpot_ms"] / next(r for r in rows if r["tp"] == base)["tpot_ms"]
+            out.append({"goal": f"{name} <= {bound} x TP={base}'s", "ratio": round(ratio, 3), "met": ratio <= bound})
+        elif kind == "floor":
+            ratio = row["tpot_over_floor"]
+            out.append({"goal": f"{name} <= {bound} x its floor ({row['floor_ms']} ms)", "ratio": ratio,
+                        "met": ratio <= bound})
+    return out
 
 
 def report(result: dict) -> str:
     """docs/benchmarks.md's section of one tp_*.json (benchmarks/make_report.py)."""
     levels = [row["concurrency"] for row in result["rows"][0].get("load", [])] if result["rows"] else []
-    head = ["TP", "batch-1 TPOT ms", "floor ms", "x floor", "offline tok/s"] + [f"tok/s @{c}" for c in levels]
+    head = ["TP", "all-reduce", "batch-1 TPOT ms", "floor ms", "x floor", "offline tok/s"]
+    head += [f"tok/s @{c}" for c in levels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
-        cells = [row["tp"], f"{row['tpot_ms']:.2f}", f"{row['floor_ms']:.2f}", f"{row['tpot_over_floor']:.2f}",
+        all_reduce = {None: "-", False: "NCCL", True: "custom"}[row.get("custom_all_reduce")]
+        cells = [row["tp"], all_reduce, f"{row['tpot_ms']:.2f}", f"{row['floor_ms']:.2f}", f"{row['tpot_over_floor']:.2f}",
                  f"{row['offline']['tokens_per_s']:,.0f}" if "offline" in row else "-"]
         cells += [f"{level['output_tokens_per_s']:,.0f}" for level in row.get("load", [])]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     for g in result.get("goals", []):
         lines.append(f"\nGoal: {g['goal']}: {g['ratio']} ({'met' if g['met'] else 'not met'}).")
+    for micro in result.get("all_reduce", []):
+        lines += [f"\nOne all-reduce at TP={micro['tp']}, bf16, median of CUDA-graph replays (us):", "",
+                  "| bytes | NCCL | custom | NCCL / custom |", "|---|---|---|---|"]
+        lines += [f"| {r['bytes']:,} | {r['nccl_us']} | {r.get('custom_us', '-')} | {r.get('nccl_over_custom', '-')} |"
+                  for r in micro["rows"]]
     return "\n".join(lines)
 
 
@@ -148,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(LLAMA_SHAPES))
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--custom-all-reduce", nargs="+", choices=["off", "on"], default=["off"],
+                   help="each size > 1 with NCCL's all-reduces (off), the one-shot over symmetric memory (on), or both")
+    p.add_argument("--all-reduce-bytes", type=int, nargs="*", default=[8 << 10, 32 << 10, 128 << 10, 512 << 10,
+                                                                      1 << 20, 2 << 20, 4 << 20],
+                   help="message sizes of the all-reduce microbenchmark at each size > 1 on CUDA (none: skip it)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tpot-requests", type=int, default=4, help="requests per TPOT run, one at a time")
     p.add_argument("--tpot-repeats", type=int, default=3, help="TPOT runs (the median of their medians is reported)")
@@ -175,17 +212,32 @@ def main(argv: list[str] | None = None) -> dict:
         "device": "cpu", "command": "python -m benchmarks.scaleout.bench_tp " + " ".join(argv if argv is not None else sys.argv[1:])}
     result = {**head, "shape": args.shape, "parameter_bytes": weights,
               "hbm_tbps": args.hbm_tbps, "max_model_len": args.max_model_len, "rows": []}
-    for tp in args.tp_sizes:
-        print(f"{args.shape} at --tensor-parallel-size {tp}", flush=True)
-        row = {"impl": "flashpage", **measure_server(path, tp, vocab, args)}
+    if args.device.startswith("cuda") and args.all_reduce_bytes:
+        from benchmarks.scaleout.all_reduce_micro import measure
+
+        result["all_reduce"] = []
+        for tp in sorted({t for t in args.tp_sizes if t > 1}):
+            micro = measure(tp, args.all_reduce_bytes)
+            result["all_reduce"].append(micro)
+            for r in micro["rows"]:
+                print(f"  all-reduce tp={tp} {r['bytes']:>8} B: NCCL {r['nccl_us']:.1f} us, custom "
+                      + (f"{r['custom_us']:.1f} us ({r['nccl_over_custom']:.2f}x)" if "custom_us" in r else "-"),
+                      flush=True)
+    runs = [(tp, None if tp == 1 else custom == "on") for tp in args.tp_sizes
+            for custom in (args.custom_all_reduce if tp > 1 else ["off"])]
+    for tp, custom in runs:
+        print(f"{args.shape} at --tensor-parallel-size {tp}{_all_reduce_name({'custom_all_reduce': custom})}",
+              flush=True)
+        row = {"impl": "flashpage", **measure_server(path, tp, custom, vocab, args)}
         floor_ms = weights / tp / (args.hbm_tbps * 1e12) * 1e3
         row["floor_ms"], row["tpot_over_floor"] = round(floor_ms, 4), round(row["tpot_ms"] / floor_ms, 3)
         if args.offline_requests:
-            row["offline"] = offline(path, tp, vocab, args)
+            row["offline"] = offline(path, tp, custom, vocab, args)
         result["rows"].append(row)
         result["goals"] = goals(args.shape, result["rows"])
         out = write_result(result, args.out_dir, f"tp_{args.shape}")
-        print(f"  tp={tp}: batch-1 TPOT {row['tpot_ms']:.2f} ms (runs {row['tpot_runs_ms']}), floor {row['floor_ms']:.2f} ms"
+        print(f"  {_tag(tp, custom)}: batch-1 TPOT {row['tpot_ms']:.2f} ms (runs {row['tpot_runs_ms']}),"
+              f" floor {row['floor_ms']:.2f} ms"
               f" ({row['tpot_over_floor']:.2f}x), started in {row['start_s']} s"
               + (f", offline {row['offline']['tokens_per_s']:.0f} tok/s" if "offline" in row else ""), flush=True)
     for g in result.get("goals", []):

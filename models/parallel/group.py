@@ -9,9 +9,17 @@ broadcast of the ids rank 0 chose (the placeholders of the next step name them: 
 NCCL on CUDA (captured in the CUDA graphs like any other kernel), gloo on the CPU. Size 1, the
 default, is one process with the whole model, and every collective is a no-op.
 
+The custom all-reduce (`init_tensor_parallel(custom_all_reduce=True)`, the server's
+--no-disable-custom-all-reduce): on CUDA, an all-reduce of a message that fits (bf16 or fp32, up to
+2 MiB at two ranks: a decode step's rows) is a one-shot over symmetric memory instead of NCCL's
+(models/parallel/symm_all_reduce.py), also inside the CUDA graphs; larger ones, other dtypes, and
+a group where it cannot be set up (logged once at start-up) keep NCCL's. It returns a new tensor,
+not x: callers use the returned sum.
+
 Deterministic mode (`invariant`): NCCL sums a buffer in an order that follows its size (each rank
 reduces its own chunk of it, and the algorithm is picked by size), so a row's sum could change
-with the batch. The invariant all-reduce gathers every rank's part and adds them in rank order.
+with the batch. The invariant all-reduce gathers every rank's part and adds them in rank order
+(the custom all-reduce is not used there).
 """
 
 from __future__ import annotations
@@ -19,12 +27,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from models.parallel import symm_all_reduce
+from models.parallel.symm_all_reduce import SymmAllReduce
 from models.spec import ModelSpec
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer for a rank fails (a slow rank's load included)
@@ -34,6 +44,8 @@ TIMEOUT = timedelta(minutes=30)  # a collective that waits longer for a rank fai
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # the one-shot all-reduce over symmetric memory where it is on and set up (None: NCCL's, or gloo's)
+    custom: SymmAllReduce | None = field(default=None, compare=False, repr=False)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of n (heads, columns, ...), which must divide evenly."""
@@ -42,10 +54,13 @@ class TensorParallel:
         return n // self.size
 
     def all_reduce(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        """The sum of x over the ranks (in place unless invariant)."""
+        """The sum of x over the ranks: x itself, summed in place, where NCCL (or gloo) sums it; a new
+        tensor where the custom all-reduce does, or invariant."""
         if self.size == 1:
             return x
         if not invariant:
+            if self.custom is not None and self.custom.fits(x):
+                return self.custom(x)
             dist.all_reduce(x)
             return x
         parts = _all_gather(x)
@@ -114,9 +129,11 @@ def tensor_parallel() -> TensorParallel:
     return _current
 
 
-def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.device) -> TensorParallel:
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.device,
+                         custom_all_reduce: bool = False) -> TensorParallel:
     """Join the group of `size` ranks that meet at `store` (NCCL on a CUDA device, gloo on the CPU);
-    models built from now on hold rank `rank`'s shard. Every rank calls it; it returns when all have."""
+    models built from now on hold rank `rank`'s shard. Every rank calls it, with the same
+    `custom_all_reduce` (set up the one-shot all-reduce where it can run); it returns when all have."""
     global _current
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group is already running in this process (one engine per process)")
@@ -128,7 +145,20 @@ def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: torch.
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     _current = TensorParallel(rank, size)
+    if custom_all_reduce and size > 1:
+        _current = replace(_current, custom=start_custom_all_reduce(_current, device))
     return _current
+
+
+def start_custom_all_reduce(tp: TensorParallel, device: torch.device,
+                            nbytes: int | None = None) -> SymmAllReduce | None:
+    """symm_all_reduce.start over the running group (every rank calls it; its agreements are eager
+    collectives, before any capture): init_tensor_parallel's, and benchmarks' of other buffer sizes."""
+    def devices() -> list[int]:
+        return _all_gather(torch.tensor([device.index or 0], device=device)).flatten().tolist()
+
+    return symm_all_reduce.start(tp.rank, tp.size, device, dist.group.WORLD.group_name,
+                                 lambda ok: bool(tp.min(int(ok), device)), devices, nbytes)
 
 
 @contextmanager

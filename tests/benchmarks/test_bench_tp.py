@@ -7,8 +7,8 @@ from benchmarks import make_report
 from benchmarks.scaleout import bench_tp
 
 
-def _row(tp, tpot, floor, load=(), offline=None):
-    row = {"tp": tp, "tpot_ms": tpot, "floor_ms": floor, "tpot_over_floor": round(tpot / floor, 3),
+def _row(tp, tpot, floor, load=(), offline=None, custom=None):
+    row = {"tp": tp, "custom_all_reduce": custom, "tpot_ms": tpot, "floor_ms": floor, "tpot_over_floor": round(tpot / floor, 3),
            "load": [{"concurrency": c, "output_tokens_per_s": t} for c, t in load]}
     if offline:
         row["offline"] = {"tokens_per_s": offline}
@@ -28,5 +28,18 @@ def test_the_readme_report_of_a_tp_file():
     result = {"shape": "llama-3.1-70b", "rows": [_row(4, 14.2, 11.76, load=[(1, 70.0), (64, 2900.0)], offline=3100.0)]}
     result["goals"] = bench_tp.goals("llama-3.1-70b", result["rows"])
     text = bench_tp.report(result)
-    assert "| 4 | 14.20 | 11.76 | 1.21 | 3,100 | 70 | 2,900 |" in text and "(met)" in text
+    assert "| 4 | - | 14.20 | 11.76 | 1.21 | 3,100 | 70 | 2,900 |" in text and "(met)" in text
     assert make_report.kind_of(Path("tp_llama-3.1-70b_h100.json")).module == "benchmarks.scaleout.bench_tp"  # found
+
+
+def test_both_all_reduces_are_rows_of_their_own_each_judged_and_the_microbenchmark_reported():
+    rows = [_row(1, 6.32, 5.35), _row(2, 4.33, 2.68, custom=False), _row(2, 3.7, 2.68, custom=True)]
+    nccl, custom = bench_tp.goals("llama-3.1-8b", rows)
+    assert "(NCCL all-reduce)" in nccl["goal"] and nccl["ratio"] == round(4.33 / 6.32, 3) and not nccl["met"]
+    assert "(custom all-reduce)" in custom["goal"] and custom["ratio"] == round(3.7 / 6.32, 3) and custom["met"]
+    micro = {"tp": 2, "graph_ops": 32, "replays": 50, "custom": True,
+             "rows": [{"bytes": 8192, "nccl_us": 21.5, "custom_us": 6.1, "nccl_over_custom": 3.52},
+                      {"bytes": 4 << 20, "nccl_us": 60.0}]}  # past the one-shot's buffer: NCCL's only
+    text = bench_tp.report({"rows": rows, "goals": [nccl, custom], "all_reduce": [micro]})
+    assert "| 2 | NCCL | 4.33 |" in text and "| 2 | custom | 3.70 |" in text and "| 1 | - | 6.32 |" in text
+    assert "| 8,192 | 21.5 | 6.1 | 3.52 |" in text and "| 4,194,304 | 60.0 | - | - |" in text

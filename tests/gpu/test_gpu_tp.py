@@ -10,11 +10,15 @@ log-probabilities) run beside the collectives and choose what one GPU chooses; -
 at two GPUs keeps a request's bits whatever shares its batch; and quantized checkpoints (FP8 per
 channel and in 128x128 blocks, GPTQ with act order, AWQ) at two GPUs, each rank holding its share of
 the quantized tensors (models/quant/shards.py), give one GPU's greedy tokens up to near-ties of the
-dequantized weights.
+dequantized weights. The custom all-reduce (--no-disable-custom-all-reduce: a one-shot over
+symmetric memory, models/parallel/symm_all_reduce.py) gives NCCL's sum bit for bit at two ranks, on
+awkward sizes, eagerly and replayed from a CUDA graph, and an engine with it gives the NCCL
+engine's tokens.
 
 The one-GPU reference engine runs on cuda:0 throughout; the two-GPU engines have rank 0 in this
 process and rank 1 in a process of its own on cuda:1, one at a time (one group per process)."""
 
+import gc
 import json
 
 import pytest
@@ -62,6 +66,77 @@ def two_gpus(ckpt):
     eng.close()
 
 
+# bf16 and fp32 messages for the one-shot: a decode row of the 8B shape, odd widths (padded to 16
+# bytes, copied in before the kernel), one element, several rows, the 2 MiB that fill its buffer;
+# and one past it (NCCL's, in the same graph)
+AR_CASES = [((1, 4096), torch.bfloat16), ((1, 4097), torch.bfloat16), ((3, 999), torch.bfloat16),
+            ((1, 1), torch.bfloat16), ((7, 4096), torch.bfloat16), ((256, 4096), torch.bfloat16),
+            ((2, 4096), torch.float32), ((1, 1001), torch.float32), ((300, 4096), torch.bfloat16)]
+
+
+def _all_reduce_rank(rank: int, size: int, port: int, out) -> None:
+    """One rank of a group with the custom all-reduce: each AR_CASES message summed by it and by
+    NCCL, eagerly, then from one CUDA graph capturing all of them, replayed over new inputs."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from models import close_tensor_parallel, init_tensor_parallel
+    from server.worker.parallel.peers import NCCL_ENV
+
+    os.environ.update(NCCL_ENV)
+    device = torch.device("cuda", rank)
+    tp = init_tensor_parallel(rank, size, TCPStore("127.0.0.1", port, size, is_master=rank == 0), device,
+                              custom_all_reduce=True)
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def nccl(x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    def new(shape, dtype):
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+    graph = None
+    try:
+        served = [tp.custom is not None and tp.custom.fits(new(s, d)) for s, d in AR_CASES]
+        eager = []
+        for shape, dtype in AR_CASES:
+            x = new(shape, dtype)
+            got = tp.all_reduce(x.clone())
+            eager.append((got - nccl(x)).abs().max().item())
+        inputs = [torch.zeros(s, dtype=d, device=device) for s, d in AR_CASES]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [tp.all_reduce(x) for x in inputs]
+        replays = []
+        for _ in range(3):
+            for x in inputs:
+                x.copy_(new(x.shape, x.dtype))
+            graph.replay()
+            replays.append([(o - nccl(x)).abs().max().item() for x, o in zip(inputs, outs)])
+        torch.cuda.synchronize()
+        if rank == 0:
+            out.put(("all-reduce", served, eager, replays))
+    finally:
+        del graph  # before the group goes (pytorch#115388)
+        gc.collect()
+        close_tensor_parallel()
+
+
+def test_symmetric_all_reduce_is_nccls_sum_eagerly_and_in_a_cuda_graph():
+    """At two ranks the one-shot adds each element once, in rank order, in the message's dtype, as
+    NCCL's sum of two does: the same bits, whichever path copies the input in."""
+    from tests.helpers import run_ranks
+
+    served, eager, replays = run_ranks(_all_reduce_rank, 2, (), 1)["all-reduce"]
+    assert served == [True] * (len(AR_CASES) - 1) + [False], "the custom all-reduce is not set up (its log says why)"
+    assert eager == [0.0] * len(AR_CASES), f"eager sums differ from NCCL's by {eager}"
+    assert replays == [[0.0] * len(AR_CASES)] * 3, f"graph replays differ from NCCL's by {replays}"
+
+
 def _workload():
     shared = _prompts(1, 150, 150, seed=3)[0]
     return _prompts(20, 1, 300) + [[7], [5] * 17] + [shared + p for p in _prompts(6, 1, 40, seed=4)]
@@ -99,6 +174,26 @@ def test_rank_0s_choices_beside_the_collectives(one_gpu, two_gpus):
             assert worst < 0.15, f"prompt log-probabilities differ by {worst:.3f}"
     same = sum(a.token_ids == b.token_ids for a, b in zip(want, got))
     assert same >= len(params) // 2, f"only {same} of {len(params)} requests chose one GPU's tokens"
+
+
+def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
+    """--no-disable-custom-all-reduce: a decode step's all-reduces (and the short prefills') are the
+    one-shot's, inside the graphs. Its sums are NCCL's bits at two ranks (above), so the tokens are
+    the NCCL engine's, and so one GPU's up to bf16 near-ties."""
+    from models import tensor_parallel
+
+    prompts = _workload()
+    nccl = _logprobs(two_gpus, prompts)
+    two_gpus.close()  # (its group: one per process)
+    eng = _engine(ckpt, 2, disable_custom_all_reduce=False)
+    try:
+        assert tensor_parallel().custom is not None, "the custom all-reduce is not set up (the log says why)"
+        custom = _logprobs(eng, prompts)
+    finally:
+        eng.close()
+    assert custom[0] == nccl[0]
+    _assert_same_logprobs(custom, nccl, bound=1e-3)
+    _compare(ckpt, prompts, custom, _logprobs(one_gpu, prompts))
 
 
 def test_eager_steps_at_two_gpus_too(ckpt, one_gpu, two_gpus):

@@ -74,7 +74,9 @@ def _rank(rank: int, size: int, port: int, cases: list, fp8_cases: list, out) ->
 
     whole = load_model(cases[0][1], torch.float32, "cpu", "sdpa")  # built before the group: stays whole
     store = TCPStore("127.0.0.1", port, size, is_master=rank == 0)
-    tp = init_tensor_parallel(rank, size, store, torch.device("cpu"))
+    # the custom all-reduce asked for, on the CPU: gloo's all-reduces (models/parallel/symm_all_reduce.py)
+    tp = init_tensor_parallel(rank, size, store, torch.device("cpu"), custom_all_reduce=True)
+    assert tp.custom is None
     try:
         for name, path, load_format in cases:
             model = load_model(path, torch.float32, "cpu", "sdpa", load_format=load_format)

@@ -151,6 +151,19 @@ def test_speculative_config_reads_vllm_keys():
     assert (s.method, s.model, s.num_speculative_tokens, s.min_acceptance) == ("eagle3", "/models/head", 3, 0.25)
 
 
+def test_custom_all_reduce_is_off_until_tried_on_gpus_and_the_no_flag_turns_it_on():
+    """--disable-custom-all-reduce (vLLM's flag; models/parallel/symm_all_reduce.py): NCCL's
+    all-reduces by default while the one-shot is on trial (server/config.py), and what the flag
+    says reaches EngineConfig, which every tensor-parallel rank's Start carries."""
+    from server.cli import config_from_args
+
+    def parse(*argv):
+        return config_from_args(build_parser().parse_args(list(argv))).disable_custom_all_reduce
+
+    assert parse() is True and parse("--disable-custom-all-reduce") is True
+    assert parse("--no-disable-custom-all-reduce") is False
+
+
 def test_auto_tool_choice_needs_a_parser(capsys):
     from server.cli import main
 

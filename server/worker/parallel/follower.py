@@ -86,7 +86,8 @@ def main(argv: list[str]) -> None:
         config = start.config
         device = rank_device(config, start.rank)
         store = TCPStore("127.0.0.1", start.store_port, config.tensor_parallel_size, is_master=False)
-        init_tensor_parallel(start.rank, config.tensor_parallel_size, store, device)
+        init_tensor_parallel(start.rank, config.tensor_parallel_size, store, device,
+                             custom_all_reduce=not config.disable_custom_all_reduce)
         if device.type == "cpu":  # N ranks of C threads each on C cores would take turns at every collective
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         torch.manual_seed(config.seed)

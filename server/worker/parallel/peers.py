@@ -11,7 +11,9 @@ replay: one message down every socket, which each rank runs as it arrives, while
 own forward; their collectives meet inside the forwards.
 
 Every process of the group, this one included, has NCCL_ENV before NCCL starts: the GPU machines
-require NVLink multicast (NVLS) off, whatever NCCL or torch's symmetric memory would pick.
+require NVLink multicast (NVLS) off, whatever NCCL or torch's symmetric memory would pick. With
+--no-disable-custom-all-reduce every rank also sets up the one-shot all-reduce over symmetric
+memory as it joins (models/parallel/symm_all_reduce.py: each rank's `Start` carries the config).
 
 A rank that dies while the group runs (a crash, the OOM killer) would leave this one waiting in a
 collective for good: a thread here waits on every socket, and when one speaks (a rank's traceback,
@@ -166,7 +168,7 @@ def start_peers(config: EngineConfig, path: Path) -> Peers:
     atexit.register(peers.close)  # this process's exit waits for theirs: their GPU memory is free once it is gone
     log.info("started %d more tensor-parallel ranks (%s)", size - 1, "NCCL" if device.type == "cuda" else "gloo")
     try:
-        init_tensor_parallel(0, size, store, device)
+        init_tensor_parallel(0, size, store, device, custom_all_reduce=not config.disable_custom_all_reduce)
     except BaseException:
         peers.close()
         raise

@@ -1,0 +1,103 @@
+"""The all-reduce alone, as a decode graph pays it: NCCL's against the one-shot over symmetric memory
+(models/parallel/symm_all_reduce.py), per message size, at N ranks on cuda:0..N-1 (bench_tp's
+`--all-reduce-bytes`).
+
+Each rank captures GRAPH_OPS all-reduces of one bf16 message back to back in a CUDA graph per
+path (what a decode graph holds: no launch overhead), replays it REPLAYS times between CUDA events
+(after WARMUP replays and a barrier, so the ranks start together; every replay's collectives meet
+the other ranks'), and rank 0 reports the median replay over GRAPH_OPS, in microseconds. The
+values summed grow without bound; only the time is read.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+
+GRAPH_OPS = 32
+WARMUP = 5
+REPLAYS = 50
+
+
+def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from models import close_tensor_parallel, init_tensor_parallel
+    from models.parallel.group import start_custom_all_reduce
+    from server.worker.parallel.peers import NCCL_ENV
+
+    os.environ.update(NCCL_ENV)
+    device = torch.device("cuda", rank)
+    tp = init_tensor_parallel(rank, size, TCPStore("127.0.0.1", port, size, is_master=rank == 0), device)
+    custom = start_custom_all_reduce(tp, device, nbytes=max(sizes))  # a buffer for the largest size measured
+    graphs = []
+
+    def nccl(x):
+        dist.all_reduce(x)
+        return x
+
+    def replay_us(reduce, x) -> float:
+        for _ in range(3):  # eager first: whatever either path sets up on first use
+            reduce(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_OPS):
+                reduce(x)
+        graphs.append(graph)
+        for _ in range(WARMUP):
+            graph.replay()
+        dist.barrier()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / GRAPH_OPS)
+        return statistics.median(times)
+
+    try:
+        rows = []
+        for nbytes in sizes:
+            x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
+            row = {"bytes": nbytes, "nccl_us": round(replay_us(nccl, x), 2)}
+            if custom is not None and custom.fits(x):
+                row["custom_us"] = round(replay_us(custom, x), 2)
+                row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
+            rows.append(row)
+        if rank == 0:
+            out.put(("rows", rows, custom is not None))
+    finally:
+        graphs.clear()  # before the group goes (pytorch#115388)
+        gc.collect()
+        close_tensor_parallel()
+
+
+def measure(size: int, sizes: list[int]) -> dict:
+    """{tp, graph_ops, replays, custom (whether it set up), rows: [{bytes, nccl_us, custom_us,
+    nccl_over_custom}]} at `size` ranks, processes of their own on cuda:0..size-1."""
+    import multiprocessing as mp
+
+    from benchmarks.shared.common import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_rank, args=(r, size, port, sizes, out)) for r in range(size)]
+    for p in ranks:
+        p.start()
+    try:
+        _, rows, custom = out.get(timeout=300)
+    finally:
+        for p in ranks:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    if any(p.exitcode for p in ranks):
+        raise RuntimeError(f"all-reduce microbenchmark: rank exit codes {[p.exitcode for p in ranks]}")
+    return {"tp": size, "graph_ops": GRAPH_OPS, "replays": REPLAYS, "custom": custom, "rows": rows}
