@@ -196,10 +196,14 @@ def capabilities(results: Path) -> str:
                 f["tpot_ms"], ".2f", "≥ 1.15×")
     tp = _load(results, "tp_llama-3.1-8b_h100.json")
     if tp:
-        by = {r["tp"]: r for r in tp["rows"]}
-        for size in sorted(s for s in by if s > 1 and 1 in by):
-            add(f"tensor parallel, {size} GPUs", "batch 1, TPOT ms", "tp_llama-3.1-8b_h100.json", tp, by[1]["tpot_ms"],
-                by[size]["tpot_ms"], ".2f", "≤ 0.6× the time (2 GPUs)", as_fraction=True)
+        one = next((r for r in tp["rows"] if r["tp"] == 1), None)
+        # a row per size and all-reduce (bench_tp --custom-all-reduce off on serves each size both ways)
+        for r in sorted((r for r in tp["rows"] if r["tp"] > 1), key=lambda r: (r["tp"], bool(r.get("custom_all_reduce")))):
+            if one is None:
+                break
+            how = {None: "", False: ", NCCL all-reduce", True: ", custom all-reduce"}[r.get("custom_all_reduce")]
+            add(f"tensor parallel, {r['tp']} GPUs{how}", "batch 1, TPOT ms", "tp_llama-3.1-8b_h100.json", tp,
+                one["tpot_ms"], r["tpot_ms"], ".2f", "≤ 0.6× the time (2 GPUs)", as_fraction=True)
     if not rows:
         return ""
     return "\n".join(["| capability | Llama-3.1-8B shape (random weights) | without | with | speed-up | goal | device | date |",
