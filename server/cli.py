@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         '"prompt_lookup_max": 4}, {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
                         'or {"method": "eagle3", "model": EAGLE3_HEAD_DIR, "num_speculative_tokens": 3}; '
                         'optional "disable_by_batch_size" (no speculation above that many running sequences) and '
-                        '"min_acceptance" (a sequence backs off below it)')
+                        '"min_acceptance" (a sequence backs off below it); flashpage\'s "backoff" (per_sequence, or batch: '
+                        'one cost-model decision a step, the default of draft_model and eagle3) and "round_cost"')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text lines, or one JSON object per line (with request_id where known)")

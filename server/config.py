@@ -143,6 +143,30 @@ SPEC_MAX_BACKOFF = 64
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 SPEC_FLOORS = {"ngram": SPEC_MIN_ACCEPTANCE, "draft_model": SPEC_MIN_ACCEPTANCE_DRAFT,
                "eagle3": SPEC_MIN_ACCEPTANCE_EAGLE3}  # each method's default min_acceptance
+# Which back-off rule (policy.py, the speculative config's `backoff`): per_sequence (the floor above)
+# or batch (one decision a step for the whole batch, from the cost model below). batch for the
+# model-based methods: replayed at the measured points (1 / 8 clients at p = 0 / 0.5 / 0.7 / 0.8 / 0.9,
+# 64 / 256 at 0.8), its mean over 20 oracle seeds is never below per_sequence's, and it lifts 8 clients
+# at p = 0.5 / 0.7 from 0.62x / 0.77x to 0.92x / 1.08x (draft) and 0.86x / 1.38x to 0.97x / 1.48x
+# (EAGLE-3); an estimate, not a measurement
+# (benchmarks/results/experiments/spec_policy_replay_estimate_h100.json). n-gram keeps per_sequence
+# (the replay favours batch for it too, except 0.98x against 0.983x at 1 client, p = 0).
+SPEC_BACKOFFS = ("per_sequence", "batch")
+SPEC_BACKOFF = {"ngram": "per_sequence", "draft_model": "batch", "eagle3": "batch"}
+# The batch rule's cost model, in plain decode steps of one row (6.31 ms at the Llama-3.1-8B shape,
+# k = 4, H100). Fitted to the wall times of the 51 rows of spec_h100.json and spec_eagle3_h100.json,
+# each replayed step by step with the oracle's draws (the replay reproduces every row's
+# verification count; benchmarks/engine/replay_spec_policy.py): plain steps of 6.31 / 6.71 / 8.55 /
+# 17.85 ms at 1 / 8 / 64 / 256 rows (the "off" rows), and a speculating step adds 1.14 ms (its
+# synchronous scheduling, the verification's fixed cost) + 0.035 ms a verified proposal, plus a
+# round of the 1B-shaped draft 6.02 ms (+ 0 a row) or of the EAGLE-3 head 1.66 ms + 0.0275 ms a
+# row; the fitted walls are within 8% of the measured, most within 3%.
+SPEC_COST_PLAIN_ROW = 0.0057  # (8.55 - 6.31) ms over 63 rows
+SPEC_COST_POSITION = 0.006  # 0.035 ms (+ the head's 0.0275 ms a row over k = 4)
+# A round's fixed cost (the speculative config's `round_cost`: a draft much smaller against its
+# target than 1B against 8B costs less): n-gram 1.14 ms, a draft model (1.14 + 6.02) ms, EAGLE-3
+# (1.14 + 1.66) ms
+SPEC_ROUND_COST = {"ngram": 0.18, "draft_model": 1.14, "eagle3": 0.44}
 
 
 @dataclass(frozen=True)
@@ -158,6 +182,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None  # ngram: longest
     disable_by_batch_size: int = SPEC_DISABLE_BY_BATCH_SIZE
     min_acceptance: float = SPEC_MIN_ACCEPTANCE  # flashpage's: the per-sequence back-off's floor (by method)
+    backoff: str = "per_sequence"  # flashpage's: per_sequence | batch (by method: SPEC_BACKOFF)
+    round_cost: float = SPEC_ROUND_COST["ngram"]  # flashpage's: the batch rule's round cost (by method)
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -211,4 +237,10 @@ class SpeculativeConfig:
         floor = d.get("min_acceptance", SPEC_FLOORS[method])
         if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not 0 <= floor <= 1:
             raise ValueError(f"min_acceptance must be a number from 0 to 1, got {floor!r}")
-        return cls(method, k, model, lo, hi, batch, float(floor))
+        backoff = d.get("backoff", SPEC_BACKOFF[method])
+        if backoff not in SPEC_BACKOFFS:
+            raise ValueError(f"backoff must be one of {list(SPEC_BACKOFFS)}, got {backoff!r}")
+        cost = d.get("round_cost", SPEC_ROUND_COST[method])
+        if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 100:
+            raise ValueError(f"round_cost must be a number from 0 to 100 (plain decode steps), got {cost!r}")
+        return cls(method, k, model, lo, hi, batch, float(floor), backoff, float(cost))

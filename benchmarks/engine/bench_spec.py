@@ -22,10 +22,12 @@ which costs with speculation off too: a second engine, loaded once the first is 
 (configuration, clients) runs `--repeats` times in turn with the others; medians. C clients are C requests of `--prompt-len` random tokens and `--max-tokens` greedy
 tokens (ignore_eos) admitted together. `--policy` configurations keep the default back-off
 (server/config.py: no speculation above SPEC_DISABLE_BY_BATCH_SIZE running); `forced` ones lift the
-batch limit, to show what it saves.
+batch limit, to show what it saves. `--floors` and `--policies` run a method at several back-off
+floors or rules (server/engine/spec/policy.py: per_sequence, batch) side by side, rows of their own.
 
   python -m benchmarks.engine.bench_spec --out-dir benchmarks/results
   python -m benchmarks.engine.bench_spec --methods eagle3     # spec_eagle3_<gpu>.json
+  python -m benchmarks.engine.bench_spec --policies per_sequence batch   # spec_policies_<gpu>.json
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared.common import gpu_run_info, write_result  # noqa: E402
-from server.config import SPEC_DISABLE_BY_BATCH_SIZE, SPEC_FLOORS, EngineConfig, SpeculativeConfig  # noqa: E402
+from server.config import (SPEC_BACKOFF, SPEC_BACKOFFS, SPEC_COST_PLAIN_ROW, SPEC_COST_POSITION,  # noqa: E402
+                           SPEC_DISABLE_BY_BATCH_SIZE, SPEC_FLOORS, SPEC_ROUND_COST, EngineConfig, SpeculativeConfig)
 from server.engine import LLMEngine  # noqa: E402
+from server.engine.spec.policy import BatchBackoff, StepCosts  # noqa: E402
 from server.engine.spec.ngram import NgramProposer  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
 
@@ -80,11 +84,12 @@ def expected_length(p: float, k: int) -> float:
 
 
 def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: int, seed: int = 0,
-              floor: float | None = None) -> None:
+              floor: float | None = None, backoff: str | None = None) -> None:
     """Point the engine at one configuration: None = no speculation; else `method`'s proposer
     (`spec.proposers[method]`) under an oracle of probability p (its draws seeded by `seed`),
-    speculating up to `max_batch` running sequences, backing off below acceptance `floor` (the
-    method's default min_acceptance if None); the speculator's counters from zero."""
+    speculating up to `max_batch` running sequences, backing off by the rule `backoff` (the
+    method's default if None), per_sequence below acceptance `floor` (the method's default
+    min_acceptance if None); the speculator's counters from zero."""
     if method is None:
         engine.speculator = None
         return
@@ -93,6 +98,9 @@ def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: 
     spec.acceptance = spec.proposer.judge
     spec.max_batch = max_batch
     spec.floor = SPEC_FLOORS[method] if floor is None else floor
+    rule = backoff or SPEC_BACKOFF[method]
+    spec.batch = (BatchBackoff(StepCosts(SPEC_ROUND_COST[method], SPEC_COST_POSITION, SPEC_COST_PLAIN_ROW))
+                  if rule == "batch" else None)
     c = spec.counters
     c.drafts = c.draft_tokens = c.accepted_tokens = 0
     c.accepted_per_pos[:] = [0] * len(c.accepted_per_pos)
@@ -146,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--floors", nargs="*", default=[], metavar="METHOD=MIN_ACCEPTANCE",
                     help="run METHOD at each of these back-off floors (repeat it: draft_model=0.25 draft_model=0.4), "
                          "side by side in the same process; without it, the method's default (server/config.py)")
+    ap.add_argument("--policies", nargs="*", default=[], choices=SPEC_BACKOFFS,
+                    help="run each method under each of these back-off rules side by side in the same process; "
+                         "without it, each method's default (server/config.py)")
     args = ap.parse_args(argv)
     args.floors = parse_floors(ap, args.floors)
     t_start = time.monotonic()
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = None
     suffix = "" if args.methods == ["ngram", "draft_model"] else "_" + "_".join(args.methods)
     suffix += "_floors" if args.floors else ""  # an A/B of back-off floors: a file of its own
+    suffix += "_policies" if args.policies else ""  # and of back-off rules
     result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape,
                   draft=args.draft_shape if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
                   k=k, prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
@@ -237,18 +249,20 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
     default_batch, k = SPEC_DISABLE_BY_BATCH_SIZE, args.num_speculative_tokens
     ps = args.probabilities if clients in args.sweep_clients else [args.probability]
     off = "off" if phase == "plain" else f"off, target feeding {phase}"
-    todo = [(off, None, 0.0, default_batch, None)]
-    todo += [(f"{m} p={p}" + (f" floor={f}" if f is not None else ""), m, p, default_batch, f)
-             for m in methods for p in ps for f in args.floors.get(m, [None])]
+    todo = [(off, None, 0.0, default_batch, None, None)]
+    todo += [(f"{m} p={p}" + (f" floor={f}" if f is not None else "") + (f" backoff={b}" if b else ""),
+              m, p, default_batch, f, b)
+             for m in methods for p in ps for f in args.floors.get(m, [None])
+             for b in args.policies or [None]]
     if clients in args.forced_clients:
-        todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20, None) for m in methods]
+        todo += [(f"{m} p={args.probability} forced", m, args.probability, 1 << 20, None, None) for m in methods]
     runs = {name: [] for name, *_ in todo}
     counters = {}
     for rep in range(args.repeats if clients < 256 else args.repeats_256):
-        for name, method, p, max_batch, floor in todo:
+        for name, method, p, max_batch, floor, backoff in todo:
             if args.deadline and time.monotonic() - t_start > args.deadline:
                 break
-            configure(engine, spec, method, p, max_batch, seed=rep, floor=floor)
+            configure(engine, spec, method, p, max_batch, seed=rep, floor=floor, backoff=backoff)
             runs[name].append(run_clients(engine, prompts, args.max_tokens))
             if method is not None:  # summed over the repeats (each draws its own acceptances)
                 c, (d, t, a) = spec.counters, counters.get(name, (0, 0, 0))
@@ -258,7 +272,7 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
                               statistics.median(r["tpot_ms"] for r in runs[off]))
     base, base_tpot = plain_off.get(clients, (None, None))
     rows = []
-    for name, method, p, max_batch, floor in todo:
+    for name, method, p, max_batch, floor, backoff in todo:
         if not runs[name]:
             continue
         tok_s = statistics.median(r["output_tok_s"] for r in runs[name])
@@ -266,6 +280,7 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
         drafts, proposed, accepted = counters.get(name, (0, 0, 0))
         row = dict(impl="flashpage", clients=clients, config=name, method=method, p=p, forced=max_batch != default_batch,
                    min_acceptance=(SPEC_FLOORS[method] if floor is None else floor) if method is not None else None,
+                   backoff=(backoff or SPEC_BACKOFF[method]) if method is not None else None,
                    output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
                    speedup=round(tok_s / base, 3) if base else None,
                    tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,

@@ -60,7 +60,7 @@ def test_floors_run_side_by_side(engine):
 
     args = argparse.Namespace(probabilities=[0.5], sweep_clients=[2], probability=0.5, forced_clients=[],
                               repeats=1, repeats_256=1, num_speculative_tokens=4, max_tokens=40, deadline=None,
-                              floors={"ngram": [0.0, 1.0]})
+                              floors={"ngram": [0.0, 1.0]}, policies=[])
     prompts = [[i + 3] * 9 for i in range(2)]
     rows = {r["config"]: r for r in measure(engine, engine.speculator, "plain", ["ngram"], 2, prompts, args, {}, 0.0)}
     low, high = rows["ngram p=0.5 floor=0.0"], rows["ngram p=0.5 floor=1.0"]
@@ -68,3 +68,21 @@ def test_floors_run_side_by_side(engine):
     assert 0 < high["verifications"] < low["verifications"], (high, low)
     with pytest.raises(SystemExit):
         main(["--floors", "draft_model=1.5"])
+
+
+def test_policies_run_side_by_side(engine):
+    """--policies: the draft at each back-off rule, rows of their own that record it; with a draft
+    that proposes what the oracle mostly rejects (p = 0.1) at 2 clients, the batch rule verifies far
+    less often than per_sequence with a floor of 0 (every step)."""
+    import argparse
+
+    args = argparse.Namespace(probabilities=[0.1], sweep_clients=[2], probability=0.1, forced_clients=[],
+                              repeats=1, repeats_256=1, num_speculative_tokens=4, max_tokens=24, deadline=None,
+                              floors={"draft_model": [0.0]}, policies=["per_sequence", "batch"])
+    prompts = [[i + 3] * 9 for i in range(2)]
+    rows = {r["config"]: r for r in measure(engine, engine.speculator, "plain", ["draft_model"], 2, prompts, args, {}, 0.0)}
+    seq, batch = rows["draft_model p=0.1 floor=0.0 backoff=per_sequence"], rows["draft_model p=0.1 floor=0.0 backoff=batch"]
+    assert (seq["backoff"], batch["backoff"]) == ("per_sequence", "batch")
+    assert 0 < batch["verifications"] < seq["verifications"] / 2, (batch, seq)
+    with pytest.raises(SystemExit):
+        main(["--policies", "never"])

@@ -15,6 +15,7 @@ import pytest
 from server.api.connections import FD_RESERVE, raise_fd_limit
 from server.api.guards import ServerLimits
 from server.cli import build_parser
+from server.config import SPEC_ROUND_COST
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -133,6 +134,8 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', ["unknown key"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', [">= 1"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": 2}', ["from 0 to 1"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "backoff": "never"}', ["backoff must be one of"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "round_cost": -1}', ["round_cost must be a number"]),
 ])
 def test_a_speculative_config_that_cannot_run_exits_2_saying_why(value, words, capsys):
     test_impossible_settings_exit_2_naming_the_flag_and_its_range(["--speculative-config", value], words, capsys)
@@ -149,6 +152,11 @@ def test_speculative_config_reads_vllm_keys():
     assert (s.method, s.model, s.disable_by_batch_size) == ("draft_model", "/models/draft", 8)
     s = parse('{"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 3}')
     assert (s.method, s.model, s.num_speculative_tokens, s.min_acceptance) == ("eagle3", "/models/head", 3, 0.25)
+    # the back-off rule and its round cost by method (server/config.py SPEC_BACKOFF, SPEC_ROUND_COST), or as given
+    assert (s.backoff, s.round_cost) == ("batch", SPEC_ROUND_COST["eagle3"])
+    assert parse('{"method": "ngram", "num_speculative_tokens": 2}').backoff == "per_sequence"
+    s = parse('{"model": "d", "num_speculative_tokens": 2, "backoff": "per_sequence", "round_cost": 0.5}')
+    assert (s.backoff, s.round_cost) == ("per_sequence", 0.5)
 
 
 def test_custom_all_reduce_is_off_until_tried_on_gpus_and_the_no_flag_turns_it_on():

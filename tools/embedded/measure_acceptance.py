@@ -5,7 +5,7 @@ alone, greedy, on the CPU.
 
 Prompts are the first `--prompt-tokens` tokens of the validation split's documents (prepare_data.py
 holds them out of both models' training), continued `--max-tokens` greedy tokens. Each method runs
-with its back-off off (min_acceptance 0: every step proposes, so the rates are the proposer's own),
+with its back-off off (per_sequence, min_acceptance 0: every step proposes, so the rates are the proposer's own),
 and its tokens are checked against decoding without speculation. Written to
 benchmarks/results/embedded_draft_acceptance.json: per method, verifications, proposals, accepted
 proposals, acceptance rate, mean accepted length (1 + accepted / verifications, vLLM's), acceptance
@@ -84,6 +84,7 @@ def main(argv=None) -> None:
         cfg = None
         if spec is not None:
             cfg = SpeculativeConfig.parse(json.dumps({**spec, "num_speculative_tokens": k, "min_acceptance": 0,
+                                                      "backoff": "per_sequence",
                                                       "disable_by_batch_size": 1024}))
         engine = LLMEngine(EngineConfig(device="cpu", speculative_config=cfg, num_blocks=1024, log_stats_interval=0))
         if prompts is None:

@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager
-from server.config import EngineConfig
+from server.config import SPEC_COST_PLAIN_ROW, SPEC_COST_POSITION, EngineConfig
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec.draft import DraftProposer
 from server.engine.spec.ngram import NgramProposer
-from server.engine.spec.policy import SpecState, record
+from server.engine.spec.policy import BatchBackoff, SpecState, StepCosts, record
 from server.worker.logits import TokenCounts
 from server.worker.spec.penalties import count_runs
 
@@ -87,6 +87,9 @@ class Speculator:
             self.proposer = DraftProposer(draft_runner, self.k, config.max_num_batched_tokens,
                                           lag=1 if spec.method == "eagle3" else 0)
         self.acceptance = accepted_prefix  # which proposals stand (benchmarks swap in an oracle's)
+        # the back-off rule (policy.py): None = per_sequence
+        self.batch = (BatchBackoff(StepCosts(spec.round_cost, SPEC_COST_POSITION, SPEC_COST_PLAIN_ROW))
+                      if spec.backoff == "batch" else None)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self.counts = counts  # the runner's penalty counts: accepted runs are counted there
 
@@ -116,8 +119,40 @@ class Speculator:
         """Will some running sequence propose in the next step?"""
         if len(running) > self.max_batch:
             return False
+        if self.batch is not None:  # the batch rule's answer for the decoding ones, not counted as a step
+            decoding = [s for s in running if len(s.token_ids) > len(s.prompt_token_ids)]
+            cands = [(s.spec, min(self.k, s.params.max_tokens - len(s.output_token_ids) - 1))
+                     for s in decoding if s.spec is not None]
+            cands = [c for c in cands if c[1] > 0]
+            return bool(cands) and bool(self.batch.choose(cands, len(decoding), commit=False))
         return any(s.spec is not None and s.spec.skip == 0 and len(s.token_ids) > len(s.prompt_token_ids)
                    for s in running)
+
+    def _candidates(self, batch: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
+        """The batch's decodes that may propose this step, with their most proposals (max_tokens
+        and the context never passed): per_sequence, those not backing off (whose back-offs count
+        down here); batch, those the rule's round takes."""
+        out = []
+        for item in batch.decodes:
+            seq = item.seq
+            st = seq.spec
+            if st is None:
+                continue
+            if self.batch is None and st.skip:  # backing off (counted down by every step, speculating or not)
+                st.skip -= 1
+                continue
+            if seq.num_pending:  # its last step is still in flight: nothing to continue from
+                continue
+            k = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - 1 - item.start)
+            if k > 0:
+                out.append((item, k))
+        if self.batch is None:
+            return out
+        taken = set(self.batch.choose([(item.seq.spec, k) for item, k in out], len(batch.decodes)))
+        for i, (item, _) in enumerate(out):
+            if i not in taken:
+                item.seq.spec.idle += 1
+        return [c for i, c in enumerate(out) if i in taken]
 
     def extend(self, batch: SchedulerOutput, running: int, grammars=None) -> None:
         """Turn the batch's decodes of sequences that propose into verifications (see the module).
@@ -131,18 +166,9 @@ class Speculator:
         budget = self.budget - batch.num_tokens
         room = self.max_num_seqs - len(batch.decodes) - sum(1 for p in batch.prefills if p.samples)
         items, picked = [], []
-        for item in batch.decodes:
+        for item, k in self._candidates(batch):
             seq = item.seq
-            st = seq.spec
-            if st is None:
-                continue
-            if st.skip:  # backing off (counted down by every step, speculating or not)
-                st.skip -= 1
-                continue
-            if seq.num_pending:  # its last step is still in flight: nothing to continue from
-                continue
-            k = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                    self.max_model_len - 1 - item.start, budget, room)
+            k = min(k, budget, room)
             if k <= 0 or not self.bm.can_append(seq.blocks, item.start + k + 1):
                 continue
             self.bm.append_slot(seq.blocks, item.start + k + 1)
@@ -163,7 +189,7 @@ class Speculator:
             if not draft:
                 self.bm.trim(seq.blocks, start + 1)
                 if draft is not None:  # found nothing to propose
-                    record(seq.spec, 0, 0, self.floor)
+                    record(seq.spec, 0, 0, self.floor if self.batch is None else 0.0)
                 continue
             draft = draft[:k]
             batch.verifies.append(VerifySeq(seq, start, 1 + len(draft), draft=draft))
@@ -217,7 +243,7 @@ class Speculator:
             c.accepted_tokens += j
             for i in range(j):
                 c.accepted_per_pos[i] += 1
-            record(seq.spec, len(v.draft), j, self.floor)
+            record(seq.spec, len(v.draft), j, self.floor if self.batch is None else 0.0)
             self.proposer.accepted(seq, v.start, len(v.draft), j)
             run = chosen[: j + 1]
             if seq.params.penalized:  # row 0 counted its token; the rest of the run, now

@@ -226,15 +226,18 @@ def test_sampled_token_frequencies_match_plain_sampling(v16_ckpt):
 
 
 def test_back_off_and_batch_size_limit(tiny_ckpt, other_gpt2):
-    """A draft that keeps missing stops being asked (a probe every few steps, not every step); above
-    disable_by_batch_size running sequences nothing speculates."""
+    """A draft that keeps missing stops being asked (a probe every few steps, not every step), under
+    either back-off rule (the batch one: the draft's default); above disable_by_batch_size running
+    sequences nothing speculates."""
     prompts = _prompts(400, 2, seed=5, repeat=False)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     ref, _ = _run(tiny_ckpt, prompts, params)
-    got, eng = _run(tiny_ckpt, prompts, params, _draft(other_gpt2, min_acceptance=0.5))
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    c = eng.speculator.counters
-    assert 0 < c.drafts < 60 and c.accepted_tokens < c.draft_tokens / 2
+    for rule in ({"backoff": "per_sequence", "min_acceptance": 0.5}, {}):
+        got, eng = _run(tiny_ckpt, prompts, params, _draft(other_gpt2, **rule))
+        assert (eng.speculator.batch is None) == bool(rule)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        c = eng.speculator.counters
+        assert 0 < c.drafts < 60 and c.accepted_tokens < c.draft_tokens / 2
     # six requests that run and end together: never four or fewer running
     _, eng = _run(tiny_ckpt, _prompts(400, 6, seed=6), params, _draft(tiny_ckpt, disable_by_batch_size=4))
     assert eng.speculator.counters.drafts == 0
