@@ -8,7 +8,8 @@ from models.kv_scales import checkpoint_kv_scales
 from models.loader import (DTYPES, EMBEDDED_DRAFT, EMBEDDED_EAGLE3, EMBEDDED_MODEL, LOAD_FORMATS, check_quantized_split,
                            checkpoint_dtype, eos_token_ids, is_eagle3_head, load_config, load_model, load_tokenizer,
                            resolve_model_path)
-from models.parallel import TensorParallel, close_tensor_parallel, init_tensor_parallel, shard_spec, tensor_parallel
+from models.parallel import (TensorParallel, built_as, close_tensor_parallel, init_tensor_parallel, shard_spec,
+                             tensor_parallel)
 from models.quant import METHODS as QUANTIZATION_METHODS
 from models.quant import WeightsInfo, weights_info
 from models.quant import detect as quantization_scheme
@@ -17,17 +18,25 @@ from models.spec import ModelSpec
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepRows", "CausalLM", "KVCaches",
            "placeholder_id", "resolve_placeholders", "DTYPES", "EMBEDDED_MODEL", "LOAD_FORMATS", "checkpoint_dtype",
-           "eos_token_ids", "TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "shard_spec",
+           "eos_token_ids", "TensorParallel", "built_as", "close_tensor_parallel", "init_tensor_parallel", "shard_spec",
            "tensor_parallel",
            "load_config", "load_model", "check_quantized_split",
            "checkpoint_kv_scales", "load_tokenizer", "resolve_model_path", "MODEL_FAMILIES", "check_served",
            "model_class", "ModelSpec", "QUANTIZATION_METHODS", "quantization_scheme", "WeightsInfo", "weights_info",
-           "EMBEDDED_DRAFT", "EMBEDDED_EAGLE3", "is_eagle3_head", "load_eagle3_head"]
+           "EMBEDDED_DRAFT", "EMBEDDED_EAGLE3", "is_eagle3_head", "load_eagle3_head", "eagle3_token_table"]
 
 
-def load_eagle3_head(path, target: CausalLM, dtype, device, attention: str, max_model_len: int):
+def load_eagle3_head(path, target: CausalLM, dtype, device, attention: str, max_model_len: int, token_table=None):
     """An EAGLE-3 draft head for `target` (models/eagle3.py: imported here only when one is loaded,
     so that a process reading configs alone never imports a family's module)."""
     from models.eagle3 import load_head
 
-    return load_head(path, target, dtype, device, attention, max_model_len)
+    return load_head(path, target, dtype, device, attention, max_model_len, token_table)
+
+
+def eagle3_token_table(target: CausalLM):
+    """The target's token table whole, gathered from every rank of its tensor-parallel group (each
+    calls it), for an EAGLE-3 head that shares it (models/eagle3.py `whole_token_table`)."""
+    from models.eagle3 import whole_token_table
+
+    return whole_token_table(target)

@@ -45,6 +45,7 @@ from models.base import CausalLM
 from models.linear import Linear, head_matmul
 from models.llama import LlamaAttention, LlamaMLP, RMSNorm, Rotary
 from models.loader import _no_init, _read_tensors
+from models.parallel.group import TensorParallel, built_as
 from models.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, qkv_parts
 from models.spec import ModelSpec
 
@@ -90,7 +91,8 @@ class Eagle3Head(nn.Module):
     chunk row's fused state from `features` at its slot, each decode row r's from `carry[r]`."""
 
     def __init__(self, config: LlamaConfig, target: CausalLM, attention: str, own_embedding: bool,
-                 target_hidden: int, draft_vocab: int, max_positions: int) -> None:
+                 target_hidden: int, draft_vocab: int, max_positions: int,
+                 token_table: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
         spec = ModelSpec.from_hf_config(config)
@@ -106,8 +108,9 @@ class Eagle3Head(nn.Module):
         self.lm_head_weight = nn.Parameter(torch.empty(draft_vocab, spec.hidden_size))
         self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, spec.hidden_size) if own_embedding else None
-        # the target's token table (a tuple: not a submodule of the head); GPT-2's without its positions
-        self._target_embed = (target.embed_tokens if hasattr(target, "embed_tokens") else target.wte,)
+        # the target's token table (a tuple: not a submodule of the head); GPT-2's without its positions;
+        # `token_table` where the target holds a rank's share of it (whole_token_table)
+        self._target_embed = (token_table or _token_table(target),)
         self.rotary: Rotary | None = None
         self.features: torch.Tensor | None = None  # [cache slots + a scratch block, hidden] (allocate)
         self.carry: torch.Tensor | None = None  # [rows, hidden]
@@ -196,10 +199,13 @@ class Eagle3Head(nn.Module):
 
 
 def load_head(path: Path, target: CausalLM, dtype: torch.dtype, device: torch.device | str, attention: str,
-              max_model_len: int) -> Eagle3Head:
+              max_model_len: int, token_table: nn.Module | None = None) -> Eagle3Head:
     """The head at `path`, loaded for `target` (which then hands it its states: aux_layers,
-    aux_sink). ValueError says what does not fit: a head trained for another width or vocabulary,
-    aux layers the target lacks, more than one layer."""
+    aux_sink), whole whatever the process's tensor-parallel group (it runs on one rank:
+    server/worker/spec/parallel.py). ValueError says what does not fit: a head trained for another
+    width or vocabulary, aux layers the target lacks, more than one layer. `token_table`: the
+    target's whole (whole_token_table), for a head without its own where the target holds a rank's
+    share."""
     if not hasattr(target, "aux_layers"):  # (the families' forwards hand their states over: models/llama.py, gpt2.py)
         raise ValueError(f"an EAGLE-3 head cannot draft for a {type(target).__name__}: it hands over no hidden states")
     config = LlamaConfig.from_pretrained(path)
@@ -232,15 +238,40 @@ def load_head(path: Path, target: CausalLM, dtype: torch.dtype, device: torch.de
         if fc is not None and tuple(fc) != (config.hidden_size, 3 * t.hidden_size):
             raise ValueError(f"the EAGLE-3 head's fc takes {fc[1]} features a token; this target's three layers give "
                              f"{3 * t.hidden_size}: a head trained for another target")
+        if not own_embedding and token_table is None and _token_table(target).tp.size > 1:
+            # (its lookups would wait in the target's all-reduce for ranks that never run the head)
+            raise ValueError("the EAGLE-3 head shares the target's token table, of which this rank holds a share: "
+                             "the whole table is needed (whole_token_table)")
         draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
-        with torch.device(device), _no_init():
-            head = Eagle3Head(config, target, attention, own_embedding, t.hidden_size, draft_vocab, max_model_len)
+        with torch.device(device), _no_init(), built_as(TensorParallel(0, 1)):  # whole under tensor parallelism too
+            head = Eagle3Head(config, target, attention, own_embedding, t.hidden_size, draft_vocab, max_model_len,
+                              None if own_embedding else token_table)
         head = head.to(dtype)
         head.load_weights(tensors)
     head.eval().requires_grad_(False)
     head.aux_layers = target.aux_layers = tuple(sorted(ids))
     target.aux_sink = head.keep_features
     return head
+
+
+def _token_table(target: CausalLM) -> VocabParallelEmbedding:
+    """The target's token table (GPT-2's without its positions)."""
+    return target.embed_tokens if hasattr(target, "embed_tokens") else target.wte
+
+
+def whole_token_table(target: CausalLM) -> VocabParallelEmbedding:
+    """The target's token table whole in this process, where the target holds a rank's rows of it
+    (tensor parallelism): every rank's rows gathered, so every rank of the group calls it. For a
+    head that shares the table and runs whole on rank 0 (server/worker/spec/parallel.py)."""
+    table = _token_table(target)
+    w = table.weight
+    with built_as(TensorParallel(0, 1)), torch.device(w.device), _no_init():
+        whole = VocabParallelEmbedding(target.vocab_size, w.shape[1]).to(w.dtype)
+    # gather_columns joins the ranks' columns in rank order: the rows, as the columns of the transpose
+    rows = table.tp.gather_columns(w.detach().t())  # [hidden, ranks * rows a rank]
+    with torch.no_grad():
+        whole.weight.copy_(rows[:, : whole.rows].t())
+    return whole.requires_grad_(False)
 
 
 def _name(key: str) -> str:

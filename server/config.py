@@ -184,6 +184,9 @@ class SpeculativeConfig:
     min_acceptance: float = SPEC_MIN_ACCEPTANCE  # flashpage's: the per-sequence back-off's floor (by method)
     backoff: str = "per_sequence"  # flashpage's: per_sequence | batch (by method: SPEC_BACKOFF)
     round_cost: float = SPEC_ROUND_COST["ngram"]  # flashpage's: the batch rule's round cost (by method)
+    # under --tensor-parallel-size: the draft's (model or EAGLE-3 head) runs whole on rank 0
+    # (server/worker/spec/parallel.py); vLLM's key, 1 the only value taken
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -243,4 +246,8 @@ class SpeculativeConfig:
         cost = d.get("round_cost", SPEC_ROUND_COST[method])
         if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost <= 100:
             raise ValueError(f"round_cost must be a number from 0 to 100 (plain decode steps), got {cost!r}")
+        draft_tp = d.get("draft_tensor_parallel_size", 1)
+        if draft_tp != 1 or isinstance(draft_tp, bool):
+            raise ValueError(f"draft_tensor_parallel_size must be 1, got {draft_tp!r}: flashpage runs the draft whole "
+                             "on the first GPU of a tensor-parallel group (a sharded draft is not supported)")
         return cls(method, k, model, lo, hi, batch, float(floor), backoff, float(cost))

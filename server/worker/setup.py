@@ -7,7 +7,7 @@ only from the model contract.
 With --tensor-parallel-size N it first starts ranks 1..N-1 (server/worker/parallel/), then brings
 this process up as rank 0; every rank runs `bring_up`, whose forwards (the profile run, warm-up,
 graph captures) meet in the same collectives, and the KV cache's block count is the smallest any
-rank's memory allows.
+rank's memory allows. A speculative draft is rank 0's alone (server/worker/spec/parallel.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, check_quanti
 from server.config import EngineConfig
 from server.worker.kv_scales import CALIBRATION_TEXT, decide_kv_scales
 from server.worker.runner import ModelRunner
-from server.worker.spec import DraftRunner, capture_spec_graphs, load_draft, load_eagle3, shared_blocks
+from server.worker.spec import DraftRunner, capture_spec_graphs, load_proposer, shared_blocks
 from server.worker.warmup import profile_peak_memory, warmup
 
 log = logging.getLogger("flashpage.worker")
@@ -65,13 +65,11 @@ def start_worker(config: EngineConfig, path: Path, tokenizer=None) -> Worker:
 
 
 def check_tensor_parallel(config: EngineConfig, path: Path) -> None:
-    """What does not divide, or does not combine with tensor parallelism yet, stops the start here,
-    before any process starts (ValueError): heads, a quantized layer whose blocks or groups a rank's
-    share would cut (named), speculative decoding."""
+    """What does not divide stops the start here, before any process starts (ValueError): heads, a
+    quantized layer whose blocks or groups a rank's share would cut (named). (A speculative draft
+    runs whole on rank 0: it need not divide.)"""
     shard_spec(ModelSpec.from_hf_config(load_config(path)), TensorParallel(0, config.tensor_parallel_size))
     check_quantized_split(path, config.quantization, config.tensor_parallel_size)
-    if config.speculative_config is not None:  # (its draft model and verify graphs run on rank 0 alone)
-        raise ValueError("--tensor-parallel-size above 1 does not combine with --speculative-config yet")
 
 
 def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None, tokenizer=None) -> Worker:
@@ -134,11 +132,12 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None,
                                   from_checkpoint=config.load_format != "dummy")
         log.info("KV cache %s: scales %s%s", dtype_name(cache_dtype), scales.describe(),
                  f" (rank {tp.rank}'s {spec.num_kv_heads} KV heads)" if tp.size > 1 else "")
-    draft = (load_draft(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
-             or load_eagle3(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens))
-    num_blocks = tp.min(kv_cache_blocks(config, cache_spec, runner, device), device)  # every rank's cache holds them
-    if draft is not None:  # each block holds the draft's K/V too (server/worker/spec/draft.py)
+    # (rank 0's alone under tensor parallelism)
+    draft = load_proposer(config, model, dtype, device, attention, max_model_len, config.block_size, runner.max_tokens)
+    num_blocks = kv_cache_blocks(config, cache_spec, runner, device)
+    if draft is not None:  # each of this rank's blocks holds the draft's K/V too (server/worker/spec/draft.py)
         num_blocks = shared_blocks(config, num_blocks, cache_spec, draft.bytes_per_block)
+    num_blocks = tp.min(num_blocks, device)  # every rank's cache holds them
     log_cache_size(cache_spec, num_blocks, max_model_len, dtype)
     runner.allocate_cache(num_blocks, scales)
     if draft is not None:

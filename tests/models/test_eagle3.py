@@ -129,6 +129,28 @@ def test_the_layouts_spellings_load_alike(eagle3_pair, tmp_path):
     assert torch.equal(with_table.embed_tokens.weight[:512], table)
 
 
+def test_a_head_is_whole_beside_a_targets_shard(eagle3_pair, tmp_path):
+    """Under tensor parallelism a head runs whole on rank 0 (server/worker/spec/parallel.py): loaded
+    for a rank's shard of the target, its layers and its own token table are whole (their
+    collectives no-ops); one that shares the target's table is given it whole (gathered from every
+    rank: whole_token_table) and refused without it, naming why."""
+    from models import TensorParallel, built_as
+
+    target, path = eagle3_pair
+    own = _variant(path, tmp_path / "own", config={})
+    save_file({**load_file(own / "model.safetensors"), "embed_tokens.weight": torch.randn(512, 64)},
+              own / "model.safetensors")
+    with built_as(TensorParallel(1, 2)):  # (a rank's shard without a group: nothing communicated)
+        shard = load_model(target, torch.float32, "cpu", "sdpa")
+        head = load_eagle3_head(own, shard, torch.float32, "cpu", "sdpa", 256)
+        with pytest.raises(ValueError, match="shares the target's token table, of which this rank holds a share"):
+            load_eagle3_head(path, shard, torch.float32, "cpu", "sdpa", 256)
+    assert shard.embed_tokens.tp.size == 2 and shard.spec.num_heads == 2
+    layer = head.midlayer
+    assert {m.tp.size for m in (head.embed_tokens, layer.self_attn.o_proj, layer.mlp.down_proj)} == {1}
+    assert layer.self_attn.num_heads == 4 and head.embed_tokens.weight.shape[0] == 512
+
+
 def test_heads_that_do_not_fit_the_target_are_refused(eagle3_pair, tmp_path):
     target, path = eagle3_pair
     model = load_model(target, torch.float32, "cpu", "sdpa")

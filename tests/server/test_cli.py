@@ -131,7 +131,9 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
      ["prompt_lookup_min (4) is above prompt_lookup_max (2)"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}', ["must be an integer >= 1"]),
     ('{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', ["belong to the ngram method"]),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', ["unknown key"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model_tp": 1}', ["unknown key"]),
+    ('{"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',
+     ["draft_tensor_parallel_size must be 1, got 2", "runs the draft whole"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', [">= 1"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": 2}', ["from 0 to 1"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "backoff": "never"}', ["backoff must be one of"]),
@@ -157,6 +159,8 @@ def test_speculative_config_reads_vllm_keys():
     assert parse('{"method": "ngram", "num_speculative_tokens": 2}').backoff == "per_sequence"
     s = parse('{"model": "d", "num_speculative_tokens": 2, "backoff": "per_sequence", "round_cost": 0.5}')
     assert (s.backoff, s.round_cost) == ("per_sequence", 0.5)
+    s = parse('{"model": "/models/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}')
+    assert s.draft_tensor_parallel_size == 1  # the draft whole on rank 0 (the only value taken)
 
 
 def test_custom_all_reduce_is_off_until_tried_on_gpus_and_the_no_flag_turns_it_on():

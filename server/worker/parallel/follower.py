@@ -6,8 +6,10 @@ brings the worker up as rank 0 does (server/worker/setup.py `bring_up`: the same
 profile run, KV-cache size, the group's smallest, warm-up and graph captures, so that the
 collectives in them meet). Then, until `Stop` or until rank 0's end of the socket closes, it runs
 each message (server/worker/parallel/messages.py): a graph replay over rank 0's inputs, or an eager
-forward and its LM-head calls. The logits every rank gets are rank 0's to choose from; the ids it
-chooses reach this rank in the next forward's embedding (models/parallel/layers.py).
+forward and its LM-head calls; a speculative step's verification is one of those (its own graphs),
+and the draft is rank 0's alone (server/worker/spec/parallel.py). The logits every rank gets are
+rank 0's to choose from; the ids it chooses reach this rank in the next forward's embedding
+(models/parallel/layers.py).
 
 A failure goes back over the socket as a traceback (rank 0 then ends the engine) and ends this
 process with code 1; so does rank 0's process going away (a thread checks the parent).
@@ -51,7 +53,7 @@ def follow(runner: ModelRunner, conn: Connection) -> bool:
                 return True
             words = np.frombuffer(op.words, dtype=np.int32)
             if isinstance(op, GraphStep):
-                graphs = runner.prefill_graphs if op.prefill else runner.graphs
+                graphs = runner.verify_graphs if op.verify else runner.prefill_graphs if op.prefill else runner.graphs
                 graphs.replay_exported(op.size, op.rows, op.width, words)
             else:
                 _eager(runner, op, words)

@@ -2,8 +2,8 @@
 MessagePack array, one message per forward, in the order rank 0 runs them (their collectives must
 meet in that order):
 
-- `GraphStep`: replay the decode (or prefill) graph of `size` with the inputs rank 0 filled (the
-  graph's exported words: server/worker/cuda_graphs.py).
+- `GraphStep`: replay the decode (or prefill, or a speculative step's verification) graph of `size`
+  with the inputs rank 0 filled (the graph's exported words: server/worker/cuda_graphs.py).
 - `EagerStep`: an eager forward of the step rank 0 packed (server/worker/inputs.py: the words and
   where each array lies in them, plus the host lists the attention backend reads), then the LM head
   over each of `head_slices` (prompt log-probabilities, server/worker/scoring.py) and over the rows
@@ -28,6 +28,7 @@ class GraphStep(msgspec.Struct, tag=True, array_like=True):
     rows: int  # page-table rows filled, and their width
     width: int
     words: bytes  # int32
+    verify: bool = False  # (prefill) the verification graphs' (server/worker/spec/verify.py)
 
 
 class EagerStep(msgspec.Struct, tag=True, array_like=True):

@@ -85,10 +85,11 @@ class Peers:
                             rows.num_prefill_tokens, rows.chunk_lens, rows.chunk_prefix, list(rows.extra),
                             head_slices))
 
-    def replayer(self, graphs, prefill: bool):
-        """The graphs' on_replay: the inputs they filled, to replay on every rank."""
+    def replayer(self, graphs, prefill: bool, verify: bool = False):
+        """The graphs' on_replay: the inputs they filled, to replay on every rank (`verify`: a
+        speculative step's verification graphs, prefill graphs of their own)."""
         def replay(size: int, rows: int, width: int) -> None:
-            self.send(GraphStep(prefill, size, rows, width, memoryview(graphs.exported(rows, width))))
+            self.send(GraphStep(prefill, size, rows, width, memoryview(graphs.exported(rows, width)), verify))
         return replay
 
     def close(self, graceful: bool = True) -> None:

@@ -92,17 +92,18 @@ class EagleRunner(DraftRunner):
 
 
 def load_eagle3(config, target, dtype: torch.dtype, device: torch.device, attention: str, max_model_len: int,
-                block_size: int, max_tokens: int) -> EagleRunner | None:
+                block_size: int, max_tokens: int, token_table=None) -> EagleRunner | None:
     """The head of an eagle3 speculative config (None for any other method), loaded for `target`
     (which from now on hands it its states), in the target's dtype, on its device, with its
-    attention backend."""
+    attention backend. `token_table`: the target's whole, under tensor parallelism
+    (server/worker/spec/parallel.py)."""
     from models import load_eagle3_head, resolve_model_path
 
     spec = config.speculative_config
     if spec is None or spec.method != "eagle3":
         return None
     path = resolve_model_path(spec.model)
-    head = load_eagle3_head(path, target, dtype, device, attention, max_model_len)
+    head = load_eagle3_head(path, target, dtype, device, attention, max_model_len, token_table)
     s = head.spec
     log.info("EAGLE-3 head %s: draft vocabulary %d, the target's layers %s, %d proposals a step", path,
              head.draft_to_target.numel(), list(head.aux_layers), spec.num_speculative_tokens)

@@ -70,7 +70,8 @@ def verify_parts(runner, decodes: list[ScheduledChunk], verifies: list[Scheduled
 def capture_spec_graphs(spec, runner, draft) -> None:
     """With speculation on (`spec`, the SpeculativeConfig): the runner's verification graphs, for up
     to as many sequences as may speculate at once, k + 1 tokens each (a graph per token count of the
-    prefill ladder up to that), and the draft model's graphs."""
+    prefill ladder up to that), and the draft model's graphs (`draft`: None on the ranks of a
+    tensor-parallel group but 0, which capture the same verification graphs)."""
     from server.worker.cuda_graphs import PrefillGraphs
 
     if spec is None or runner.graphs is None:
@@ -85,3 +86,5 @@ def capture_spec_graphs(spec, runner, draft) -> None:
     runner.verify_graphs = PrefillGraphs(runner.model, runner.kv_caches, tokens, runner.max_blocks, runner.device,
                                          max_chunks=chunks, max_rows=tokens)
     runner.verify_graphs.capture()
+    if runner.peers is not None:  # tensor parallelism: every rank replays the verification rank 0 does
+        runner.verify_graphs.on_replay = runner.peers.replayer(runner.verify_graphs, prefill=True, verify=True)

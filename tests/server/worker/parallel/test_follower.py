@@ -184,3 +184,48 @@ def test_prefill_graph_inputs_reach_another_rank_through_the_message(small_ckpt)
     assert rank1.graphs[op.size][0].count == 1
 
 
+
+
+def test_each_graph_step_replays_its_own_graphs_on_the_follower():
+    """Rank 0's decode, prefill and verification replayers (Peers.replayer; a speculative step's
+    verification graphs are prefill graphs of their own: server/worker/spec/verify.py) each reach
+    the follower's graphs of the same kind, in order."""
+
+    class Graphs:
+        def __init__(self) -> None:
+            self.replayed = []
+
+        def exported(self, rows: int, width: int) -> np.ndarray:
+            return np.arange(rows * width, dtype=np.int32)
+
+        def replay_exported(self, size: int, rows: int, width: int, words: np.ndarray) -> None:
+            self.replayed.append((size, words.tolist()))
+
+    class Conn:
+        def __init__(self) -> None:
+            self.sent = []
+
+        def send_bytes(self, data: bytes) -> None:
+            self.sent.append(data)
+
+        def recv_bytes(self) -> bytes:
+            if not self.sent:
+                raise EOFError
+            return self.sent.pop(0)
+
+    rank0 = {kind: Graphs() for kind in ("decode", "prefill", "verify")}
+    conn = Conn()
+    peers = Peers([], [conn], None)
+    replay = {"decode": peers.replayer(rank0["decode"], prefill=False),
+              "prefill": peers.replayer(rank0["prefill"], prefill=True),
+              "verify": peers.replayer(rank0["verify"], prefill=True, verify=True)}
+    for kind, size in (("verify", 32), ("prefill", 16), ("decode", 8), ("verify", 64)):
+        replay[kind](size, 1, 2)
+    follower = {kind: Graphs() for kind in rank0}
+
+    class Runner:
+        graphs, prefill_graphs, verify_graphs = follower["decode"], follower["prefill"], follower["verify"]
+
+    assert follow(Runner, conn) is False  # (the recording ended)
+    assert follower["verify"].replayed == [(32, [0, 1]), (64, [0, 1])]
+    assert follower["prefill"].replayed == [(16, [0, 1])] and follower["decode"].replayed == [(8, [0, 1])]
