@@ -6,7 +6,9 @@ as test_gpu_parity does) and its chosen tokens' log-probabilities within bf16 no
 Llama-3.1-8B shape's attention (32 query and 8 K/V heads of 128, hidden 4096) with fewer layers, a
 narrower MLP and a smaller vocabulary; eager steps (--enforce-eager) likewise; the rank-0-only
 parts (penalties, seeded sampling, structured outputs with the grammar's wait on the device, prompt
-log-probabilities) run beside the collectives and choose what one GPU chooses; --deterministic
+log-probabilities) run beside the collectives and choose what one GPU chooses; speculative decoding
+(n-gram, a draft model and an EAGLE-3 head whole on rank 0, the verification graphs on both ranks)
+gives two GPUs' greedy tokens without it; --deterministic
 at two GPUs keeps a request's bits whatever shares its batch; and quantized checkpoints (FP8 per
 channel and in 128x128 blocks, GPTQ with act order, AWQ) at two GPUs, each rank holding its share of
 the quantized tensors (models/quant/shards.py), give one GPU's greedy tokens up to near-ties of the
@@ -194,6 +196,60 @@ def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
     assert custom[0] == nccl[0]
     _assert_same_logprobs(custom, nccl, bound=1e-3)
     _compare(ckpt, prompts, custom, _logprobs(one_gpu, prompts))
+
+
+@pytest.fixture(scope="module")
+def heads(ckpt, tmp_path_factory):
+    """Drafts for the target: itself (whole on rank 0, so that runs are accepted) and a random
+    EAGLE-3 head reading its three layers."""
+    from benchmarks.shared.checkpoint import make_random_eagle3
+
+    head = make_random_eagle3(tmp_path_factory.mktemp("tp-eagle3"), ckpt, draft_vocab_size=1024, layer_ids=[0, 1, 2],
+                              std=0.05)
+    return {"draft_model": ckpt, "eagle3": head}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculation_at_two_gpus_gives_two_gpus_tokens(request, ckpt, heads, method):
+    """--speculative-config at two GPUs (server/worker/spec/parallel.py): rank 1 replays rank 0's
+    verification graphs (their messages counted), the draft runs whole on rank 0 in its own graphs,
+    an EAGLE-3 head over the target's states and token table there; greedy tokens are two GPUs'
+    without speculation (the same engine, its speculator taken away after its run), up to bf16
+    near-ties. (Closes the module's two-GPU engine where it runs: one group per process.)"""
+    from collections import Counter
+
+    from models import tensor_parallel
+    from server.config import SpeculativeConfig
+
+    prompts = [p + p[: len(p) // 2] for p in _prompts(10, 4, 200, seed=31)]  # repeats: n-grams to find
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    if tensor_parallel().size > 1:  # (only the module's engine is left open between tests)
+        request.getfixturevalue("two_gpus").close()
+    spec = {"method": method, "num_speculative_tokens": 4}
+    spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {"model": str(heads[method])}
+    eng = _engine(ckpt, 2, speculative_config=SpeculativeConfig.parse(json.dumps(spec)))
+    try:
+        sent, send = Counter(), eng.runner.peers.send
+
+        def count(op):
+            sent[type(op).__name__, getattr(op, "verify", False)] += 1
+            send(op)
+
+        eng.runner.peers.send = count
+        got = [o.token_ids for o in eng.generate(prompts, greedy)]
+        assert eng.block_manager.check_all_free()
+        c = eng.speculator.counters
+        assert c.drafts > 0 and sent["GraphStep", True] > 0  # verifications replayed on rank 1
+        if method != "ngram":
+            assert eng.speculator.proposer.runner.graphs is not None  # the draft's own graphs, rank 0's
+        if method == "draft_model":  # the whole model on rank 0 proposes what the two ranks choose
+            assert c.accepted_tokens > 0.5 * c.draft_tokens
+        speculator, eng.speculator = eng.speculator, None
+        plain = [o.token_ids for o in eng.generate(prompts, greedy)]
+        eng.speculator = speculator  # (closed with the engine: the draft's graphs and cache)
+    finally:
+        eng.close()
+    _assert_same_greedy(ckpt, prompts, got, plain, "bfloat16")
 
 
 def test_eager_steps_at_two_gpus_too(ckpt, one_gpu, two_gpus):
