@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2tests|tp2quant|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
+#                                   tp2|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -125,19 +125,29 @@ for step in "${@:-tests throughput prefix}"; do
       # TP=2 both ways (--disable-custom-all-reduce and --no-disable-custom-all-reduce), then the
       # custom all-reduce's GPU tests; tp2tests (two GPUs; its own call: tp2 fills one): the other TP
       # GPU tests; tp2quant (two GPUs, likewise): quantized checkpoints at two GPUs against one (issues
-      # 47 + 50); tp4 (four GPUs): the Llama-3.1-70B shape at TP=4 (dummy weights): batch-1 TPOT
-      # against its floor, the load test's levels, offline throughput.
+      # 47 + 50); tp2spec (two GPUs, its own call): speculation at two GPUs, its GPU tests (each method
+      # against two GPUs without it), then n-gram's batch-1 and 8-client TPOT with and without it on
+      # the Llama-3.1-8B shape at an oracle's acceptance (issues 48 + 50); tp4 (four GPUs): the
+      # Llama-3.1-70B shape at TP=4 (dummy weights): batch-1 TPOT against its floor, the load test's
+      # levels, offline throughput.
       tp2)
         timeout 330 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
           --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1
         timeout 240 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_custom_all_reduce_tests.log" | tail -8 || status=1 ;;
       tp2tests)
-        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized and not all_reduce" -p no:cacheprovider \
+        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized and not all_reduce and not speculation" \
+          -p no:cacheprovider \
           2>&1 | tee "$OUT/tp_tests.log" | tail -8 || status=1 ;;
       tp2quant)
         timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k quantized -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_quant_tests.log" | tail -12 || status=1 ;;
+      tp2spec)
+        timeout 300 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k speculation -p no:cacheprovider 2>&1 \
+          | tee "$OUT/tp_spec_tests.log" | tail -8 || status=1
+        timeout 270 python3 -m benchmarks.engine.bench_spec --tensor-parallel-size 2 --methods ngram --clients 1 8 \
+          --probabilities 0.8 --sweep-clients --forced-clients --repeats 2 --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/tp_spec.log" | tail -12 || status=1 ;;
       tp4)
         timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;

@@ -28,6 +28,8 @@ floors or rules (server/engine/spec/policy.py: per_sequence, batch) side by side
   python -m benchmarks.engine.bench_spec --out-dir benchmarks/results
   python -m benchmarks.engine.bench_spec --methods eagle3     # spec_eagle3_<gpu>.json
   python -m benchmarks.engine.bench_spec --policies per_sequence batch   # spec_policies_<gpu>.json
+  python -m benchmarks.engine.bench_spec --tensor-parallel-size 2 --methods ngram   # spec_ngram_tp2_<gpu>.json
+                                                              # (the draft whole on the first GPU)
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--forced-clients", type=int, nargs="*", default=[64],
                     help="client counts also run with the batch-size back-off lifted")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="the engines' (with and without speculation)")
     ap.add_argument("--deadline", type=float, default=None, help="stop adding runs after this many seconds")
     ap.add_argument("--floors", nargs="*", default=[], metavar="METHOD=MIN_ACCEPTANCE",
                     help="run METHOD at each of these back-off floors (repeat it: draft_model=0.25 draft_model=0.4), "
@@ -184,9 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "" if args.methods == ["ngram", "draft_model"] else "_" + "_".join(args.methods)
     suffix += "_floors" if args.floors else ""  # an A/B of back-off floors: a file of its own
     suffix += "_policies" if args.policies else ""  # and of back-off rules
+    suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape,
                   draft=args.draft_shape if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
-                  k=k, prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
+                  k=k, tensor_parallel_size=args.tensor_parallel_size, prompt_len=args.prompt_len,
+                  max_tokens=args.max_tokens, repeats=args.repeats,
                   disable_by_batch_size=default_batch, build_s=round(build_s, 1), load_s=[], rows=[])
     plain_off: dict[int, float] = {}  # clients -> the plain engine's output tok/s, TPOT without speculation
     path = None
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                if spec_json else None)
         engine = LLMEngine(EngineConfig(model=str(target), speculative_config=cfg, max_num_seqs=256,
                                         max_num_batched_tokens=8192, max_model_len=args.max_model_len,
-                                        enable_prefix_caching=False, log_stats_interval=0))
+                                        enable_prefix_caching=False, log_stats_interval=0,
+                                        tensor_parallel_size=args.tensor_parallel_size))
         result["load_s"].append(round(time.monotonic() - t0, 1))
         result.setdefault("num_blocks", {})[phase] = engine.block_manager.num_blocks
         spec = engine.speculator
