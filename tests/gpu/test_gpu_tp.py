@@ -115,10 +115,11 @@ def _all_reduce_rank(rank: int, size: int, port: int, out) -> None:
             outs = [tp.all_reduce(x) for x in inputs]
         replays = []
         for _ in range(3):
-            for x in inputs:
-                x.copy_(new(x.shape, x.dtype))
-            graph.replay()
-            replays.append([(o - nccl(x)).abs().max().item() for x, o in zip(inputs, outs)])
+            parts = [new(x.shape, x.dtype) for x in inputs]
+            for x, part in zip(inputs, parts):
+                x.copy_(part)
+            graph.replay()  # (NCCL's, past the buffer, sums its input in place: compare with the parts kept)
+            replays.append([(o - nccl(part)).abs().max().item() for part, o in zip(parts, outs)])
         torch.cuda.synchronize()
         if rank == 0:
             out.put(("all-reduce", served, eager, replays))
