@@ -17,6 +17,7 @@ import statistics
 GRAPH_OPS = 32
 WARMUP = 5
 REPLAYS = 50
+TIMEOUT_S = 300  # for rank 0's report (a rank that fails ends the wait at once)
 
 
 def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
@@ -84,20 +85,23 @@ def measure(size: int, sizes: list[int]) -> dict:
     nccl_over_custom}]} at `size` ranks, processes of their own on cuda:0..size-1."""
     import multiprocessing as mp
 
-    from benchmarks.shared.common import free_port
+    from benchmarks.shared.common import free_port, wait_for_report
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     ranks = [ctx.Process(target=_rank, args=(r, size, port, sizes, out)) for r in range(size)]
     for p in ranks:
         p.start()
+    done = False
     try:
-        _, rows, custom = out.get(timeout=300)
+        _, rows, custom = wait_for_report(ranks, out, TIMEOUT_S)
+        done = True
     finally:
         for p in ranks:
-            p.join(60)
+            p.join(60 if done else 0)  # a failed rank leaves the others waiting in a collective for good
             if p.is_alive():
                 p.kill()
     if any(p.exitcode for p in ranks):
         raise RuntimeError(f"all-reduce microbenchmark: rank exit codes {[p.exitcode for p in ranks]}")
     return {"tp": size, "graph_ops": GRAPH_OPS, "replays": REPLAYS, "custom": custom, "rows": rows}
+

@@ -30,7 +30,8 @@ goals of issue 50: Llama-3.1-8B, TPOT at TP=2 <= 0.6 x TP=1's; Llama-3.1-70B at 
 its floor (35.3 GB a rank: 11.8 ms).
 
 Writes <out-dir>/tp_<shape>_<gpu>.json: {device, torch, triton, date, command, shape, hbm_tbps,
-all_reduce: [{tp, graph_ops, replays, custom, rows: [{bytes, nccl_us, custom_us, nccl_over_custom}]}],
+all_reduce: [{tp, graph_ops, replays, custom, rows: [{bytes, nccl_us, custom_us, nccl_over_custom}]}
+(or {tp, error, rows: []} where it failed)],
 rows: [{impl, tp, custom_all_reduce, start_s, tpot_ms, tpot_runs_ms, floor_ms, tpot_over_floor,
 load: [load_test rows], offline: {requests, tokens, seconds, tokens_per_s}}], goals: [...]},
 rewritten after every row.
@@ -169,6 +170,9 @@ def report(result: dict) -> str:
     for g in result.get("goals", []):
         lines.append(f"\nGoal: {g['goal']}: {g['ratio']} ({'met' if g['met'] else 'not met'}).")
     for micro in result.get("all_reduce", []):
+        if "error" in micro:
+            lines.append(f"\nOne all-reduce at TP={micro['tp']}: failed ({micro['error']}).")
+            continue
         lines += [f"\nOne all-reduce at TP={micro['tp']}, bf16, median of CUDA-graph replays (us):", "",
                   "| bytes | NCCL | custom | NCCL / custom |", "|---|---|---|---|"]
         lines += [f"| {r['bytes']:,} | {r['nccl_us']} | {r.get('custom_us', '-')} | {r.get('nccl_over_custom', '-')} |"
@@ -217,7 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         result["all_reduce"] = []
         for tp in sorted({t for t in args.tp_sizes if t > 1}):
-            micro = measure(tp, args.all_reduce_bytes)
+            try:
+                micro = measure(tp, args.all_reduce_bytes)
+            except RuntimeError as e:  # (the servers' rows still run: each falls back or fails on its own)
+                micro = {"tp": tp, "error": str(e), "rows": []}
+                print(f"  all-reduce tp={tp}: {e}", flush=True)
             result["all_reduce"].append(micro)
             for r in micro["rows"]:
                 print(f"  all-reduce tp={tp} {r['bytes']:>8} B: NCCL {r['nccl_us']:.1f} us, custom "

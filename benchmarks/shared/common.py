@@ -55,6 +55,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_report(ranks, out, timeout: float, poll: float = 1.0):
+    """The next item a group of spawned ranks (multiprocessing Processes) puts on `out`;
+    RuntimeError as soon as a rank has exited with an error (the others then wait in a collective
+    that never completes; looked at every `poll` seconds) or after `timeout` seconds."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return out.get(timeout=poll)
+        except queue.Empty:
+            codes = [p.exitcode for p in ranks]
+            if any(codes) or time.monotonic() > deadline:
+                raise RuntimeError(f"no report from the ranks (exit codes {codes})") from None
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default) of an already sorted list; q in [0, 100]."""
     if not sorted_values:

@@ -3,6 +3,8 @@ TP 1 and 4, ran on the CPU with `--device cpu` when it was written; on a GPU it 
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import make_report
 from benchmarks.scaleout import bench_tp
 
@@ -43,3 +45,26 @@ def test_both_all_reduces_are_rows_of_their_own_each_judged_and_the_microbenchma
     text = bench_tp.report({"rows": rows, "goals": [nccl, custom], "all_reduce": [micro]})
     assert "| 2 | NCCL | 4.33 |" in text and "| 2 | custom | 3.70 |" in text and "| 1 | - | 6.32 |" in text
     assert "| 8,192 | 21.5 | 6.1 | 3.52 |" in text and "| 4,194,304 | 60.0 | - | - |" in text
+
+
+def test_a_failed_all_reduce_microbenchmark_ends_its_wait_at_once_and_is_reported():
+    """A rank of the microbenchmark that fails leaves the others in a collective for good: the wait
+    for rank 0's report ends when a rank has exited with an error (not after its 300 s), and
+    bench_tp reports the failure and goes on to its servers."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    from benchmarks.shared.common import wait_for_report
+
+    out = queue.Queue()
+    ranks = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]
+    out.put(("rows", [], True))
+    assert wait_for_report(ranks, out, 300) == ("rows", [], True)
+    ranks[1].exitcode = 1
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exit codes \[None, 1\]"):
+        wait_for_report(ranks, out, 300, poll=0.01)
+    assert time.monotonic() - t0 < 1
+    text = bench_tp.report({"rows": [_row(1, 6.32, 5.35)], "all_reduce": [{"tp": 2, "error": "no report", "rows": []}]})
+    assert "One all-reduce at TP=2: failed (no report)." in text
