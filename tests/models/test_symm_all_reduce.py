@@ -184,9 +184,12 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
         assert start(0, 2, dev, "0", _agree(answers), lambda: [0, 1]) is None
     assert answers == [True, False]  # the failing rank still joins the second agreement
     assert "set-up failed on rank 0" in caplog.text and "CUDA IPC unavailable" in caplog.text
-    answers = []  # it failed elsewhere: this rank's own set-up is dropped
+    answers = []  # every rank reaches its peers, but the set-up failed elsewhere: this rank's own is dropped
     monkeypatch.setattr(symm_all_reduce, "_register", lambda device, name, nbytes: made)
-    assert start(0, 2, dev, "0", _agree(answers, others=False), lambda: [0, 1]) is None and answers == [True]
+    others = iter([True, False])  # the other ranks' answers to the two agreements
+    agree = _agree(answers)
+    assert start(0, 2, dev, "0", lambda ok: agree(ok) and next(others), lambda: [0, 1]) is None
+    assert answers == [True, True]
 
 
 def test_init_sets_it_up_with_the_flag_at_two_ranks_or_more(monkeypatch):
