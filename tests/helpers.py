@@ -192,27 +192,31 @@ def run_ranks(target, size: int, args: tuple, reports: int) -> dict:
     non-zero. Items are numpy, not tensors: a torch queue shares a tensor's storage through a
     descriptor the rank must outlive, and the ranks exit before the test reads everything."""
     import multiprocessing as mp
-    import queue
 
     import pytest
 
-    from benchmarks.shared.common import free_port
+    from benchmarks.shared.common import free_port, wait_for_report
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     ranks = [ctx.Process(target=target, args=(r, size, port, *args, out)) for r in range(size)]
     for p in ranks:
         p.start()
-    got = {}
+    got, failed = {}, False
     try:
         while len(got) < reports:
-            item = out.get(timeout=300)
+            try:
+                item = wait_for_report(ranks, out, 300)  # (a rank that fails ends the wait at once)
+            except RuntimeError as e:
+                failed = True
+                pytest.fail(f"the ranks reported {sorted(got)} only: {e}")
             got[item[0]] = item[1:]
-    except queue.Empty:
-        pytest.fail(f"the ranks reported {sorted(got)} only")
     finally:
         for p in ranks:
-            p.join(60)
+            p.join(0 if failed else 60)  # after a failure the others may wait in a collective for good
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert [p.exitcode for p in ranks] == [0] * size
     return got
 
