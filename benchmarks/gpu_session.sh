@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
+#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -130,10 +130,13 @@ for step in "${@:-tests throughput prefix}"; do
       # the Llama-3.1-8B shape at an oracle's acceptance (issues 48 + 50); tp4 (four GPUs): the
       # Llama-3.1-70B shape at TP=4 (dummy weights): batch-1 TPOT against its floor, the load test's
       # levels, offline throughput.
+      # tp2: the micro-benchmark and three servers (each start took 44-67 s) fill a call alone; the
+      # custom all-reduce's GPU tests are tp2ar, a call of their own on the same warm machine
       tp2)
-        timeout 330 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
-          --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1
-        timeout 240 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
+        timeout 560 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1 ;;
+      tp2ar)
+        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_custom_all_reduce_tests.log" | tail -8 || status=1 ;;
       tp2tests)
         timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized and not all_reduce and not speculation" \
