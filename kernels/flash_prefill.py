@@ -108,7 +108,11 @@ class PrefillConfig(NamedTuple):
     whose prefix they all stream); a scheduling choice only, the outputs are the same bits.
     prefix_n: keys per tile of the paged-prefix loop (None: block_n; a power of two >= 16).
     prefix_split: the prefix's whole tiles in an unmasked loop, the last partial one masked (the
-    same bits as one masked loop at the same prefix_n)."""
+    same bits as one masked loop at the same prefix_n).
+    prefix_ids: how the prefix loop reads page ids: "load" (tl.load) or "asm" (an inline ld.global
+    Triton's pipeliner cannot turn into an async copy, so the K/V gathers stay pipelined; see the
+    prefix loop in kernels/flash_prefill_kernels.py); the same bits. Under the interpreter "asm"
+    runs the same addressing through tl.load (no inline assembly there)."""
 
     block_m: int
     block_n: int
@@ -121,9 +125,11 @@ class PrefillConfig(NamedTuple):
     order: str = "heads_fastest"
     prefix_n: int | None = None
     prefix_split: bool = False
+    prefix_ids: str = "load"
 
 
 ORDERS = ("heads_fastest", "tiles_fastest")
+PREFIX_IDS = ("load", "asm")
 
 
 # Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/kernels/bench_prefill.py --sweep; numbers
@@ -162,12 +168,12 @@ _GQA_TILES = {128: [(8192, (64, 8, 2, True, 128, 1)), (_INF, (128, 8, 3, True, N
 _PREFIX_TILE = (64, 8, 3, True, None)
 # Tensors a descriptor cannot cover (padded head_dim, strided heads): pointer loads.
 _POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
-# Program order, prefix tile width and split (PrefillConfig.order / prefix_n / prefix_split): the
-# tables pick none of the alternatives; all unmeasured (benchmarks/kernels/bench_prefill_chunks.py
-# times each). tiles_fastest would keep a long prefix's keys in L2 (one or two kv heads' instead of all
-# eight on the Llama-3.1-8B shape), but in prefill_chunks_h100.json the prefix loop (a chunk's time
-# less the prefix-free chunk's, same config) ran at ~240 TFLOP/s over 8k of prefix (fits the 50 MB L2)
-# and 24k (does not) alike, which points at the loop itself rather than L2.
+# Program order, prefix tile width, split and id load (PrefillConfig.order / prefix_n / prefix_split /
+# prefix_ids): the tables pick none yet; all unmeasured (bench_prefill_chunks.py times each). In
+# prefill_chunks_h100.json the prefix loop (a chunk's time less the prefix-free chunk's) ran at ~240
+# TFLOP/s over 8k of prefix (fits the 50 MB L2) and 24k (does not) alike: not L2 (tiles_fastest's
+# case) but the loop itself, whose K/V gathers the id load keeps from pipelining (prefix_ids "asm"
+# fixes that in the compiled IR: benchmarks/kernels/prefill_ir.py).
 # Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
 # descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
 _INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32
@@ -324,6 +330,10 @@ def flash_prefill(
     prefix_n = cfg.prefix_n or cfg.block_n
     if prefix_n < 16 or prefix_n & (prefix_n - 1):
         raise ValueError(f"{cfg}: prefix_n must be a power of two >= 16")
+    if cfg.prefix_ids not in PREFIX_IDS:
+        raise ValueError(f"{cfg}: prefix_ids must be one of {PREFIX_IDS}")
+    # The asm id load reads each row's first block-table entry even where no prefix is read.
+    asm_ids = has_prefix and cfg.prefix_ids == "asm" and block_tables.shape[1] > 0
     if tiles is not None:
         if positions != map_positions:
             raise ValueError("a tile map needs the positions per tile that block_m() reports")
@@ -357,6 +367,7 @@ def flash_prefill(
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
         TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n, KV_FP8=fp8,
         TILES_FASTEST=tiles_fastest, PREFIX_N=prefix_n, PREFIX_SPLIT=bool(cfg.prefix_split),
+        PREFIX_ASM_IDS=asm_ids and not _interpreting(), PREFIX_CLAMP_IDS=asm_ids,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

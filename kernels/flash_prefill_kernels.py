@@ -57,18 +57,30 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
                  stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, v_scale=1.0, KV_FP8: tl.constexpr = False,
-                 BOUND: tl.constexpr = True):
+                 BOUND: tl.constexpr = True, CLAMP_IDS: tl.constexpr = False, ASM_IDS: tl.constexpr = False):
     """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
     every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
     and block-table entries past the last used block from being read. BOUND False: the caller
     knows the whole tile lies inside the prefix (PrefillConfig.prefix_split), so the loads and
-    scores go unmasked (the same values: every key was kept anyway). KV_FP8: the tiles are fp8,
-    cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's scale."""
+    scores go unmasked (the same values: every key was kept anyway). CLAMP_IDS (PrefillConfig.
+    prefix_ids "asm"): keys past the prefix read the row's first page id instead of a masked one,
+    and with ASM_IDS (on the GPU) through an inline ld.global, which Triton's pipeliner leaves alone
+    (its prologue runs it unpredicated for tiles past the loop's end too: the host makes sure that
+    first entry exists); their K/V loads stay masked.
+    KV_FP8: the tiles are fp8, cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's
+    scale."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     n_ok = pos < prefix_len  # (unused where not BOUND)
-    if not BOUND:
+    if CLAMP_IDS:
+        ids = bt_row + tl.where(n_ok, pos // CACHE_BLOCK, 0)
+        if ASM_IDS:
+            blk = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ids], dtype=tl.int32,
+                                            is_pure=True, pack=1).to(tl.int64)
+        else:
+            blk = tl.load(ids).to(tl.int64)
+    elif not BOUND:
         blk = tl.load(bt_row + pos // CACHE_BLOCK).to(tl.int64)
     else:
         blk = tl.load(bt_row + pos // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
@@ -158,6 +170,7 @@ def _flash_prefill_kernel(
     UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
     DIAG: tl.constexpr, DIAG_N: tl.constexpr, KV_FP8: tl.constexpr,
     TILES_FASTEST: tl.constexpr, PREFIX_N: tl.constexpr, PREFIX_SPLIT: tl.constexpr,
+    PREFIX_CLAMP_IDS: tl.constexpr, PREFIX_ASM_IDS: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
     # Program order (PrefillConfig.order). Default: grid axis 0 is the head group, the fastest-varying
@@ -232,6 +245,10 @@ def _flash_prefill_kernel(
             v_scale = tl.load(V_SCALE + kv_head)
         # PREFIX_N keys per tile (PrefillConfig.prefix_n; BLOCK_N by default). PREFIX_SPLIT: the
         # whole tiles [0, prefix_full) go through an unmasked loop, then the last partial one masked.
+        # PREFIX_ASM_IDS: with tl.load, Triton (3.9's IR, sm_90) pipelines the page-id load too, as an
+        # async copy committed after the K/V copies of the tiles ahead, so each iteration waits for
+        # every copy in flight (async_wait num = 0) and each gather's latency is exposed; through
+        # the opaque load the K/V copies stay num_stages - 1 deep (num = 2), as in the new-token loops.
         prefix_full = 0
         if PREFIX_SPLIT:
             prefix_full = (prefix_len // PREFIX_N) * PREFIX_N
@@ -242,12 +259,13 @@ def _flash_prefill_kernel(
                     acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base,
                                                  vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
                                                  PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
-                                                 False)
+                                                 False, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
                     start_n += PREFIX_N
             while start_n < prefix_len:
                 acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
-                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
+                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                             True, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
                 start_n += PREFIX_N
         else:
             if PREFIX_SPLIT:
@@ -255,11 +273,12 @@ def _flash_prefill_kernel(
                     acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base,
                                                  vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
                                                  PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
-                                                 False)
+                                                 False, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
             for start_n in range(prefix_full, prefix_len, PREFIX_N):
                 acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
-                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
+                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                             True, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
 
     # Two key loops, [0, lo) in BLOCK_N tiles, then [lo, hi) in DIAG_N tiles (masked, and bounded
     # by the sequence's end); keys after the tile's last position are never visited. The first

@@ -16,9 +16,9 @@ new tokens whose keys are the chunk's own (causal) plus the i·C before it, read
 - *_tiles_fastest: the same two with PrefillConfig.order "tiles_fastest" (the query tiles vary fastest
   in the grid, so the programs resident at once stream one or two kv heads' prefix, not all eight:
   the L2 hypothesis of issue 45), the same output bits;
-- flashpage_split / _prefix_n32 / _prefix_n128 / _stages4 (chunks with a prefix): the paged prefix
-  loop's own options (PrefillConfig.prefix_split, prefix_n, num_stages), default order; one the GPU
-  cannot compile is skipped with a line saying why;
+- flashpage_split / _prefix_n32 / _prefix_n128 / _stages4 / _asm_ids* (chunks with a prefix): the paged
+  prefix loop's own options (PrefillConfig.prefix_split, prefix_n, num_stages, prefix_ids), see
+  PREFIX_OPTIONS; one the GPU cannot compile is skipped with a line saying why;
 - vllm_fa3 (only where vLLM's site is importable, VLLM_SITE): vLLM's FlashAttention-3
   `flash_attn_varlen_func` with the same block table, what `vllm serve` runs on Hopper;
 and one whole-prompt row per impl (the prompt in one call, the cuDNN SDPA backend as the contiguous
@@ -45,9 +45,14 @@ SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B'
 SMOKE = dict(heads=4, kv_heads=2, head_dim=16, block_size=4)
 # The paged prefix loop's options (kernels/flash_prefill.py PrefillConfig; the table's prefix tile is
 # 64 keys wide, 3 stages): unmasked whole tiles, narrower and wider tiles, a deeper pipeline for the
-# gathers (the whole launch's num_stages).
+# gathers (the whole launch's num_stages), and the page ids through an inline load ("asm": the K/V
+# gathers then stay pipelined, see benchmarks/kernels/prefill_ir.py) alone and with the others.
+ASM = {"prefix_ids": "asm"}
 PREFIX_OPTIONS = {"flashpage_split": {"prefix_split": True}, "flashpage_prefix_n32": {"prefix_n": 32},
-                  "flashpage_prefix_n128": {"prefix_n": 128}, "flashpage_stages4": {"num_stages": 4}}
+                  "flashpage_prefix_n128": {"prefix_n": 128}, "flashpage_stages4": {"num_stages": 4},
+                  "flashpage_asm_ids": ASM, "flashpage_asm_ids_stages4": {**ASM, "num_stages": 4},
+                  "flashpage_asm_ids_n128": {**ASM, "prefix_n": 128},
+                  "flashpage_asm_ids_tiles_fastest": {**ASM, "order": "tiles_fastest"}}
 
 
 def chunk_flops(start: int, n: int, heads: int, d: int) -> float:
