@@ -245,10 +245,11 @@ def _flash_prefill_kernel(
             v_scale = tl.load(V_SCALE + kv_head)
         # PREFIX_N keys per tile (PrefillConfig.prefix_n; BLOCK_N by default). PREFIX_SPLIT: the
         # whole tiles [0, prefix_full) go through an unmasked loop, then the last partial one masked.
-        # PREFIX_ASM_IDS: with tl.load, Triton (3.9's IR, sm_90) pipelines the page-id load too, as an
-        # async copy committed after the K/V copies of the tiles ahead, so each iteration waits for
-        # every copy in flight (async_wait num = 0) and each gather's latency is exposed; through
-        # the opaque load the K/V copies stay num_stages - 1 deep (num = 2), as in the new-token loops.
+        # PREFIX_ASM_IDS: with tl.load, Triton (3.6 and 3.9, sm_90) pipelines the page-id load too, as
+        # an async copy committed after the K/V copies of the tiles ahead, so each iteration waits for
+        # every copy in flight (async_wait num = 0) and each gather's latency is exposed; through the
+        # opaque load the K/V copies of the next tile stay in flight (num = 2, as in the new-token
+        # pointer loops). benchmarks/kernels/prefill_ir.py prints it.
         prefix_full = 0
         if PREFIX_SPLIT:
             prefix_full = (prefix_len // PREFIX_N) * PREFIX_N

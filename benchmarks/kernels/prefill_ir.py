@@ -1,18 +1,18 @@
 """The flash prefill kernel compiled ahead of time for sm_90 on any machine (no GPU needed): how deep
 each key loop's async copies stay in flight, and the registers and spills ptxas reports.
 
-    python -m benchmarks.kernels.prefill_ir [--configs default asm split ...]
+    python -m benchmarks.kernels.prefill_ir [--configs default asm split ...] [--pointers]
 
 Issue 45's paged-prefix chunks run at ~240 TFLOP/s where the contiguous kernel runs at ~580. Compiled
-here (triton 3.6 and 3.9 alike, the Llama-3.1-8B shape: 128-row tiles of 4 heads, head_dim 128, the
-engine's 128x64 prefix tile, 3 stages), the prefix loop waits for every copy in flight at the top of
-each iteration (`async_wait {num = 0}`), because Triton pipelines the page-id load as an async copy
-committed after the K/V copies of the tiles ahead; the new-token loops wait with num = 2 (two tiles
-ahead stay in flight). With PrefillConfig.prefix_ids "asm" (the ids through an inline ld.global) the
-prefix loop waits with num = 2 too. A compile-time fact, not a timing: bench_prefill_chunks.py has
-the rows that say what it is worth. Each config prints one line per key loop (prefix, then the
-new-token loops), then registers / spills / shared memory. Needs triton's NVIDIA backend (its
-bundled ptxas), not a GPU; the new-token K/V go through pointers here (descriptors need a device).
+here (triton 3.6 and 3.9 alike, the engine's launch on the Llama-3.1-8B shape: 128-row tiles of 4
+heads, head_dim 128, 128x64 tiles, 3 stages, new-token K/V through TMA descriptors), the prefix loop
+waits for every copy in flight at the top of each iteration (`async_wait {num = 0}`), because Triton
+pipelines the page-id load as an async copy committed after the K/V copies of the tiles ahead. With
+PrefillConfig.prefix_ids "asm" (the ids through an inline ld.global) it waits with num = 2: two tiles
+ahead stay in flight, as in the new-token loops when they too go through pointers (--pointers shows
+them). A compile-time fact, not a timing: bench_prefill_chunks.py has the rows that say what it is
+worth. Each config prints the depth of each cp.async loop (the prefix loop first), then registers,
+spills and shared memory. Needs triton's NVIDIA backend (its bundled ptxas), not a GPU.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ CONFIGS = {
     "asm_stages4": ({"PREFIX_CLAMP_IDS": True, "PREFIX_ASM_IDS": True}, {"num_stages": 4}),
 }
 BASE = dict(HEAD_DIM=128, GROUP=4, PACK=4, CACHE_BLOCK=16, HAS_PREFIX=True, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
-            UPCAST_DOT=False, WHILE_LOOPS=False, TILE_MAP=False, USE_TMA=False, DIAG=0, DIAG_N=64, KV_FP8=False,
+            UPCAST_DOT=False, WHILE_LOOPS=False, TILE_MAP=False, USE_TMA=True, DIAG=0, DIAG_N=64, KV_FP8=False,
             TILES_FASTEST=False, PREFIX_N=64, PREFIX_SPLIT=False, PREFIX_CLAMP_IDS=False, PREFIX_ASM_IDS=False,
-            K_DESC=None, V_DESC=None, K_DESC_D=None, V_DESC_D=None)
+            K_DESC_D=None, V_DESC_D=None)  # (the diagonal's own descriptors only where DIAG_N != BLOCK_N)
 
 
-def compile_config(constexprs: dict, options: dict):
+def compile_config(constexprs: dict, options: dict, pointers: bool = False):
     """The kernel for sm_90 with the launcher's specialisations (16-aligned pointers, strides
-    multiples of 16 but the block-table row stride)."""
+    multiples of 16 but the block-table row stride); pointers: new-token K/V through pointers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,10 +50,14 @@ def compile_config(constexprs: dict, options: dict):
 
     names = _flash_prefill_kernel.arg_names
     const = {**BASE, **constexprs}
+    if pointers:
+        const.update(USE_TMA=False, K_DESC=None, V_DESC=None)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in const:
             sig[n] = "constexpr"
+        elif n in ("K_DESC", "V_DESC"):
+            sig[n] = "tensordesc<bf16[64, 128]>"  # BLOCK_N x head_dim tiles of [tokens, kv_heads * head_dim]
         elif n in ("Q", "K", "V", "O", "K_CACHE", "V_CACHE"):
             sig[n] = "*bf16"
         elif n.isupper():
@@ -103,17 +107,19 @@ def ptxas_info(ptx: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["default", "asm"], choices=list(CONFIGS))
+    ap.add_argument("--pointers", action="store_true", help="new-token K/V through pointers (cp.async loops too)")
     args = ap.parse_args(argv)
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("prefill_ir compiles for the GPU: run it in a process without TRITON_INTERPRET")
     os.environ.pop("TRITON_INTERPRET", None)  # before the kernel module's first import: a real compile
     import triton
 
-    print(f"triton {triton.__version__}, sm_90, head_dim 128, 128 rows of 4 heads, prefix tile 64 keys")
+    print(f"triton {triton.__version__}, sm_90, head_dim 128, 128 rows of 4 heads, prefix tile 64 keys, new-token "
+          f"K/V through {'pointers' if args.pointers else 'TMA'}")
     for name in args.configs:
-        k = compile_config(*CONFIGS[name])
+        k = compile_config(*CONFIGS[name], pointers=args.pointers)
         waits = loop_waits(k.asm["ttgir"])
-        print(f"{name}: async_wait depth per key loop (prefix first) {', '.join(waits)}; "
+        print(f"{name}: async_wait depth per cp.async loop (prefix first) {', '.join(waits)}; "
               f"{ptxas_info(k.asm['ptx'])}; {k.metadata.shared // 1024} KiB shared", flush=True)
 
 
