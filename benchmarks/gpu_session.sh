@@ -170,10 +170,16 @@ for step in "${@:-tests throughput prefix}"; do
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
       # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
-      # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh)
+      # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh). First the
+      # prefix loop's pipelining depth in this triton's IR, the program orders and prefix-loop options
+      # compiled for real (the default's bits in each), then the benchmark times them all (a dozen
+      # variants to compile, hence its longer limit)
       prefill-chunks)
-        timeout 300 python3 -m benchmarks.kernels.bench_prefill_chunks --out-dir "$OUT" 2>&1 | tee "$OUT/prefill_chunks.log" \
-          | tail -20 || status=1 ;;
+        timeout 30 python3 -m benchmarks.kernels.prefill_ir 2>&1 | tee "$OUT/prefill_ir.log" | tail -3 || status=1
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_flash_prefill_order.py 2>&1 \
+          | tee "$OUT/prefill_order_tests.log" | tail -5 || status=1
+        timeout 410 python3 -m benchmarks.kernels.bench_prefill_chunks --out-dir "$OUT" 2>&1 | tee "$OUT/prefill_chunks.log" \
+          | tail -60 || status=1 ;;
       profile)
         for n in 1 4; do
           python3 -m benchmarks.profiling.profile_server --server-args "--api-server-count $n" --label "api$n" \

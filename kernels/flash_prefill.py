@@ -33,7 +33,9 @@ heads of one GQA group x BLOCK_M / PACK positions (PackGQA), so each K/V tile is
 the PACK heads; the causal mask compares each row's own position. PACK (1 for MHA) and the tile
 shapes are picked per launch from host shapes only (head_dim, max_seqlen, group, prefix or not),
 never from tensor values. Grid: (head groups, query tiles of the longest run, sequences), the
-heaviest tiles first; programs past their sequence's end do no work and write nothing.
+heaviest tiles first; programs past their sequence's end do no work and write nothing. With
+PrefillConfig.order "tiles_fastest" the first two axes swap (query tiles vary fastest); the
+outputs are the same bits either way.
 
 Masking: cache slots past prefix_lens[s] (and block-table entries past the last used block) are
 never read: those loads are masked with other=0 *and* their scores set to -inf, so NaN or garbage
@@ -100,7 +102,17 @@ class PrefillConfig(NamedTuple):
     diag: 0 = an unmasked loop of BLOCK_N-key tiles up to start_m rounded down to BLOCK_N, then
     the diagonal in masked BLOCK_N-key tiles; 1 = the same, but the diagonal loop steps
     min(BLOCK_N, max(16, positions)) keys, so no key past the tile's last position is loaded (see
-    the key loops in kernels/flash_prefill_kernels.py)."""
+    the key loops in kernels/flash_prefill_kernels.py).
+    order: which grid axis varies fastest, "heads_fastest" (the head groups: the programs resident
+    at once span every kv head) or "tiles_fastest" (the query tiles: they span one or two kv heads,
+    whose prefix they all stream); a scheduling choice only, the outputs are the same bits.
+    prefix_n: keys per tile of the paged-prefix loop (None: block_n; a power of two >= 16).
+    prefix_split: the prefix's whole tiles in an unmasked loop, the last partial one masked (the
+    same bits as one masked loop at the same prefix_n).
+    prefix_ids: how the prefix loop reads page ids: "load" (tl.load) or "asm" (an inline ld.global
+    Triton's pipeliner cannot turn into an async copy, so the K/V gathers stay pipelined; see the
+    prefix loop in kernels/flash_prefill_kernels.py); the same bits. Under the interpreter "asm"
+    runs the same addressing through tl.load (no inline assembly there)."""
 
     block_m: int
     block_n: int
@@ -110,6 +122,14 @@ class PrefillConfig(NamedTuple):
     tma: bool = False
     maxnreg: int | None = None
     diag: int = 0
+    order: str = "heads_fastest"
+    prefix_n: int | None = None
+    prefix_split: bool = False
+    prefix_ids: str = "load"
+
+
+ORDERS = ("heads_fastest", "tiles_fastest")
+PREFIX_IDS = ("load", "asm")
 
 
 # Tables picked from sweeps on an H100 with triton 3.6 (benchmarks/kernels/bench_prefill.py --sweep; numbers
@@ -148,6 +168,12 @@ _GQA_TILES = {128: [(8192, (64, 8, 2, True, 128, 1)), (_INF, (128, 8, 3, True, N
 _PREFIX_TILE = (64, 8, 3, True, None)
 # Tensors a descriptor cannot cover (padded head_dim, strided heads): pointer loads.
 _POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
+# Program order, prefix tile width, split and id load (PrefillConfig.order / prefix_n / prefix_split /
+# prefix_ids): the tables pick none yet; all unmeasured (bench_prefill_chunks.py times each). In
+# prefill_chunks_h100.json the prefix loop (a chunk's time less the prefix-free chunk's) ran at ~240
+# TFLOP/s over 8k of prefix (fits the 50 MB L2) and 24k (does not) alike: not L2 (tiles_fastest's
+# case) but the loop itself, whose K/V gathers the id load keeps from pipelining (prefix_ids "asm"
+# fixes that in the compiled IR: benchmarks/kernels/prefill_ir.py).
 # Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
 # descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
 _INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32
@@ -238,11 +264,11 @@ def flash_prefill(
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    _config: tuple | None = None,
+    _config: tuple | dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed new tokens (+ optional paged prefix; an fp8 one with its scales
     k_scale, v_scale). See module docstring. ``_config`` (a PrefillConfig or its leading fields)
-    overrides the table (benchmark sweeps)."""
+    overrides the table, or (a dict) some of the picked config's fields (benchmark sweeps)."""
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -287,10 +313,11 @@ def flash_prefill(
     block_d = max(16, triton.next_power_of_2(head_dim))
     tma_ok = _tma_ok(q, k, v, head_dim, block_d)
     map_positions = block_m(head_dim, max_seqlen, q.device, group) if tiles is not None else None
-    if _config is not None:
+    if _config is not None and not isinstance(_config, dict):
         cfg = PrefillConfig(*_config)
     else:
         cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions)
+        cfg = cfg._replace(**(_config or {}))
     positions = cfg.block_m // cfg.pack
     if cfg.block_m % cfg.pack or group % cfg.pack or positions < 1:
         raise ValueError(f"{cfg}: pack must divide block_m and the GQA group {group}")
@@ -298,6 +325,15 @@ def flash_prefill(
         raise ValueError(f"{cfg}: these k/v cannot be read through descriptors")
     if cfg.diag not in (0, 1):
         raise ValueError(f"{cfg}: diag must be 0 or 1")
+    if cfg.order not in ORDERS:
+        raise ValueError(f"{cfg}: order must be one of {ORDERS}")
+    prefix_n = cfg.prefix_n or cfg.block_n
+    if prefix_n < 16 or prefix_n & (prefix_n - 1):
+        raise ValueError(f"{cfg}: prefix_n must be a power of two >= 16")
+    if cfg.prefix_ids not in PREFIX_IDS:
+        raise ValueError(f"{cfg}: prefix_ids must be one of {PREFIX_IDS}")
+    # The asm id load reads each row's first block-table entry even where no prefix is read.
+    asm_ids = has_prefix and cfg.prefix_ids == "asm" and block_tables.shape[1] > 0
     if tiles is not None:
         if positions != map_positions:
             raise ValueError("a tile map needs the positions per tile that block_m() reports")
@@ -308,8 +344,11 @@ def flash_prefill(
     else:
         tile_seq = tile_start = cu_seqlens  # never read (TILE_MAP is a compile-time False)
         grid = (num_heads // cfg.pack, triton.cdiv(max_seqlen, positions), num_seqs)
-    if grid[1] > 65535 or grid[2] > 65535:
+    if grid[1] > 65535 or grid[2] > 65535:  # (axes 1 and 2's limit; checked for either order alike)
         raise ValueError(f"grid {grid} too large: at most 65535 query tiles and sequences per launch")
+    tiles_fastest = cfg.order == "tiles_fastest"
+    if tiles_fastest:
+        grid = (grid[1], grid[0], grid[2])
     descs = (_descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n)) if cfg.tma else (None, None)
     diag_n = _diag_width(cfg)
     diag_descs = (_descriptor(k, diag_n), _descriptor(v, diag_n)) if cfg.tma and diag_n != cfg.block_n else (None, None)
@@ -327,6 +366,8 @@ def flash_prefill(
         UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
         TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n, KV_FP8=fp8,
+        TILES_FASTEST=tiles_fastest, PREFIX_N=prefix_n, PREFIX_SPLIT=bool(cfg.prefix_split),
+        PREFIX_ASM_IDS=asm_ids and not _interpreting(), PREFIX_CLAMP_IDS=asm_ids,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

@@ -56,28 +56,53 @@ def _online_softmax_step(acc, l_i, m_i, q, kT, v, qk_scale, keep, APPLY_MASK: tl
 def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base,
                  stride_kcb, stride_kct, stride_vcb, stride_vct, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, v_scale=1.0, KV_FP8: tl.constexpr = False):
+                 CACHE_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, v_scale=1.0, KV_FP8: tl.constexpr = False,
+                 BOUND: tl.constexpr = True, CLAMP_IDS: tl.constexpr = False, ASM_IDS: tl.constexpr = False):
     """Cached positions [start_n, start_n + BLOCK_N): every position < prefix_len is visible to
     every new query, so the only mask is the prefix bound, which also keeps unowned / NaN slots
-    and block-table entries past the last used block from being read. KV_FP8: the tiles are fp8,
-    cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's scale."""
+    and block-table entries past the last used block from being read. BOUND False: the caller
+    knows the whole tile lies inside the prefix (PrefillConfig.prefix_split), so the loads and
+    scores go unmasked (the same values: every key was kept anyway). CLAMP_IDS (PrefillConfig.
+    prefix_ids "asm"): keys past the prefix read the row's first page id instead of a masked one,
+    and with ASM_IDS (on the GPU) through an inline ld.global, which Triton's pipeliner leaves alone
+    (its prologue runs it unpredicated for tiles past the loop's end too: the host makes sure that
+    first entry exists); their K/V loads stay masked.
+    KV_FP8: the tiles are fp8, cast to fp16 (q is fp16_rows' and qk_scale per row), v_scale is V's
+    scale."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    n_ok = pos < prefix_len
-    blk = tl.load(bt_row + pos // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    n_ok = pos < prefix_len  # (unused where not BOUND)
+    if CLAMP_IDS:
+        ids = bt_row + tl.where(n_ok, pos // CACHE_BLOCK, 0)
+        if ASM_IDS:
+            blk = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ids], dtype=tl.int32,
+                                            is_pure=True, pack=1).to(tl.int64)
+        else:
+            blk = tl.load(ids).to(tl.int64)
+    elif not BOUND:
+        blk = tl.load(bt_row + pos // CACHE_BLOCK).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
     within = (pos % CACHE_BLOCK).to(tl.int64)
     k_off = blk * stride_kcb + within * stride_kct
     v_off = blk * stride_vcb + within * stride_vct
-    kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if not BOUND and BLOCK_D == HEAD_DIM:
+        kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None])
+        vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :])
+    elif not BOUND:
+        kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        kT = tl.load(kc_base + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        vv = tl.load(vc_base + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     # (if/else, not an early return: Triton compiles the statements after a static return too)
     if KV_FP8:
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, dequantize(kT, tl.float16), dequantize(vv, tl.float16),
-                                             qk_scale, n_ok[None, :], True, UPCAST_DOT, v_scale, True)
+                                             qk_scale, n_ok[None, :], BOUND, UPCAST_DOT, v_scale, True)
     else:
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kT.to(q.dtype), vv.to(q.dtype), qk_scale,
-                                             n_ok[None, :], True, UPCAST_DOT)
+                                             n_ok[None, :], BOUND, UPCAST_DOT)
     return acc, l_i, m_i
 
 
@@ -144,23 +169,38 @@ def _flash_prefill_kernel(
     HAS_PREFIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
     DIAG: tl.constexpr, DIAG_N: tl.constexpr, KV_FP8: tl.constexpr,
+    TILES_FASTEST: tl.constexpr, PREFIX_N: tl.constexpr, PREFIX_SPLIT: tl.constexpr,
+    PREFIX_CLAMP_IDS: tl.constexpr, PREFIX_ASM_IDS: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
-    # Grid axis 0 is the head group, the fastest-varying one: programs launched together take the
-    # same query tile of every head, so the heaviest tiles of all heads run first (tail balance) and
-    # the heads sharing a kv head stream the same K/V at about the same time (L2 hits).
-    head0 = tl.program_id(0) * PACK
+    # Program order (PrefillConfig.order). Default: grid axis 0 is the head group, the fastest-varying
+    # one: programs launched together take the same query tile of every head, so the heaviest tiles
+    # of all heads run first (tail balance) and the heads sharing a kv head stream the same K/V at
+    # about the same time (L2 hits). TILES_FASTEST swaps axes 0 and 1: the programs resident at once
+    # are query tiles of one or two head groups, i.e. of one or two kv heads, so the keys they all
+    # stream (a long prefix above all) are one or two kv heads' rather than every kv head's; the
+    # heaviest tiles still run first within each head group. Which program does what is unchanged,
+    # and so is every output bit.
+    if TILES_FASTEST:
+        group_id = tl.program_id(1)
+        tile_id = tl.program_id(0)
+        num_tile_ids = tl.num_programs(0)
+    else:
+        group_id = tl.program_id(0)
+        tile_id = tl.program_id(1)
+        num_tile_ids = tl.num_programs(1)
+    head0 = group_id * PACK
     # No early return for programs without work (idle tile-map entries, tiles past their
     # sequence's end): they run empty loops and a fully masked store instead. Measured that way
     # on the H100; it also keeps the kernel free of the branches Triton's Hopper warp
     # specialization rejects.
     if TILE_MAP:  # the host listed (sequence, first position) per query tile; seq -1 = an idle program
-        seq = tl.load(TILE_SEQ + tl.program_id(1))
-        start_m = tl.load(TILE_START + tl.program_id(1))
+        seq = tl.load(TILE_SEQ + tile_id)
+        start_m = tl.load(TILE_START + tile_id)
         busy = seq >= 0
         seq = tl.maximum(seq, 0)
     else:
-        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * P  # heaviest (last) tiles first
+        start_m = (num_tile_ids - 1 - tile_id) * P  # heaviest (last) tiles first
         seq = tl.program_id(2)
         busy = True
     seq_start = tl.load(CU_SEQLENS + seq)
@@ -203,18 +243,43 @@ def _flash_prefill_kernel(
             q_prefix, q_up = fp16_rows(q)
             prefix_scale = qk_scale * tl.load(K_SCALE + kv_head) * q_up
             v_scale = tl.load(V_SCALE + kv_head)
+        # PREFIX_N keys per tile (PrefillConfig.prefix_n; BLOCK_N by default). PREFIX_SPLIT: the
+        # whole tiles [0, prefix_full) go through an unmasked loop, then the last partial one masked.
+        # PREFIX_ASM_IDS: with tl.load, Triton (3.6 and 3.9, sm_90) pipelines the page-id load too, as
+        # an async copy committed after the K/V copies of the tiles ahead, so each iteration waits for
+        # every copy in flight (async_wait num = 0) and each gather's latency is exposed; through the
+        # opaque load the K/V copies of the next tile stay in flight (num = 2, as in the new-token
+        # pointer loops). benchmarks/kernels/prefill_ir.py prints it.
+        prefix_full = 0
+        if PREFIX_SPLIT:
+            prefix_full = (prefix_len // PREFIX_N) * PREFIX_N
         if WHILE_LOOPS:
             start_n = 0
+            if PREFIX_SPLIT:
+                while start_n < prefix_full:
+                    acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base,
+                                                 vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
+                                                 PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                                 False, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
+                    start_n += PREFIX_N
             while start_n < prefix_len:
                 acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
-                start_n += BLOCK_N
+                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                             True, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
+                start_n += PREFIX_N
         else:
-            for start_n in range(0, prefix_len, BLOCK_N):
+            if PREFIX_SPLIT:
+                for start_n in range(0, prefix_full, PREFIX_N):
+                    acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base,
+                                                 vc_base, stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
+                                                 PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                                 False, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
+            for start_n in range(prefix_full, prefix_len, PREFIX_N):
                 acc, l_i, m_i = _prefix_tile(acc, l_i, m_i, q_prefix, start_n, prefix_len, bt_row, kc_base, vc_base,
                                              stride_kcb, stride_kct, stride_vcb, stride_vct, prefix_scale,
-                                             BLOCK_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8)
+                                             PREFIX_N, BLOCK_D, HEAD_DIM, CACHE_BLOCK, UPCAST_DOT, v_scale, KV_FP8,
+                                             True, PREFIX_CLAMP_IDS, PREFIX_ASM_IDS)
 
     # Two key loops, [0, lo) in BLOCK_N tiles, then [lo, hi) in DIAG_N tiles (masked, and bounded
     # by the sequence's end); keys after the tile's last position are never visited. The first

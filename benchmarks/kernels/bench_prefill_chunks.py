@@ -7,13 +7,23 @@ TTFT 1,747 ms against vLLM's 1,240; at 8k the two tie), this times the attention
 For a prompt of N tokens cut into chunks of C (the engine's --max-num-batched-tokens), chunk i is C
 new tokens whose keys are the chunk's own (causal) plus the i·C before it, read from a paged KV cache
 (block 16, blocks in a shuffled order as a long-running server's are). Rows, per chunk:
-- flashpage: kernels/flash_prefill.py with the paged prefix, as the engine calls it;
-- flashpage_contiguous: the same queries over the same keys with the prefix passed as new tokens of
-  one sequence (no page table; only the last C queries' outputs are kept), the kernel's contiguous path;
+- flashpage: kernels/flash_prefill.py with the paged prefix, as the engine calls it (the first chunk,
+  no prefix yet, without the cache, as the engine's has_prefix does);
+- flashpage_contiguous: the whole prompt so far (i·C + C tokens, no page table) in one call, only the
+  last C queries' outputs kept: the kernel's contiguous path over the same keys, but it also runs the
+  i·C earlier queries, so its `tflops` (the chunk's useful work) understates it; `tflops_run` counts
+  the work it ran;
+- *_tiles_fastest: the same two with PrefillConfig.order "tiles_fastest" (the query tiles vary fastest
+  in the grid, so the programs resident at once stream one or two kv heads' prefix, not all eight:
+  the L2 hypothesis of issue 45), the same output bits;
+- flashpage_split / _prefix_n32 / _prefix_n128 / _stages4 / _asm_ids* (chunks with a prefix): the paged
+  prefix loop's own options (PrefillConfig.prefix_split, prefix_n, num_stages, prefix_ids), see
+  PREFIX_OPTIONS; one the GPU cannot compile is skipped with a line saying why;
 - vllm_fa3 (only where vLLM's site is importable, VLLM_SITE): vLLM's FlashAttention-3
   `flash_attn_varlen_func` with the same block table, what `vllm serve` runs on Hopper;
 and one whole-prompt row per impl (the prompt in one call, the cuDNN SDPA backend as the contiguous
-ceiling). TFLOP/s counts the useful causal work: 4·H·D·C·(i·C + C/2) per chunk (H query heads).
+ceiling; flashpage in both orders). TFLOP/s counts the useful causal work: 4·H·D·C·(i·C + C/2) per
+chunk (H query heads).
 Time: triton.testing.do_bench medians. Before timing, each impl's chunk output is checked against
 kernels/reference.py's prefill_attention_ref on the last chunk (a failed check stops the run).
 Writes prefill_chunks_<gpu>.json; `--smoke` runs tiny sizes anywhere (the CPU under the interpreter).
@@ -33,12 +43,27 @@ from kernels.reference import prefill_attention_ref
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B's attention
 SMOKE = dict(heads=4, kv_heads=2, head_dim=16, block_size=4)
+# The paged prefix loop's options (kernels/flash_prefill.py PrefillConfig; the table's prefix tile is
+# 64 keys wide, 3 stages): unmasked whole tiles, narrower and wider tiles, a deeper pipeline for the
+# gathers (the whole launch's num_stages), and the page ids through an inline load ("asm": the K/V
+# gathers then stay pipelined, see benchmarks/kernels/prefill_ir.py) alone and with the others.
+ASM = {"prefix_ids": "asm"}
+PREFIX_OPTIONS = {"flashpage_split": {"prefix_split": True}, "flashpage_prefix_n32": {"prefix_n": 32},
+                  "flashpage_prefix_n128": {"prefix_n": 128}, "flashpage_stages4": {"num_stages": 4},
+                  "flashpage_asm_ids": ASM, "flashpage_asm_ids_stages4": {**ASM, "num_stages": 4},
+                  "flashpage_asm_ids_n128": {**ASM, "prefix_n": 128},
+                  "flashpage_asm_ids_tiles_fastest": {**ASM, "order": "tiles_fastest"}}
 
 
 def chunk_flops(start: int, n: int, heads: int, d: int) -> float:
     """Useful causal work of n queries at positions [start, start + n): each attends to every
     earlier position and itself (2 matmuls of 2 flops per multiply-add)."""
     return 4.0 * heads * d * n * (start + (n + 1) / 2)
+
+
+def run_flops(impl: str, start: int, n: int, heads: int, d: int) -> float:
+    """The work a row's call runs: the chunk's, or for a contiguous row every query up to its end."""
+    return chunk_flops(0, start + n, heads, d) if "contiguous" in impl else chunk_flops(start, n, heads, d)
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, prefix: int, block_size: int, gen: torch.Generator):
@@ -62,11 +87,22 @@ def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
     cu = torch.tensor([0, c], dtype=torch.int32, device=dev)
     k_cache, v_cache, bt = cache
     prefix = torch.tensor([start], dtype=torch.int32, device=dev)
-    impls = {"flashpage": lambda: flash_prefill(qc, kc, vc, cu, c, scale, k_cache=k_cache, v_cache=v_cache,
-                                                block_tables=bt, prefix_lens=prefix)}
+    paged_kw = dict(k_cache=k_cache, v_cache=v_cache, block_tables=bt, prefix_lens=prefix) if start else {}
     n = start + c
     cu_all = torch.tensor([0, n], dtype=torch.int32, device=dev)
-    impls["flashpage_contiguous"] = lambda: flash_prefill(q[:n], k[:n], v[:n], cu_all, n, scale)[start:]
+    impls = {}
+    for suffix, order in (("", None), ("_tiles_fastest", {"order": "tiles_fastest"})):
+        impls["flashpage" + suffix] = lambda o=order: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)
+        impls["flashpage_contiguous" + suffix] = \
+            lambda o=order: flash_prefill(q[:n], k[:n], v[:n], cu_all, n, scale, _config=o)[start:]
+    for name, opts in PREFIX_OPTIONS.items() if start else ():
+        fn = lambda o=opts: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)  # noqa: E731
+        try:  # an option the GPU cannot compile (shared memory, registers) loses its row, not the run
+            fn()
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        impls[name] = fn
     fa3 = vllm_fa3()
     if fa3 is not None:
         seqused = torch.tensor([n], dtype=torch.int32, device=dev)
@@ -116,11 +152,14 @@ def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, t
         for name, fn in impls.items():
             ms = timer(fn)
             rows.append(dict(impl=name, chunk_start=start, chunk_len=c, ms=ms,
-                             tflops=chunk_flops(start, c, h, d) / ms / 1e9))
+                             tflops=chunk_flops(start, c, h, d) / ms / 1e9,
+                             tflops_run=run_flops(name, start, c, h, d) / ms / 1e9))
         print(" ".join(f"{r['impl']} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s" for r in rows[-len(impls):]),
               f"(chunk at {start})", flush=True)
     cu = torch.tensor([0, prompt], dtype=torch.int32, device=device)
-    whole = {"flashpage": lambda: flash_prefill(q, k, v, cu, prompt, scale)}
+    whole = {"flashpage": lambda: flash_prefill(q, k, v, cu, prompt, scale),
+             "flashpage_tiles_fastest": lambda: flash_prefill(q, k, v, cu, prompt, scale,
+                                                              _config={"order": "tiles_fastest"})}
     if device != "cpu":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -143,11 +182,15 @@ def report(result: dict) -> str:
     w = result["workload"]
     lines = [f"A {w['prompt']:,}-token prompt in chunks of {w['chunk']:,} (heads {w['heads']}/{w['kv_heads']}, head_dim "
              f"{w['head_dim']}, {w['dtype']}, cache blocks of {w['block_size']}); ms and TFLOP/s of useful causal work "
-             "per chunk; the last rows run the whole prompt in one call.", "",
-             "| chunk at | impl | ms | TFLOP/s |", "|---:|---|---:|---:|"]
+             "per chunk (run: of the work the call ran, which for the contiguous rows includes the earlier "
+             "chunks' queries); the last rows run the whole prompt in one call.", "",
+             "| chunk at | impl | ms | TFLOP/s | TFLOP/s run |", "|---:|---|---:|---:|---:|"]
     for r in result["rows"]:
         where = "whole prompt" if r.get("whole") else f"{r['chunk_start']:,}"
-        lines.append(f"| {where} | {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} |")
+        # (computed here, not read: files from before tflops_run was recorded render alike)
+        ran = r["tflops"] * run_flops(r["impl"], r["chunk_start"], r["chunk_len"], 1, 1) / chunk_flops(
+            r["chunk_start"], r["chunk_len"], 1, 1)
+        lines.append(f"| {where} | {r['impl']} | {r['ms']:.2f} | {r['tflops']:.0f} | {ran:.0f} |")
     total = {}
     for r in result["rows"]:
         if not r.get("whole"):
