@@ -43,7 +43,7 @@ from fastapi import APIRouter, FastAPI, Request
 from server.api.guards import ServerLimits
 from server.api.openai_protocol import DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count
 from server.api.openai_chat import chat_completions
-from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, cap_request_tokens,
+from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, cap_choices, cap_request_tokens,
                                        check_structured_output, choice_params, openai_errors, respond)
 from server.logs import clip
 
@@ -59,8 +59,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
-    admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
     max_tokens = completion_max_tokens(body)
+    if body.echo and max_tokens == 0 and body.logprobs is None:  # answered without the engine: no place to wait for
+        cap_choices(prompt_count(body.prompt), body.n)
+    else:
+        admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work
     choices = await completion_choices(engine, limits, body, max_tokens)
     await check_structured_output(request, engine, body)  # after the cheap checks (prompts, context)
     log.info("completion: %d prompt(s), n=%d, max_tokens=%d, stream=%s%s", len(choices) // body.n, body.n,

@@ -262,7 +262,8 @@ async def respond(request: Request, route: Route, body: SamplingRequest, choices
             return _prompt_only(c)
         return aengine.generate(f"{rid}-{tag}-{c.index}", c.ids, c.params, validated=True, admitted=True)
 
-    _admit(aengine, len(choices))  # all of them or none: a request half admitted could only fail
+    # all of them or none (a request half admitted could only fail); those the engine never sees take no place
+    _admit(aengine, sum(not c.engine_free for c in choices))
     if body.stream and len(choices) == 1:
         # One choice streamed (the common case): its outputs straight from its engine stream, with
         # no task and queue between them (a task wake-up per event).

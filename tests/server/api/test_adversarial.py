@@ -149,9 +149,13 @@ def test_choices_beyond_the_waiting_queue_are_400_and_a_full_queue_503(url, mode
             while (await c.get("/debug/kv")).json()["requests_waiting"] < 4:  # 4 sequences run, 4 wait
                 await asyncio.sleep(0.01)
             now = await c.post("/v1/completions", json={"model": model, "prompt": "hi", "n": 5, "max_tokens": 1})
-            return now, await first
+            # an echo of the prompt alone needs no place in the queue: answered while it is full
+            echo = await c.post("/v1/completions", json={"model": model, "prompt": "hi", "n": 5, "max_tokens": 0,
+                                                         "echo": True})
+            return now, echo, await first
 
-    now, first = asyncio.run(full_queue())
+    now, echo, first = asyncio.run(full_queue())
+    assert echo.status_code == 200 and [ch["text"] for ch in echo.json()["choices"]] == ["hi"] * 5, echo.text
     assert now.status_code == 503 and int(now.headers["retry-after"]) >= 1, now.text
     assert "waiting" in now.json()["error"]["message"]
     assert first.status_code == 200 and len(first.json()["choices"]) == 8
