@@ -121,8 +121,9 @@ class Speculator:
             return False
         if self.batch is not None:  # the batch rule's answer for the decoding ones, not counted as a step
             decoding = [s for s in running if len(s.token_ids) > len(s.prompt_token_ids)]
-            cands = [(s.spec, min(self.k, s.params.max_tokens - len(s.output_token_ids) - 1))
-                     for s in decoding if s.spec is not None]
+            # (the bounds of _candidates: max_tokens, and the context from the last token's position on)
+            cands = [(s.spec, min(self.k, s.params.max_tokens - len(s.output_token_ids) - 1,
+                                  self.max_model_len - len(s.token_ids))) for s in decoding if s.spec is not None]
             cands = [c for c in cands if c[1] > 0]
             return bool(cands) and bool(self.batch.choose(cands, len(decoding), commit=False))
         return any(s.spec is not None and s.spec.skip == 0 and len(s.token_ids) > len(s.prompt_token_ids)

@@ -89,5 +89,8 @@ def test_wants_follows_the_rule_and_the_batch_size_limit():
     assert spec.wants([_seq(0.9)] * 8)
     assert not spec.wants([_seq(0.9)] * 9)  # above disable_by_batch_size
     assert not spec.wants([_seq(0.05)] * 8)  # no round pays (the first such step starts the back-off)
+    at_the_end = _seq(0.9)
+    at_the_end.token_ids = [1] * 4096  # the context is full: nothing to propose, so no synchronous step for it
+    assert not spec.wants([at_the_end] * 8)
     assert _speculator(backoff="per_sequence").batch is None
     assert _speculator(round_cost=0.0).batch.costs.round_cost == 0.0
