@@ -34,9 +34,10 @@ def load_eagle3_head(path, target: CausalLM, dtype, device, attention: str, max_
     return load_head(path, target, dtype, device, attention, max_model_len, token_table)
 
 
-def eagle3_token_table(target: CausalLM):
+def eagle3_token_table(target: CausalLM, path):
     """The target's token table whole, gathered from every rank of its tensor-parallel group (each
-    calls it), for an EAGLE-3 head that shares it (models/eagle3.py `whole_token_table`)."""
-    from models.eagle3 import whole_token_table
+    calls it), for the EAGLE-3 head at `path` if it shares it (models/eagle3.py `whole_token_table`);
+    None for a head with its own (every rank reads the same checkpoint, so all skip the gather)."""
+    from models.eagle3 import shares_token_table, whole_token_table
 
-    return whole_token_table(target)
+    return whole_token_table(target) if shares_token_table(path) else None

@@ -259,6 +259,12 @@ def _token_table(target: CausalLM) -> VocabParallelEmbedding:
     return target.embed_tokens if hasattr(target, "embed_tokens") else target.wte
 
 
+def shares_token_table(path: Path) -> bool:
+    """Whether the head at `path` has no token table of its own (it then reads the target's)."""
+    with _read_tensors(path) as tensors:
+        return "embed_tokens.weight" not in {_name(k) for k in tensors}
+
+
 def whole_token_table(target: CausalLM) -> VocabParallelEmbedding:
     """The target's token table whole in this process, where the target holds a rank's rows of it
     (tensor parallelism): every rank's rows gathered, so every rank of the group calls it. For a

@@ -149,6 +149,10 @@ def test_a_head_is_whole_beside_a_targets_shard(eagle3_pair, tmp_path):
     layer = head.midlayer
     assert {m.tp.size for m in (head.embed_tokens, layer.self_attn.o_proj, layer.mlp.down_proj)} == {1}
     assert layer.self_attn.num_heads == 4 and head.embed_tokens.weight.shape[0] == 512
+    # the gather (a collective, ~3x the table's bytes for a moment) happens for the sharing head only
+    from models import eagle3_token_table
+
+    assert eagle3_token_table(shard, own) is None
 
 
 def test_heads_that_do_not_fit_the_target_are_refused(eagle3_pair, tmp_path):

@@ -19,7 +19,8 @@ An EAGLE-3 head reads the target's states at its aux layers: the residual stream
 holds whole (each row-parallel projection is all-reduced before its residual add), so rank 0's
 target shard hands its head the states one GPU's would. A head without a token table of its own
 reads the target's, of which each rank holds a share: every rank gathers it whole once at start-up
-(`eagle3_token_table`, the one collective of this module; the other ranks drop their copy).
+(`eagle3_token_table`, the one collective of this module, skipped on every rank for a head with a
+table of its own; the other ranks drop their copy).
 
 The KV cache: rank 0's blocks hold the draft's K/V (and a head's fused states) beside the
 target's, the other ranks' the target's alone; each rank computes how many blocks its own memory
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from models import TensorParallel, built_as, eagle3_token_table, tensor_parallel
+from models import TensorParallel, built_as, eagle3_token_table, resolve_model_path, tensor_parallel
 from server.worker.spec.draft import DraftRunner, load_draft
 from server.worker.spec.eagle import load_eagle3
 
@@ -43,7 +44,7 @@ def load_proposer(config, target, dtype: torch.dtype, device: torch.device, atte
     spec, tp = config.speculative_config, tensor_parallel()
     table = None
     if spec is not None and spec.method == "eagle3" and tp.size > 1:
-        table = eagle3_token_table(target)
+        table = eagle3_token_table(target, resolve_model_path(spec.model))
     if tp.rank != 0:
         return None
     with built_as(TensorParallel(0, 1)):  # whole, whatever the group
