@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|quant|quanttests|prefill-chunks]...
+#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-cast|quant|quanttests|
+#                                   prefill-chunks]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -169,6 +170,17 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv-engine)
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
+      # fp8kv-cast: the fp8 decode loop's V (or K and V) through the opaque cast (decode_config.FP8_CASTS):
+      # this triton's IR for both launches (the benchmark's, the engine's fused write), the casts' bits
+      # against the default's on the GPU, then every decode shape with each cast and with the fused write.
+      fp8kv-cast)
+        { timeout 60 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep
+          timeout 40 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep --new-kv --casts cast asm_v; } \
+          2>&1 | grep -v -i warn | tee "$OUT/decode_ir.log" | tail -12 || status=1
+        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode.py -k fp8_casts 2>&1 \
+          | tee "$OUT/fp8_cast_tests.log" | tail -4 || status=1
+        timeout 330 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v asm --fused-write \
+          --tag cast --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_cast.log" | tail -26 || status=1 ;;
       # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
       # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh). First the
       # prefix loop's pipelining depth in this triton's IR, the program orders and prefix-loop options

@@ -67,6 +67,18 @@ def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm
 FP8_TILES = {(True, 64): (32, 8, 1, 0), (True, 128): (32, 8, 1, 0), (False, 64): (64, 4, 5, 0),
              (False, 128): (64, 4, 5, 0)}
 FP8_SPLIT_CAP = 32
+# How the GQA path turns an fp8 tile into the dots' fp16 (launch config key FP8_CAST; the tables pick
+# "cast"): "cast", Triton's cast, which its layout passes fuse into the dot operands' reads from
+# shared memory, V's a byte at a time (ld.shared.b8; its async copies 8 bytes wide); "asm_v", V through
+# kernels/fp8.py's dequantize_opaque, cast in its load layout and staged in fp16 for ldmatrix.trans as
+# a 16-bit V is; "asm", K too. Compiled for sm_90 (benchmarks/kernels/decode_ir.py), the table's
+# 64-key, 5-stage loop at head_dim 128 runs 727 PTX instructions a tile with "cast" and 508 with
+# "asm_v", 168 registers and 127 (3 CTAs an SM and 4), triton 3.6 (3.9: 669 and 467, 162 and 128);
+# the 16-bit loop 505 for twice the bytes; the copies as deep in flight in all. Not in the engine's
+# launch, whose fused K/V write already stages both tiles (decode_ir.py --new-kv). Unmeasured:
+# bench_fp8_kv.py --fp8-casts times each against "cast"; the same bits (test_paged_decode.py checks
+# that on a GPU, where the cast is the inline one).
+FP8_CASTS = ("cast", "asm_v", "asm")
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,

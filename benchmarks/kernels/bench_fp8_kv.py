@@ -7,6 +7,10 @@ decode   kernels.paged_decode over the same scattered paged K/V stored 16-bit (f
          each cache holds (fp8: one a value), as a share of the copy bandwidth, and fp8's speed-up over
          the 16-bit kernel. Goal where the 16-bit K/V is >= 256 MB: >= 85% of copy in fp8 bytes, i.e.
          >= 1.7x. Each fp8 row is checked against the reference over the dequantized cache.
+         --fp8-casts asm_v asm: the fp8 kernel with decode_config.FP8_CASTS's opaque casts too (each row
+         also says whether its output has the default's bits); --fused-write: both kernels as the
+         engine launches them, this step's K/V written in-kernel (NEW_KV compiles to another loop:
+         benchmarks/kernels/decode_ir.py --new-kv).
 sweep    (--sweep) fp8 tile configs x split counts at GQA and MHA shapes, against decode_config's pick.
 engine   the Llama-3.1-8B shape (benchmarks/shared/checkpoint.py; random bf16 weights, made on the GPU from its
          config.json with --load-format dummy unless --load-format auto), through LLMEngine with
@@ -20,7 +24,7 @@ The engine workload is `workload()` (seeded random token ids, ignore_eos): the p
 weights there, and reuses them when they exist) and the same prompts.
 
   python -m benchmarks.kernels.bench_fp8_kv --out-dir benchmarks/results [--sections decode engine] [--sweep]
-      [--checkpoint /tmp/llama8b]
+      [--fp8-casts cast asm_v asm] [--fused-write] [--checkpoint /tmp/llama8b]
 
 Writes fp8_kv_<gpu>.json (rows of impl paged_decode, paged_decode fp8 sweep and engine); report(result)
 renders the tables.
@@ -80,7 +84,11 @@ def _compile_job(job) -> None:
     torch.cuda.synchronize()
 
 
-def decode_rows(shapes, copy_tbps: float) -> list[dict]:
+def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False) -> list[dict]:
+    """Per shape: the 16-bit and the fp8 kernel at their tables' configs; `casts`: the fp8 kernel with
+    each decode_config.FP8_CASTS besides "cast" too (times, shares, speed-ups and whether its output
+    has the default's bits, in row["casts"]); `fused`: both kernels as the engine launches them, with
+    this step's K/V written in-kernel (NEW_KV, slot -1: nothing stored), another compiled loop."""
     from benchmarks.kernels.bench_decode import _bench, build_shape
     from benchmarks.kernels.decode_check import rel_err
     from kernels.paged_decode import paged_decode
@@ -103,10 +111,31 @@ def decode_rows(shapes, copy_tbps: float) -> list[dict]:
                    kv_bytes_16bit=bytes16, kv_bytes_fp8=bytes16 // 2, ms_16bit=t16, ms_fp8=t8,
                    tbps_16bit=bytes16 / t16 / 1e9, tbps_fp8=bytes16 / 2 / t8 / 1e9, speedup=t16 / t8, fp8_rel_err=err)
         row["copy_share_16bit"], row["copy_share_fp8"] = row["tbps_16bit"] / copy_tbps, row["tbps_fp8"] / copy_tbps
+        extra = ""
+        for cast in casts:
+            if cast == "cast":
+                continue
+            fc = lambda c=cast: paged_decode(q, k8, v8, bt, ctx, scale, k_scale=ks, v_scale=vs,  # noqa: E731
+                                             _config={"FP8_CAST": c})
+            same = torch.equal(fc(), f8())
+            tc = _bench(fc)
+            share = bytes16 / 2 / tc / 1e9 / copy_tbps
+            row.setdefault("casts", {})[cast] = dict(ms=tc, copy_share=share, speedup=t16 / tc, same_bits=same)
+            extra += f" | {cast} {share:4.0%} x{t16 / tc:.2f}{'' if same else ' BITS DIFFER'}"
+        if fused:  # the engine's launch: k_new, v_new written by the kernel (slot -1: not stored)
+            kn = torch.randn(b, kvh, d, device=q.device, dtype=dt)
+            slots = torch.full((b,), -1, dtype=torch.int32, device=q.device)
+            kw = dict(k_new=kn, v_new=kn, slot_mapping=slots)
+            tf16 = _bench(lambda: paged_decode(q, kc, vc, bt, ctx, scale, **kw))
+            tf8 = _bench(lambda: paged_decode(q, k8, v8, bt, ctx, scale, k_scale=ks, v_scale=vs, **kw))
+            row.update(ms_16bit_fused=tf16, ms_fp8_fused=tf8, copy_share_16bit_fused=bytes16 / tf16 / 1e9 / copy_tbps,
+                       copy_share_fp8_fused=bytes16 / 2 / tf8 / 1e9 / copy_tbps)
+            extra += (f" | fused write: 16-bit {row['copy_share_16bit_fused']:4.0%}, "
+                      f"fp8 {row['copy_share_fp8_fused']:4.0%}")
         rows.append(row)
         print(f"{h:2d}/{kvh:2d}x{d:3d} b={b:3d} n={n:5d} {bytes16 / 1e6:7.0f} MB 16-bit {t16 * 1e3:8.1f} us "
               f"{row['copy_share_16bit']:4.0%} | fp8 {t8 * 1e3:8.1f} us {row['copy_share_fp8']:4.0%} of copy "
-              f"x{row['speedup']:.2f} err={err:.1e}", flush=True)
+              f"x{row['speedup']:.2f} err={err:.1e}{extra}", flush=True)
         del q, kc, vc, k8, v8, bt, ctx
         torch.cuda.empty_cache()
     return rows
@@ -224,12 +253,21 @@ def report(result: dict) -> str:
     decode = [r for r in result["rows"] if r["impl"] == "paged_decode"]
     engine = [r for r in result["rows"] if r["impl"] == "engine"]
     if decode:
-        out += ["| heads | d | batch | context | 16-bit K/V | 16-bit % copy | fp8 % copy (fp8 bytes) | fp8 speed-up |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        casts = list(dict.fromkeys(c for r in decode for c in r.get("casts", {})))
+        fused = any("ms_fp8_fused" in r for r in decode)
+        out += ["| heads | d | batch | context | 16-bit K/V | 16-bit % copy | fp8 % copy (fp8 bytes) | fp8 speed-up |"
+                + "".join(f" fp8 {c} % copy (x) |" for c in casts)
+                + (" fused write: 16-bit / fp8 % copy |" if fused else ""),
+                "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(casts) + fused)]
         for r in decode:
+            cells = "".join(f" {r['casts'][c]['copy_share']:.0%} ({r['casts'][c]['speedup']:.2f}x) |"
+                            if c in r.get("casts", {}) else " |" for c in casts)
+            if fused:
+                cells += (f" {r['copy_share_16bit_fused']:.0%} / {r['copy_share_fp8_fused']:.0%} |"
+                          if "ms_fp8_fused" in r else " |")
             out.append(f"| {r['heads']}/{r['kv_heads']} | {r['head_dim']} | {r['batch']} | {r['context']} | "
                        f"{r['kv_bytes_16bit'] / 1e6:.0f} MB | {r['copy_share_16bit']:.0%} | {r['copy_share_fp8']:.0%} | "
-                       f"{r['speedup']:.2f}x |")
+                       f"{r['speedup']:.2f}x |" + cells)
     if engine:
         e = {r["kv_cache_dtype"]: r for r in engine}
         out += ["", "| cache | KV tokens | requests | output tok/s | most resident | TPOT @ "
@@ -253,6 +291,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--sections", nargs="+", default=["decode", "engine"], choices=["decode", "engine"])
     ap.add_argument("--sweep", action="store_true", help="also sweep fp8 decode configs")
     ap.add_argument("--sweep-budget", type=float, default=120.0)
+    ap.add_argument("--fp8-casts", nargs="+", default=["cast"], choices=["cast", "asm_v", "asm"],
+                    help="decode: also time the fp8 kernel with these decode_config.FP8_CASTS (its default: cast)")
+    ap.add_argument("--fused-write", action="store_true",
+                    help="decode: also time both kernels as the engine launches them (the step's K/V written in-kernel)")
     ap.add_argument("--checkpoint", default=None, help="directory of the 8B-shape checkpoint (built there if missing)")
     ap.add_argument("--load-format", default="dummy", choices=["dummy", "auto"],
                     help="dummy: config.json alone, random weights made on the GPU at start-up; auto: random "
@@ -278,7 +320,7 @@ def main(argv=None) -> dict:
     result["copy_tbps"] = copy_tbps
     print(f"{result['device']}: copy {copy_tbps:.2f} TB/s", flush=True)
     if "decode" in args.sections:
-        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps)
+        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write)
         if args.sweep:
             result["rows"] += sweep_rows(copy_tbps, args.sweep_budget)
         write_result(result, args.out_dir, prefix)

@@ -18,11 +18,8 @@ spills and shared memory. Needs triton's NVIDIA backend (its bundled ptxas), not
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import sys
-import tempfile
+
+from benchmarks.kernels.sm90_ir import compile_sm90, loop_waits, real_compiler, regs_text
 
 # name -> (constexpr overrides, launch options): the prefix tile the tables pick and its options
 CONFIGS = {
@@ -42,66 +39,26 @@ BASE = dict(HEAD_DIM=128, GROUP=4, PACK=4, CACHE_BLOCK=16, HAS_PREFIX=True, BLOC
 def compile_config(constexprs: dict, options: dict, pointers: bool = False):
     """The kernel for sm_90 with the launcher's specialisations (16-aligned pointers, strides
     multiples of 16 but the block-table row stride); pointers: new-token K/V through pointers."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.flash_prefill_kernels import _flash_prefill_kernel
 
-    names = _flash_prefill_kernel.arg_names
     const = {**BASE, **constexprs}
     if pointers:
         const.update(USE_TMA=False, K_DESC=None, V_DESC=None)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ("K_DESC", "V_DESC"):
-            sig[n] = "tensordesc<bf16[64, 128]>"  # BLOCK_N x head_dim tiles of [tokens, kv_heads * head_dim]
-        elif n in ("Q", "K", "V", "O", "K_CACHE", "V_CACHE"):
-            sig[n] = "*bf16"
-        elif n.isupper():
-            sig[n] = "*i32"  # sequence tables; the fp8 scales (unused: KV_FP8 False)
-        else:
-            sig[n] = "fp32" if n == "qk_scale" else "i32"
-        if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_bts"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_flash_prefill_kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3, **options})
 
+    def kind(n: str) -> str:
+        if n in ("K_DESC", "V_DESC"):
+            return "tensordesc<bf16[64, 128]>"  # BLOCK_N x head_dim tiles of [tokens, kv_heads * head_dim]
+        if n in ("Q", "K", "V", "O", "K_CACHE", "V_CACHE"):
+            return "*bf16"
+        if n.isupper():
+            return "*i32"  # sequence tables; the fp8 scales (unused: KV_FP8 False)
+        return "fp32" if n == "qk_scale" else "i32"
 
-def loop_waits(ttgir: str) -> list[str]:
-    """Each scf.for's first async_wait depth (num = copies groups left in flight), in program order."""
-    out, in_loop = [], False
-    for line in ttgir.splitlines():
-        if "scf.for" in line:
-            in_loop = True
-        elif in_loop and "ttg.async_wait" in line:
-            out.append(re.search(r"num = (\d+)", line).group(1))
-            in_loop = False
-    return out
-
-
-def ptxas_info(ptx: str) -> str:
-    """Registers and spill stores, from the first bundled ptxas that takes this PTX version (3.9
-    bundles a ptxas older than the PTX it writes for Hopper, and a newer one for Blackwell)."""
-    import triton.backends.nvidia
-
-    bin_dir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        for exe in ("ptxas", "ptxas-blackwell"):
-            if not os.path.exists(os.path.join(bin_dir, exe)):
-                continue
-            r = subprocess.run([os.path.join(bin_dir, exe), "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                               capture_output=True, text=True)
-            used = re.search(r"Used (\d+) registers", r.stderr)
-            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-            if used and spill:
-                return f"{used.group(1)} registers, {spill.group(1)} B spilled"
-    return "registers unknown (no bundled ptxas took the PTX)"
+    names = [n for n in _flash_prefill_kernel.arg_names if n not in const]
+    types = {n: kind(n) for n in names}
+    return compile_sm90(_flash_prefill_kernel, types, const,
+                        lambda n: types[n].startswith("*") or (n.startswith("stride") and n != "stride_bts"),
+                        {"num_warps": 8, "num_stages": 3, **options})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,9 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", nargs="+", default=["default", "asm"], choices=list(CONFIGS))
     ap.add_argument("--pointers", action="store_true", help="new-token K/V through pointers (cp.async loops too)")
     args = ap.parse_args(argv)
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("prefill_ir compiles for the GPU: run it in a process without TRITON_INTERPRET")
-    os.environ.pop("TRITON_INTERPRET", None)  # before the kernel module's first import: a real compile
+    real_compiler("prefill_ir")  # before the kernel module's first import
     import triton
 
     print(f"triton {triton.__version__}, sm_90, head_dim 128, 128 rows of 4 heads, prefix tile 64 keys, new-token "
@@ -120,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         k = compile_config(*CONFIGS[name], pointers=args.pointers)
         waits = loop_waits(k.asm["ttgir"])
         print(f"{name}: async_wait depth per cp.async loop (prefix first) {', '.join(waits)}; "
-              f"{ptxas_info(k.asm['ptx'])}; {k.metadata.shared // 1024} KiB shared", flush=True)
+              f"{regs_text(k.asm['ptx'])}; {k.metadata.shared // 1024} KiB shared", flush=True)
 
 
 if __name__ == "__main__":
