@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-cast|quant|quanttests|
-#                                   prefill-chunks]...
+#                                   prefill-chunks|newkv-tail]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -181,6 +181,16 @@ for step in "${@:-tests throughput prefix}"; do
           | tee "$OUT/fp8_cast_tests.log" | tail -4 || status=1
         timeout 330 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v asm --fused-write \
           --tag cast --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_cast.log" | tail -26 || status=1 ;;
+      # newkv-tail: the fused K/V write's new token after the loop (decode_config NEW_KV_TAIL, issues 45/46:
+      # batch-1 TPOT at 32k runs the engine's launch): this triton's IR with and without the option, its
+      # interpreter-free tests on the GPU, then every decode shape's fused launch with and without it.
+      newkv-tail)
+        timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail --casts cast asm_v \
+          2>&1 | grep -v -i warn | tee "$OUT/newkv_ir.log" | tail -13 || status=1
+        timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode.py -k "fused or new_kv" 2>&1 \
+          | tee "$OUT/newkv_tests.log" | tail -4 || status=1
+        timeout 380 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v --fused-write \
+          --new-kv-tail --tag newkv --out-dir "$OUT" 2>&1 | tee "$OUT/newkv_tail.log" | tail -26 || status=1 ;;
       # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
       # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh). First the
       # prefix loop's pipelining depth in this triton's IR, the program orders and prefix-loop options

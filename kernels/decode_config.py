@@ -79,6 +79,16 @@ FP8_SPLIT_CAP = 32
 # bench_fp8_kv.py --fp8-casts times each against "cast"; the same bits (test_paged_decode.py checks
 # that on a GPU, where the cast is the inline one).
 FP8_CASTS = ("cast", "asm_v", "asm")
+# Launch config key NEW_KV_TAIL (with the fused K/V write; the tables leave it off): the key loop
+# runs over the cached tokens [0, context_len - 1) alone, as the launch without the write does, and
+# the last split adds this step's token from registers after it (one online-softmax update); the
+# store of its K/V is unchanged. The default instead where()s it into the tile it falls in, which
+# Triton compiles by staging both K and V tiles through shared memory every tile. Compiled for sm_90
+# (decode_ir.py --new-kv --tail), head_dim 128, 16 bits, the tables' 5- and 3-stage configs: 505 and
+# 451 PTX instructions a tile (the launch without the write's counts) instead of 799 and 749, 142 and
+# 128 registers instead of 190 and 182 (3 and 4 CTAs an SM instead of 2), triton 3.6; 3.9: 428 and
+# 393 instead of 738 and 699, 151 and 149 registers instead of 182 and 168. Outputs differ from the
+# default's in fp32 summation order only. Unmeasured: bench_fp8_kv.py --fused-write --new-kv-tail.
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,

@@ -55,7 +55,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_CAST: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_CAST: tl.constexpr, NEW_KV_TAIL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,11 +63,18 @@ def _decode_kernel(
 
     # This split's tile range, from the real context length (shapes fix only the split count).
     ctx = tl.load(ctx_ptr + seq)
-    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    # NEW_KV_TAIL (with NEW_KV): the loop reads the cached tokens [0, ctx - 1) only, split as if
+    # they were the whole context, with no where() for this step's token in it; the last split adds
+    # that token after the loop (one key from registers).
+    if NEW_KV and NEW_KV_TAIL:
+        n_loop = ctx - 1
+    else:
+        n_loop = ctx
+    n_tiles = tl.cdiv(n_loop, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lim = tl.minimum(ctx, t_end * BLOCK_N)  # this split's tokens are [t_start*BLOCK_N, lim)
+    lim = tl.minimum(n_loop, t_end * BLOCK_N)  # this split's tokens are [t_start*BLOCK_N, lim)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -126,6 +133,16 @@ def _decode_kernel(
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
 
+    if NEW_KV and NEW_KV_TAIL:
+        # This step's token's scores, before the loop: only they, not an fp32 copy of q, stay live
+        # across it. -inf where another split adds it, or the row is empty (ctx 0): then alpha 1, p 0.
+        if LANES:
+            s_last = tl.zeros([GROUP_PAD], tl.float32) + tl.sum(k_last.to(tl.float32) * qv, axis=0)
+        else:
+            s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1)
+            s_last = s_last * (row_scale if KV_FP8 else scale_log2)
+        s_last = tl.where((split == num_splits - 1) & (ctx > 0), s_last, float("-inf"))
+
     # PREFETCH 2: the next tile's K/V and the page ids of the one after are loaded one iteration
     # ahead (register double buffering), so loads are in flight while a tile is computed.
     tok0 = t_start * BLOCK_N + offs_n
@@ -139,7 +156,7 @@ def _decode_kernel(
 
     for t in range(t_start, t_end):
         tok = t * BLOCK_N + offs_n
-        valid = tok < ctx
+        valid = tok < n_loop
         if PREFETCH == 2:
             k, v = k_n, v_n
             tok1 = tok + BLOCK_N
@@ -158,7 +175,7 @@ def _decode_kernel(
             # through the opaque cast (staged in fp16 for the dot, as a 16-bit tile).
             k = _for_math(k, q, LANES, FP8_CAST == 2)
             v = _for_math(v, q, LANES, FP8_CAST >= 1)
-        if NEW_KV:  # this step's token: from registers, not from its (maybe not yet written) slot
+        if NEW_KV and not NEW_KV_TAIL:  # this step's token: from registers, not from its slot (maybe unwritten)
             is_last = (tok == last)[:, None]
             k = tl.where(is_last, k_last[None, :], k)
             v = tl.where(is_last, v_last[None, :], v)
@@ -199,6 +216,13 @@ def _decode_kernel(
         acc_row = tl.sum(acc * w[:, None], axis=0)[None, :]
     else:
         l_row, m_row, acc_row = l, m, acc
+    if NEW_KV and NEW_KV_TAIL:  # this step's token (s_last, before the loop): one online-softmax update
+        m_new = tl.maximum(m_row, s_last)
+        alpha = tl.exp2(m_row - m_new)
+        p = tl.exp2(s_last - m_new)
+        l_row = l_row * alpha + p
+        acc_row = acc_row * alpha[:, None] + p[:, None] * v_last.to(tl.float32)[None, :]
+        m_row = m_new
     # A split with no tokens has l == 0: it writes a zero partial and lse = -inf.
     l_safe = tl.where(l_row > 0, l_row, 1.0)
     o = acc_row / l_safe[:, None]

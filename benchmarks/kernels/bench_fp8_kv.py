@@ -10,7 +10,8 @@ decode   kernels.paged_decode over the same scattered paged K/V stored 16-bit (f
          --fp8-casts asm_v asm: the fp8 kernel with decode_config.FP8_CASTS's opaque casts too (each row
          also says whether its output has the default's bits); --fused-write: both kernels as the
          engine launches them, this step's K/V written in-kernel (NEW_KV compiles to another loop:
-         benchmarks/kernels/decode_ir.py --new-kv).
+         benchmarks/kernels/decode_ir.py --new-kv); --new-kv-tail (with --fused-write): those launches
+         with the option NEW_KV_TAIL too (the step's token after the loop: decode_ir.py --new-kv --tail).
 sweep    (--sweep) fp8 tile configs x split counts at GQA and MHA shapes, against decode_config's pick.
 engine   the Llama-3.1-8B shape (benchmarks/shared/checkpoint.py; random bf16 weights, made on the GPU from its
          config.json with --load-format dummy unless --load-format auto), through LLMEngine with
@@ -24,7 +25,7 @@ The engine workload is `workload()` (seeded random token ids, ignore_eos): the p
 weights there, and reuses them when they exist) and the same prompts.
 
   python -m benchmarks.kernels.bench_fp8_kv --out-dir benchmarks/results [--sections decode engine] [--sweep]
-      [--fp8-casts cast asm_v asm] [--fused-write] [--checkpoint /tmp/llama8b]
+      [--fp8-casts cast asm_v asm] [--fused-write [--new-kv-tail]] [--checkpoint /tmp/llama8b]
 
 Writes fp8_kv_<gpu>.json (rows of impl paged_decode, paged_decode fp8 sweep and engine); report(result)
 renders the tables.
@@ -84,11 +85,14 @@ def _compile_job(job) -> None:
     torch.cuda.synchronize()
 
 
-def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False) -> list[dict]:
+def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, tail: bool = False) -> list[dict]:
     """Per shape: the 16-bit and the fp8 kernel at their tables' configs; `casts`: the fp8 kernel with
     each decode_config.FP8_CASTS besides "cast" too (times, shares, speed-ups and whether its output
     has the default's bits, in row["casts"]); `fused`: both kernels as the engine launches them, with
-    this step's K/V written in-kernel (NEW_KV, slot -1: nothing stored), another compiled loop."""
+    this step's K/V written in-kernel (NEW_KV, slot -1: nothing stored), another compiled loop; `tail`
+    (with `fused`): those launches with the option NEW_KV_TAIL too (the step's token added after the
+    loop, which then is the plain launch's), the fp8 one with each of `casts`, and how far their
+    outputs are from the default fused launch's (another fp32 summation order, not the same bits)."""
     from benchmarks.kernels.bench_decode import _bench, build_shape
     from benchmarks.kernels.decode_check import rel_err
     from kernels.paged_decode import paged_decode
@@ -132,6 +136,13 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False) 
                        copy_share_fp8_fused=bytes16 / 2 / tf8 / 1e9 / copy_tbps)
             extra += (f" | fused write: 16-bit {row['copy_share_16bit_fused']:4.0%}, "
                       f"fp8 {row['copy_share_fp8_fused']:4.0%}")
+            if tail:
+                row["tail"] = t = tail_rows(q, (kc, vc, None, None), (k8, v8, ks, vs), bt, ctx, scale, kw, casts)
+                t["copy_share_16bit"] = bytes16 / t["ms_16bit"] / 1e9 / copy_tbps
+                for c in casts:
+                    t[f"copy_share_fp8_{c}"] = bytes16 / 2 / t[f"ms_fp8_{c}"] / 1e9 / copy_tbps
+                extra += f" | tail: 16-bit {t['copy_share_16bit']:4.0%}" + "".join(
+                    f", fp8 {c} {t[f'copy_share_fp8_{c}']:4.0%}" for c in casts) + f" err {t['rel_err']:.1e}"
         rows.append(row)
         print(f"{h:2d}/{kvh:2d}x{d:3d} b={b:3d} n={n:5d} {bytes16 / 1e6:7.0f} MB 16-bit {t16 * 1e3:8.1f} us "
               f"{row['copy_share_16bit']:4.0%} | fp8 {t8 * 1e3:8.1f} us {row['copy_share_fp8']:4.0%} of copy "
@@ -139,6 +150,27 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False) 
         del q, kc, vc, k8, v8, bt, ctx
         torch.cuda.empty_cache()
     return rows
+
+
+def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict, casts) -> dict:
+    """The fused-write launches with NEW_KV_TAIL: ms of the 16-bit kernel and of the fp8 one with each
+    cast, and the largest relative distance of their outputs from the default fused launch's."""
+    from benchmarks.kernels.bench_decode import _bench
+    from benchmarks.kernels.decode_check import rel_err
+    from kernels.paged_decode import paged_decode
+
+    def call(cache, cfg):
+        kc, vc, ks, vs = cache
+        return lambda: paged_decode(q, kc, vc, bt, ctx, scale, k_scale=ks, v_scale=vs, _config=cfg, **kw)
+
+    out = {"ms_16bit": _bench(call(cache16, {"NEW_KV_TAIL": True}))}
+    err = rel_err(call(cache16, {"NEW_KV_TAIL": True})(), call(cache16, None)())
+    for c in casts:
+        f = call(cache8, {"NEW_KV_TAIL": True, "FP8_CAST": c})
+        out[f"ms_fp8_{c}"] = _bench(f)
+        err = max(err, rel_err(f(), call(cache8, None)()))
+    out["rel_err"] = err
+    return out
 
 
 def sweep_rows(copy_tbps: float, budget_s: float) -> list[dict]:
@@ -255,16 +287,21 @@ def report(result: dict) -> str:
     if decode:
         casts = list(dict.fromkeys(c for r in decode for c in r.get("casts", {})))
         fused = any("ms_fp8_fused" in r for r in decode)
+        tails = list(dict.fromkeys(k.removeprefix("copy_share_") for r in decode for k in r.get("tail", {})
+                                   if k.startswith("copy_share_")))
         out += ["| heads | d | batch | context | 16-bit K/V | 16-bit % copy | fp8 % copy (fp8 bytes) | fp8 speed-up |"
                 + "".join(f" fp8 {c} % copy (x) |" for c in casts)
-                + (" fused write: 16-bit / fp8 % copy |" if fused else ""),
-                "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(casts) + fused)]
+                + (" fused write: 16-bit / fp8 % copy |" if fused else "")
+                + "".join(f" fused, NEW_KV_TAIL: {t.replace('_', ' ', 1).replace('16bit', '16-bit')} % copy |" for t in tails),
+                "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(casts) + fused + len(tails))]
         for r in decode:
             cells = "".join(f" {r['casts'][c]['copy_share']:.0%} ({r['casts'][c]['speedup']:.2f}x) |"
                             if c in r.get("casts", {}) else " |" for c in casts)
             if fused:
                 cells += (f" {r['copy_share_16bit_fused']:.0%} / {r['copy_share_fp8_fused']:.0%} |"
                           if "ms_fp8_fused" in r else " |")
+            cells += "".join(f" {r['tail']['copy_share_' + t]:.0%} |" if "copy_share_" + t in r.get("tail", {})
+                             else " |" for t in tails)
             out.append(f"| {r['heads']}/{r['kv_heads']} | {r['head_dim']} | {r['batch']} | {r['context']} | "
                        f"{r['kv_bytes_16bit'] / 1e6:.0f} MB | {r['copy_share_16bit']:.0%} | {r['copy_share_fp8']:.0%} | "
                        f"{r['speedup']:.2f}x |" + cells)
@@ -295,6 +332,9 @@ def main(argv=None) -> dict:
                     help="decode: also time the fp8 kernel with these decode_config.FP8_CASTS (its default: cast)")
     ap.add_argument("--fused-write", action="store_true",
                     help="decode: also time both kernels as the engine launches them (the step's K/V written in-kernel)")
+    ap.add_argument("--new-kv-tail", action="store_true",
+                    help="decode, with --fused-write: also time the launch option NEW_KV_TAIL (the step's token "
+                         "after the loop), 16-bit and fp8 with each --fp8-casts")
     ap.add_argument("--checkpoint", default=None, help="directory of the 8B-shape checkpoint (built there if missing)")
     ap.add_argument("--load-format", default="dummy", choices=["dummy", "auto"],
                     help="dummy: config.json alone, random weights made on the GPU at start-up; auto: random "
@@ -320,7 +360,7 @@ def main(argv=None) -> dict:
     result["copy_tbps"] = copy_tbps
     print(f"{result['device']}: copy {copy_tbps:.2f} TB/s", flush=True)
     if "decode" in args.sections:
-        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write)
+        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write, args.new_kv_tail)
         if args.sweep:
             result["rows"] += sweep_rows(copy_tbps, args.sweep_budget)
         write_result(result, args.out_dir, prefix)

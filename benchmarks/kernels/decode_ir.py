@@ -3,7 +3,7 @@ and fp8 (e4m3) caches side by side: each config's key-loop copy depth, the loop'
 K/V tile, how its dot operands leave shared memory, registers, spills, shared memory, and the CTAs an
 SM holds.
 
-    python -m benchmarks.kernels.decode_ir [--head-dims 128 64] [--casts cast asm_v asm] [--new-kv]
+    python -m benchmarks.kernels.decode_ir [--head-dims 128 64] [--casts cast asm_v asm] [--new-kv [--tail]]
 
 Issue 46: the fp8 kernel reads 59-80% of the H100's copy bandwidth (fp8 bytes) where the 16-bit one
 reads 88-99% (benchmarks/results/fp8_kv_decode_h100.json). The launches compiled are those of that
@@ -25,6 +25,12 @@ this step's K/V into its tile already stages both tiles in fp16, for 16 bits too
 738-799 instructions a tile, 168-190 registers, 2-3 CTAs an SM), so there the casts change nothing
 and the 16-bit figures the benchmark measured are not the engine's. Compile-time facts, not
 timings: bench_fp8_kv.py --fp8-casts ... --fused-write times them.
+
+--new-kv --tail: each engine launch also with decode_config's NEW_KV_TAIL (the step's token added
+after the loop, by the last split), a row "... tail" under each. Its loop is the launch without the
+write's, instruction for instruction (head_dim 128, 16 bits: 505 and 451 a tile instead of 799 and
+749 on triton 3.6, 428 and 393 instead of 738 and 699 on 3.9), at 142 and 128 registers (3.6; the
+launch without the write: 127 and 128) instead of 190 and 182: 3-4 CTAs an SM instead of 2.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ def sweep_configs(head_dim: int, path: Path = SWEEP_JSON) -> list[tuple[dict, st
     return list(out.values())
 
 
-def compile_launch(head_dim: int, fp8: bool, cfg: dict, cast: str = "cast", new_kv: bool = False):
+def compile_launch(head_dim: int, fp8: bool, cfg: dict, cast: str = "cast", new_kv: bool = False,
+                   tail: bool = False):
     """The decode kernel as decode_launch._launch compiles it for this config (q, k_new, v_new, the
     cache and the block tables 16-aligned; strides multiples of 16 but num_splits and the block-table
     row stride, which the kernel does not specialise)."""
@@ -94,7 +101,8 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, cast: str = "cast", new_
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_F32=False,
                  PREFETCH=cfg.get("PREFETCH", 0), LANES=False, FUSED_MERGE=split, SPLITS_PAD=splits_pad,
                  NEW_KV=new_kv, MERGE_HEADS=merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"])
-                 if split else 1, KV_FP8=fp8, FP8_CAST=FP8_CASTS.index(cast) if fp8 else 0)
+                 if split else 1, KV_FP8=fp8, FP8_CAST=FP8_CASTS.index(cast) if fp8 else 0,
+                 NEW_KV_TAIL=new_kv and tail)
     return compile_sm90(_decode_kernel, types, const,
                         lambda n: types[n].startswith("*") or n not in ("num_splits", "stride_bts", "scale_log2"),
                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
@@ -129,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--casts", nargs="+", default=["cast", "asm_v", "asm"], help="fp8 casts (decode_config.FP8_CASTS)")
     ap.add_argument("--new-kv", action="store_true", help="the engine's launch (the step's K/V written in-kernel)")
     ap.add_argument("--no-sweep", action="store_true", help="the tables' configs only")
+    ap.add_argument("--tail", action="store_true",
+                    help="with --new-kv, the option NEW_KV_TAIL too (the step's token after the loop) beside each row")
     args = ap.parse_args(argv)
     real_compiler("decode_ir")  # before the kernel modules' first import
     import triton
@@ -139,14 +149,17 @@ def main(argv: list[str] | None = None) -> None:
           "cp.async widths over the kernel, ptxas registers/spills, shared memory, CTAs per SM", flush=True)
     for hd in args.head_dims:
         print(f"head_dim {hd}:", flush=True)
+        tails = (False, True) if args.new_kv and args.tail else (False,)
         for cfg, why in table_configs(hd, False):
-            print(line("16-bit", cfg, describe(compile_launch(hd, False, cfg, new_kv=args.new_kv), cfg["num_warps"]))
-                  + f" ({why})", flush=True)
+            for tail in tails:
+                d = describe(compile_launch(hd, False, cfg, new_kv=args.new_kv, tail=tail), cfg["num_warps"])
+                print(line("16-bit" + " tail" * tail, cfg, d) + f" ({why})", flush=True)
         fp8_cfgs = table_configs(hd, True) + ([] if args.no_sweep else sweep_configs(hd))
         for cfg, why in fp8_cfgs:
             for cast in args.casts:
-                d = describe(compile_launch(hd, True, cfg, cast, args.new_kv), cfg["num_warps"])
-                print(line(f"fp8 {cast}", cfg, d) + f" ({why})", flush=True)
+                for tail in tails:
+                    d = describe(compile_launch(hd, True, cfg, cast, args.new_kv, tail), cfg["num_warps"])
+                    print(line(f"fp8 {cast}" + " tail" * tail, cfg, d) + f" ({why})", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,3 +26,19 @@ def test_opaque_v_cast_reads_v_like_a_16_bit_tile():
     # (head_dim 64: 32-key 16-bit tiles, 64-key fp8 ones: as many ldmatrix.trans a key)
     assert int(ba) == 0 and int(transa) * int(bn16) == int(trans16) * int(bna) and "8: " not in copiesa, r.stdout
     assert int(na) < int(n8), r.stdout
+
+
+def test_new_kv_tail_keeps_the_plain_loop():
+    """decode_config NEW_KV_TAIL: with the step's token added after the loop, the engine's launch
+    (the fused K/V write) compiles the loop of the launch without the write, instruction for
+    instruction, where the default's where() makes it longer (16 bits, head_dim 64)."""
+    code = ("from benchmarks.kernels.sm90_ir import real_compiler; real_compiler('test')\n"
+            "from benchmarks.kernels.decode_ir import compile_launch, describe\n"
+            "cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3, num_splits=1)\n"
+            "for nk, tail in ((False, False), (True, False), (True, True)):\n"
+            "    print(describe(compile_launch(64, False, cfg, new_kv=nk, tail=tail), 4)['instructions'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plain, fused, tail = map(int, r.stdout.split())
+    assert tail == plain < fused, r.stdout
