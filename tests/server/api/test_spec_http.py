@@ -17,8 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.shared.common import ServerProcess
 from tests.helpers import make_llama_checkpoint
-from tests.models.test_families_http import (SERVER_ARGS, STEP_SLEEP_ENV, assert_exercised, exchange, hf_greedy_all,
-                                             wave_prompts)
+from tests.models.test_families_http import SERVER_ARGS, assert_exercised, exchange, hf_greedy_all, wave_prompts
+
+# test_families_http's 10 ms a step keeps the first wave's longest prompt running for its 4 chunks and
+# 24 decode steps; accepted proposals cut those to ~6 verifications (the GPT-2 checkpoint drafts for
+# itself), so under load the wave's arrivals could spread past it and nothing was preempted (seen once
+# in CI beside another test process). 30 ms a step keeps the wave together for as long as before.
+STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.03"}
 
 
 @pytest.fixture(scope="module")
