@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared.common import gpu_run_info, write_result  # noqa: E402
-from server.config import (SPEC_BACKOFF, SPEC_BACKOFFS, SPEC_COST_PLAIN_ROW, SPEC_COST_POSITION,  # noqa: E402
-                           SPEC_DISABLE_BY_BATCH_SIZE, SPEC_FLOORS, SPEC_ROUND_COST, EngineConfig, SpeculativeConfig)
+from server.config import (SPEC_BACKOFF, SPEC_BACKOFFS, SPEC_DISABLE_BY_BATCH_SIZE,  # noqa: E402
+                           SPEC_FLOORS, SPEC_ROUND_COST, EngineConfig, SpeculativeConfig)
 from server.engine import LLMEngine  # noqa: E402
-from server.engine.spec.policy import BatchBackoff, StepCosts  # noqa: E402
+from server.engine.spec.policy import batch_rule  # noqa: E402
 from server.engine.spec.ngram import NgramProposer  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
 
@@ -101,8 +101,7 @@ def configure(engine: LLMEngine, spec, method: str | None, p: float, max_batch: 
     spec.max_batch = max_batch
     spec.floor = SPEC_FLOORS[method] if floor is None else floor
     rule = backoff or SPEC_BACKOFF[method]
-    spec.batch = (BatchBackoff(StepCosts(SPEC_ROUND_COST[method], SPEC_COST_POSITION, SPEC_COST_PLAIN_ROW))
-                  if rule == "batch" else None)
+    spec.batch = batch_rule(SPEC_ROUND_COST[method]) if rule == "batch" else None
     c = spec.counters
     c.drafts = c.draft_tokens = c.accepted_tokens = 0
     c.accepted_per_pos[:] = [0] * len(c.accepted_per_pos)

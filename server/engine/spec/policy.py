@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.config import SPEC_MAX_BACKOFF
+from server.config import SPEC_COST_PLAIN_ROW, SPEC_COST_POSITION, SPEC_MAX_BACKOFF
 
 
 @dataclass(slots=True)
@@ -139,3 +139,8 @@ class BatchBackoff:
                 self.skip = self.backoff
             taken = order
         return sorted(taken)
+
+
+def batch_rule(round_cost: float) -> BatchBackoff:
+    """The batch rule for a method whose round costs `round_cost` (its other costs: server/config.py)."""
+    return BatchBackoff(StepCosts(round_cost, SPEC_COST_POSITION, SPEC_COST_PLAIN_ROW))

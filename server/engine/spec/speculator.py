@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager
-from server.config import SPEC_COST_PLAIN_ROW, SPEC_COST_POSITION, EngineConfig
+from server.config import EngineConfig
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec.draft import DraftProposer
 from server.engine.spec.ngram import NgramProposer
-from server.engine.spec.policy import BatchBackoff, SpecState, StepCosts, record
+from server.engine.spec.policy import SpecState, batch_rule, record
 from server.worker.logits import TokenCounts
 from server.worker.spec.penalties import count_runs
 
@@ -88,8 +88,7 @@ class Speculator:
                                           lag=1 if spec.method == "eagle3" else 0)
         self.acceptance = accepted_prefix  # which proposals stand (benchmarks swap in an oracle's)
         # the back-off rule (policy.py): None = per_sequence
-        self.batch = (BatchBackoff(StepCosts(spec.round_cost, SPEC_COST_POSITION, SPEC_COST_PLAIN_ROW))
-                      if spec.backoff == "batch" else None)
+        self.batch = batch_rule(spec.round_cost) if spec.backoff == "batch" else None
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self.counts = counts  # the runner's penalty counts: accepted runs are counted there
 
@@ -121,13 +120,20 @@ class Speculator:
             return False
         if self.batch is not None:  # the batch rule's answer for the decoding ones, not counted as a step
             decoding = [s for s in running if len(s.token_ids) > len(s.prompt_token_ids)]
-            # (the bounds of _candidates: max_tokens, and the context from the last token's position on)
-            cands = [(s.spec, min(self.k, s.params.max_tokens - len(s.output_token_ids) - 1,
-                                  self.max_model_len - len(s.token_ids))) for s in decoding if s.spec is not None]
+            cands = [(s.spec, self._most_proposals(s, len(s.token_ids) - 1)) for s in decoding if s.spec is not None]
             cands = [c for c in cands if c[1] > 0]
             return bool(cands) and bool(self.batch.choose(cands, len(decoding), commit=False))
         return any(s.spec is not None and s.spec.skip == 0 and len(s.token_ids) > len(s.prompt_token_ids)
                    for s in running)
+
+    def _most_proposals(self, seq, last: int) -> int:
+        """How many proposals a sequence whose last token is at position `last` may verify: k, with
+        neither max_tokens nor the context passed."""
+        return min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - 1 - last)
+
+    def _record(self, st: SpecState, proposed: int, accepted: int) -> None:
+        """A verification's outcome; under the batch rule (floor 0) it only moves the average."""
+        record(st, proposed, accepted, self.floor if self.batch is None else 0.0)
 
     def _candidates(self, batch: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
         """The batch's decodes that may propose this step, with their most proposals (max_tokens
@@ -144,7 +150,7 @@ class Speculator:
                 continue
             if seq.num_pending:  # its last step is still in flight: nothing to continue from
                 continue
-            k = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - 1 - item.start)
+            k = self._most_proposals(seq, item.start)
             if k > 0:
                 out.append((item, k))
         if self.batch is None:
@@ -190,7 +196,7 @@ class Speculator:
             if not draft:
                 self.bm.trim(seq.blocks, start + 1)
                 if draft is not None:  # found nothing to propose
-                    record(seq.spec, 0, 0, self.floor if self.batch is None else 0.0)
+                    self._record(seq.spec, 0, 0)
                 continue
             draft = draft[:k]
             batch.verifies.append(VerifySeq(seq, start, 1 + len(draft), draft=draft))
@@ -244,7 +250,7 @@ class Speculator:
             c.accepted_tokens += j
             for i in range(j):
                 c.accepted_per_pos[i] += 1
-            record(seq.spec, len(v.draft), j, self.floor if self.batch is None else 0.0)
+            self._record(seq.spec, len(v.draft), j)
             self.proposer.accepted(seq, v.start, len(v.draft), j)
             run = chosen[: j + 1]
             if seq.params.penalized:  # row 0 counted its token; the rest of the run, now
