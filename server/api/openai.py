@@ -41,7 +41,8 @@ import time
 from fastapi import APIRouter, FastAPI, Request
 
 from server.api.guards import ServerLimits
-from server.api.openai_protocol import DEFAULTS, Choice, CompletionRequest, OpenAIError, parse_prompts, prompt_count
+from server.api.openai_protocol import (DEFAULTS, Choice, CompletionRequest, OpenAIError, echo_only, parse_prompts,
+                                        prompt_count)
 from server.api.openai_chat import chat_completions
 from server.api.openai_serving import (ROUTE_ERRORS, Route, admit_choices, answer, begin, cap_choices, cap_request_tokens,
                                        check_structured_output, choice_params, openai_errors, respond)
@@ -60,7 +61,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def _completions(body: CompletionRequest, request: Request):
     engine, limits = begin(body, request)
     max_tokens = completion_max_tokens(body)
-    if body.echo and max_tokens == 0 and body.logprobs is None:  # answered without the engine: no place to wait for
+    if echo_only(body.echo, max_tokens, body.logprobs):  # answered without the engine: no place to wait for
         cap_choices(prompt_count(body.prompt), body.n)
     else:
         admit_choices(request, prompt_count(body.prompt), body.n)  # before any per-prompt work

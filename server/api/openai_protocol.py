@@ -269,6 +269,12 @@ class ChoiceBase:
         raise NotImplementedError
 
 
+def echo_only(echo: bool, max_tokens: int, logprobs: int | None) -> bool:
+    """A completion whose answer is its prompt's text alone (echo, max_tokens 0, no logprobs): the
+    engine has nothing to compute for it."""
+    return echo and max_tokens == 0 and logprobs is None
+
+
 class Choice(ChoiceBase):
     """A completions choice: text (the first piece carries the echoed prompt) and legacy logprobs;
     with `token_ids`, vLLM's prompt_token_ids (the first piece) and token_ids (each piece's own)."""
@@ -284,9 +290,8 @@ class Choice(ChoiceBase):
 
     @property
     def engine_free(self) -> bool:
-        # echo with max_tokens 0 and no logprobs: the answer is the prompt's text, nothing to compute
         # (its params carry prompt_logprobs 0 only to pass the engine's validation of max_tokens 0)
-        return self.echo and self.params.max_tokens == 0 and self.lp is None
+        return echo_only(self.echo, self.params.max_tokens, self.params.logprobs)
 
     def chunks(self, out) -> list[dict]:
         text, logprobs = self.advance(out), None
