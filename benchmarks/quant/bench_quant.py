@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared.checkpoint import LLAMA_SHAPES, make_random_llama
-from benchmarks.shared.common import gpu_run_info, write_result
+from benchmarks.shared.common import gpu_run_info, replay_us, write_result
 
 GOALS = {"tpot_fp8_ratio_max": 0.6, "tpot_int4_ratio_max": 0.4, "throughput_fp8_ratio_min": 1.3}
 INT4 = ("awq", "gptq", "w4a16")
@@ -71,16 +70,9 @@ def graph_us(call, copies: int, calls: int = 24, reps: int = 7) -> float:
         for j in range(calls):
             call(j % copies)
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+    us = replay_us(graph, calls, reps)
     del graph
-    return round(statistics.median(times), 2)
+    return round(us, 2)
 
 
 def _weights(n: int, k: int, copies: int) -> list[dict]:

@@ -12,7 +12,6 @@ values summed grow without bound; only the time is read.
 from __future__ import annotations
 
 import gc
-import statistics
 
 GRAPH_OPS = 32
 WARMUP = 5
@@ -27,6 +26,7 @@ def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
+    from benchmarks.shared.common import replay_us
     from models import close_tensor_parallel, init_tensor_parallel
     from models.parallel.group import start_custom_all_reduce
     from server.worker.parallel.peers import NCCL_ENV
@@ -41,7 +41,7 @@ def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
         dist.all_reduce(x)
         return x
 
-    def replay_us(reduce, x) -> float:
+    def reduce_us(reduce, x) -> float:
         for _ in range(3):  # eager first: whatever either path sets up on first use
             reduce(x)
         graph = torch.cuda.CUDAGraph()
@@ -53,23 +53,15 @@ def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
             graph.replay()
         dist.barrier()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / GRAPH_OPS)
-        return statistics.median(times)
+        return replay_us(graph, GRAPH_OPS, REPLAYS)
 
     try:
         rows = []
         for nbytes in sizes:
             x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
-            row = {"bytes": nbytes, "nccl_us": round(replay_us(nccl, x), 2)}
+            row = {"bytes": nbytes, "nccl_us": round(reduce_us(nccl, x), 2)}
             if custom is not None and custom.fits(x):
-                row["custom_us"] = round(replay_us(custom, x), 2)
+                row["custom_us"] = round(reduce_us(custom, x), 2)
                 row["nccl_over_custom"] = round(row["nccl_us"] / row["custom_us"], 2)
             rows.append(row)
         if rank == 0:

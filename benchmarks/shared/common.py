@@ -71,6 +71,24 @@ def wait_for_report(ranks, out, timeout: float, poll: float = 1.0):
                 raise RuntimeError(f"no report from the ranks (exit codes {codes})") from None
 
 
+def replay_us(graph, ops: int, reps: int) -> float:
+    """Median device microseconds of one of the `ops` operations a captured CUDA graph holds, over
+    `reps` timed replays (CUDA events around each)."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    return statistics.median(times)
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default) of an already sorted list; q in [0, 100]."""
     if not sorted_values:
