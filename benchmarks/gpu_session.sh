@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-cast|quant|quanttests|
-#                                   prefill-chunks|newkv-tail]...
+#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
+#                                   prefill-chunks|decode-variants|spec-policies]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -14,8 +14,10 @@
 #     --platform manylinux_2_28_x86_64 -d .whl xgrammar apache-tvm-ffi
 # Every benchmark runs as a module from the repo root: python -m benchmarks.<package>.<name>.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+# (installed once a machine: sessions run side by side on a host's GPUs, CUDA_VISIBLE_DEVICES and OUT
+# apart, after a first one has installed, share it)
+{ [ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  .whl/*.whl && touch /tmp/site/.installed; }; } && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 # What the server imports at start (and what moves HTTP figures when missing: uvloop, httptools,
 # fastokens) stops the session here, by name, not in the middle of a step; what only some steps
 # import is a warning naming the wheel and what fails without it.
@@ -170,27 +172,31 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv-engine)
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
-      # fp8kv-cast: the fp8 decode loop's V (or K and V) through the opaque cast (decode_config.FP8_CASTS):
-      # this triton's IR for both launches (the benchmark's, the engine's fused write), the casts' bits
-      # against the default's on the GPU, then every decode shape with each cast and with the fused write.
-      fp8kv-cast)
+      # fp8kv-tests: the fp8 GPU tests (fp8kv's first half), the opaque casts' bits against the default's
+      # (decode_config.FP8_CASTS) and the fused write's new-token options on the GPU, then this triton's
+      # IR of both launches (the benchmark's, the engine's fused write) with each cast and NEW_KV_TAIL.
+      fp8kv-tests)
+        timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/kernels/test_fp8.py \
+          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
+          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8 or fused or new_kv" \
+          2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
         { timeout 60 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep
-          timeout 40 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep --new-kv --casts cast asm_v; } \
-          2>&1 | grep -v -i warn | tee "$OUT/decode_ir.log" | tail -12 || status=1
-        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode.py -k fp8_casts 2>&1 \
-          | tee "$OUT/fp8_cast_tests.log" | tail -4 || status=1
-        timeout 330 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v asm --fused-write \
-          --tag cast --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_cast.log" | tail -26 || status=1 ;;
-      # newkv-tail: the fused K/V write's new token after the loop (decode_config NEW_KV_TAIL, issues 45/46:
-      # batch-1 TPOT at 32k runs the engine's launch): this triton's IR with and without the option, its
-      # interpreter-free tests on the GPU, then every decode shape's fused launch with and without it.
-      newkv-tail)
-        timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail --casts cast asm_v \
-          2>&1 | grep -v -i warn | tee "$OUT/newkv_ir.log" | tail -13 || status=1
-        timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode.py -k "fused or new_kv" 2>&1 \
-          | tee "$OUT/newkv_tests.log" | tail -4 || status=1
-        timeout 380 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v --fused-write \
-          --new-kv-tail --tag newkv --out-dir "$OUT" 2>&1 | tee "$OUT/newkv_tail.log" | tail -26 || status=1 ;;
+          timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail --casts cast asm_v; } \
+          2>&1 | grep -v -i warn | tee "$OUT/decode_ir.log" | tail -16 || status=1 ;;
+      # decode-variants: every decode shape, 16-bit and fp8, with each fp8 cast, as the engine launches
+      # them (fused write), and with NEW_KV_TAIL (issues 45/46: batch-1 TPOT at 32k runs the fused launch);
+      # the file (fp8_kv_variants_<gpu>.json) is rewritten after each shape
+      decode-variants)
+        timeout "${VARIANTS_S:-560}" python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v asm \
+          --fused-write --new-kv-tail --tag variants --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_variants.log" | tail -26 || status=1 ;;
+      # spec-policies: issue 48's back-off rules side by side (per_sequence, batch), the draft model and
+      # EAGLE-3 at 1 / 8 / 256 clients (8 and 256 at two acceptances, 256 also forced on); the file
+      # (spec_draft_model_eagle3_policies_<gpu>.json) is rewritten after each client count
+      spec-policies)
+        timeout "${SPEC_S:-560}" python3 -m benchmarks.engine.bench_spec --methods draft_model eagle3 \
+          --policies per_sequence batch --clients 1 8 256 --probabilities 0.5 0.8 --sweep-clients 8 256 \
+          --forced-clients 256 --deadline "$(( ${SPEC_S:-560} * 3 / 4 ))" --out-dir "$OUT" 2>&1 | tee "$OUT/spec_policies.log" \
+          | grep -v '^{' | tail -30 || status=1 ;;
       # Issue 45: where the 32k-token prompt's TTFT goes (chunks over the paged prefix; vLLM's FA3 beside
       # ours when VLLM_SITE names an unpacked vLLM site, benchmarks/peers/fetch/unpack_vllm.sh). First the
       # prefix loop's pipelining depth in this triton's IR, the program orders and prefix-loop options

@@ -74,21 +74,26 @@ FP8_SPLIT_CAP = 32
 # a 16-bit V is; "asm", K too. Compiled for sm_90 (benchmarks/kernels/decode_ir.py), the table's
 # 64-key, 5-stage loop at head_dim 128 runs 727 PTX instructions a tile with "cast" and 508 with
 # "asm_v", 168 registers and 127 (3 CTAs an SM and 4), triton 3.6 (3.9: 669 and 467, 162 and 128);
-# the 16-bit loop 505 for twice the bytes; the copies as deep in flight in all. Not in the engine's
-# launch, whose fused K/V write already stages both tiles (decode_ir.py --new-kv). Unmeasured:
-# bench_fp8_kv.py --fp8-casts times each against "cast"; the same bits (test_paged_decode.py checks
-# that on a GPU, where the cast is the inline one).
+# the 16-bit loop 505 for twice the bytes; the copies as deep in flight in all (those counts are the
+# fused launch with NEW_KV_TAIL's; the plain launch's: 763 and 775). Measured on an H100
+# (benchmarks/results/fp8_kv_variants_h100.json): neither pays. "asm_v" is within 2% of "cast" at 9
+# of 21 shapes and up to 18% slower at the others, "asm" up to 32% slower; and where the group is
+# more than one head their outputs are not the default's bits (another accumulation layout), so
+# test_paged_decode's GPU bits check of them would fail there. Kept for decode_ir.py's counts only.
 FP8_CASTS = ("cast", "asm_v", "asm")
-# Launch config key NEW_KV_TAIL (with the fused K/V write; the tables leave it off): the key loop
-# runs over the cached tokens [0, context_len - 1) alone, as the launch without the write does, and
-# the last split adds this step's token from registers after it (one online-softmax update); the
-# store of its K/V is unchanged. The default instead where()s it into the tile it falls in, which
+# Launch config key NEW_KV_TAIL (with the fused K/V write; on unless a config says False): the key
+# loop runs over the cached tokens [0, context_len - 1) alone, as the launch without the write does,
+# and the last split adds this step's token from registers after it (one online-softmax update); the
+# store of its K/V is unchanged. Off, the launch where()s the token into the tile it falls in, which
 # Triton compiles by staging both K and V tiles through shared memory every tile. Compiled for sm_90
 # (decode_ir.py --new-kv --tail), head_dim 128, 16 bits, the tables' 5- and 3-stage configs: 505 and
 # 451 PTX instructions a tile (the launch without the write's counts) instead of 799 and 749, 142 and
 # 128 registers instead of 190 and 182 (3 and 4 CTAs an SM instead of 2), triton 3.6; 3.9: 428 and
-# 393 instead of 738 and 699, 151 and 149 registers instead of 182 and 168. Outputs differ from the
-# default's in fp32 summation order only. Unmeasured: bench_fp8_kv.py --fused-write --new-kv-tail.
+# 393 instead of 738 and 699, 151 and 149 registers instead of 182 and 168. Outputs differ in fp32
+# summation order only. Measured on an H100 (bench_fp8_kv.py --fused-write --new-kv-tail,
+# benchmarks/results/fp8_kv_variants_h100.json), every decode shape's fused launch as fast or faster
+# with it: 16-bit 61-89% of copy bandwidth -> 79-98% where the K/V are >= 256 MB (one 64k-token
+# sequence at 32/8 heads x 128: 68% -> 87%, the plain launch's 87%), fp8 43-60% -> 60-76%.
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,

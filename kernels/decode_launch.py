@@ -101,7 +101,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
         KV_FP8=scales is not None,
         FP8_CAST=FP8_CASTS.index(cast) if scales is not None and not lanes else 0,  # (the dots' cast only)
-        NEW_KV_TAIL=new_kv is not None and bool(cfg.get("NEW_KV_TAIL", False)),
+        NEW_KV_TAIL=new_kv is not None and bool(cfg.get("NEW_KV_TAIL", True)),  # (decode_config: why)
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,

@@ -168,12 +168,17 @@ _GQA_TILES = {128: [(8192, (64, 8, 2, True, 128, 1)), (_INF, (128, 8, 3, True, N
 _PREFIX_TILE = (64, 8, 3, True, None)
 # Tensors a descriptor cannot cover (padded head_dim, strided heads): pointer loads.
 _POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
-# Program order, prefix tile width, split and id load (PrefillConfig.order / prefix_n / prefix_split /
-# prefix_ids): the tables pick none yet; all unmeasured (bench_prefill_chunks.py times each). In
-# prefill_chunks_h100.json the prefix loop (a chunk's time less the prefix-free chunk's) ran at ~240
-# TFLOP/s over 8k of prefix (fits the 50 MB L2) and 24k (does not) alike: not L2 (tiles_fastest's
-# case) but the loop itself, whose K/V gathers the id load keeps from pipelining (prefix_ids "asm"
-# fixes that in the compiled IR: benchmarks/kernels/prefill_ir.py).
+# The paged-prefix loop of 128-row tiles over a 16-bit cache: 128-key tiles, page ids through the
+# inline load (PrefillConfig.prefix_n / prefix_ids). With tl.load's ids the loop waits each
+# iteration for every K/V copy in flight (the id load queues behind them: async_wait depth 0 in
+# the sm_90 IR, 2 with "asm": benchmarks/kernels/prefill_ir.py) and ran at ~240 TFLOP/s whatever the
+# prefix's length. Measured on an H100 (bench_prefill_chunks.py, Llama-3.1-8B's attention, a
+# 32k-token prompt in 8k chunks; benchmarks/results/experiments/prefill_chunks_variants_h100.log): the
+# chunk at 8k of prefix 5.86 -> 4.21 ms, at 16k 10.29 -> 7.14 ms (1.39x, 1.44x); "asm" alone 4.74
+# and 8.26, 128-key tiles alone 4.98 and 8.72; the other options gained less (the split 4.54 and
+# 7.96, the program order 5.44 and 9.72). The same bits as tl.load's ids (tests/kernels/test_flash_prefill_order.py, which passed
+# on the H100). An fp8 prefix keeps the table's loop (its combination unmeasured).
+_PREFIX_LOOP = {"prefix_n": 128, "prefix_ids": "asm"}
 # Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
 # descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
 _INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32
@@ -206,9 +211,9 @@ def _pack(group: int, limit: int) -> int:
 
 
 def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int = 1, tma_ok: bool = False,
-                 has_prefix: bool = True, positions: int | None = None) -> PrefillConfig:
+                 has_prefix: bool = True, positions: int | None = None, fp8: bool = False) -> PrefillConfig:
     """The launch config for these shapes (host values only: a CUDA graph replays it). With a
-    tile map, `positions` is the block_m() it was built with."""
+    tile map, `positions` is the block_m() it was built with; `fp8`: the prefix cache is fp8."""
     d = _bucket(block_d)
     max_rows = 64 if d == 256 else _GQA_ROWS
     positions = positions or _positions(block_d, max_seqlen, device, group)
@@ -222,7 +227,8 @@ def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int
         tile = _PREFIX_TILE
     if tile[3] and not tma_ok:
         tile = _POINTER_TILE[d]
-    return PrefillConfig(rows, *tile[:3], pack, *tile[3:])
+    cfg = PrefillConfig(rows, *tile[:3], pack, *tile[3:])
+    return cfg._replace(**_PREFIX_LOOP) if has_prefix and rows == 128 and not fp8 else cfg
 
 
 def _diag_width(cfg: PrefillConfig) -> int:
@@ -316,7 +322,7 @@ def flash_prefill(
     if _config is not None and not isinstance(_config, dict):
         cfg = PrefillConfig(*_config)
     else:
-        cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions)
+        cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions, fp8)
         cfg = cfg._replace(**(_config or {}))
     positions = cfg.block_m // cfg.pack
     if cfg.block_m % cfg.pack or group % cfg.pack or positions < 1:

@@ -22,8 +22,8 @@ Contract (semantics = ``kernels.reference.paged_decode_ref``):
                 An fp8 cache stores them quantized (kernels/fp8.py), and the attention uses the
                 quantized values, as it would have read them back from the cache.
                 How the kernel attends to that token is a launch-config choice (decode_config
-                NEW_KV_TAIL): inside its tile (default) or after the loop over the cached tokens,
-                by the last split; the same result up to fp32 summation order, the same bytes stored.
+                NEW_KV_TAIL): after the loop over the cached tokens, by the last split (default),
+                or inside its tile; the same result up to fp32 summation order, the same bytes stored.
   num_kv_heads divides num_heads; query head h reads kv head h // (num_heads // num_kv_heads).
 
 What it masks: every token index >= context_len. K/V loads there use other=0 *and* their scores are

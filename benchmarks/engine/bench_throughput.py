@@ -53,9 +53,9 @@ def run_engine(engine: LLMEngine, prompts, outs, temperature: float = 0.0) -> tu
     runner = engine.runner
     launch, collect = runner.launch, runner.collect
 
-    def timed_launch(prefills, decodes):
+    def timed_launch(prefills, decodes, verifies=None):
         t = time.perf_counter()
-        out = launch(prefills, decodes)
+        out = launch(prefills, decodes, verifies)
         split["launch_s"] += time.perf_counter() - t
         split["steps"] += 1
         split["prefill_steps"] += bool(prefills)
@@ -68,7 +68,8 @@ def run_engine(engine: LLMEngine, prompts, outs, temperature: float = 0.0) -> tu
         return out
 
     runner.launch, runner.collect = timed_launch, timed_collect
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():  # (the CPU test of this timer has none)
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     dt = time.perf_counter() - t0

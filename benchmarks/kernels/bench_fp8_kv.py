@@ -8,10 +8,11 @@ decode   kernels.paged_decode over the same scattered paged K/V stored 16-bit (f
          the 16-bit kernel. Goal where the 16-bit K/V is >= 256 MB: >= 85% of copy in fp8 bytes, i.e.
          >= 1.7x. Each fp8 row is checked against the reference over the dequantized cache.
          --fp8-casts asm_v asm: the fp8 kernel with decode_config.FP8_CASTS's opaque casts too (each row
-         also says whether its output has the default's bits); --fused-write: both kernels as the
-         engine launches them, this step's K/V written in-kernel (NEW_KV compiles to another loop:
-         benchmarks/kernels/decode_ir.py --new-kv); --new-kv-tail (with --fused-write): those launches
-         with the option NEW_KV_TAIL too (the step's token after the loop: decode_ir.py --new-kv --tail).
+         also says whether its output has the default's bits); --fused-write: both kernels with this
+         step's K/V written in-kernel and attended inside its tile (NEW_KV_TAIL off: the engine's
+         launch until 2026-11-27; NEW_KV compiles to another loop: benchmarks/kernels/decode_ir.py
+         --new-kv); --new-kv-tail (with --fused-write): those launches with NEW_KV_TAIL on too (the
+         step's token after the loop, the engine's launch since: decode_ir.py --new-kv --tail).
 sweep    (--sweep) fp8 tile configs x split counts at GQA and MHA shapes, against decode_config's pick.
 engine   the Llama-3.1-8B shape (benchmarks/shared/checkpoint.py; random bf16 weights, made on the GPU from its
          config.json with --load-format dummy unless --load-format auto), through LLMEngine with
@@ -85,14 +86,16 @@ def _compile_job(job) -> None:
     torch.cuda.synchronize()
 
 
-def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, tail: bool = False) -> list[dict]:
+def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, tail: bool = False,
+                on_row=None) -> list[dict]:
     """Per shape: the 16-bit and the fp8 kernel at their tables' configs; `casts`: the fp8 kernel with
     each decode_config.FP8_CASTS besides "cast" too (times, shares, speed-ups and whether its output
-    has the default's bits, in row["casts"]); `fused`: both kernels as the engine launches them, with
-    this step's K/V written in-kernel (NEW_KV, slot -1: nothing stored), another compiled loop; `tail`
-    (with `fused`): those launches with the option NEW_KV_TAIL too (the step's token added after the
+    has the default's bits, in row["casts"]); `fused`: both kernels with this step's K/V written
+    in-kernel (NEW_KV, slot -1: nothing stored) and attended inside its tile (NEW_KV_TAIL off),
+    another compiled loop; `tail` (with `fused`): those launches with NEW_KV_TAIL on (the step's token added after the
     loop, which then is the plain launch's), the fp8 one with each of `casts`, and how far their
-    outputs are from the default fused launch's (another fp32 summation order, not the same bits)."""
+    outputs are from the in-tile fused launch's (another fp32 summation order, not the same bits).
+    `on_row(row)` is called after each shape (the caller writes what is done: a time limit keeps it)."""
     from benchmarks.kernels.bench_decode import _bench, build_shape
     from benchmarks.kernels.decode_check import rel_err
     from kernels.paged_decode import paged_decode
@@ -130,8 +133,9 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
             kn = torch.randn(b, kvh, d, device=q.device, dtype=dt)
             slots = torch.full((b,), -1, dtype=torch.int32, device=q.device)
             kw = dict(k_new=kn, v_new=kn, slot_mapping=slots)
-            tf16 = _bench(lambda: paged_decode(q, kc, vc, bt, ctx, scale, **kw))
-            tf8 = _bench(lambda: paged_decode(q, k8, v8, bt, ctx, scale, k_scale=ks, v_scale=vs, **kw))
+            inside = {"NEW_KV_TAIL": False}  # (these rows: the step's token inside its tile, the default until 2026-11-27)
+            tf16 = _bench(lambda: paged_decode(q, kc, vc, bt, ctx, scale, _config=inside, **kw))
+            tf8 = _bench(lambda: paged_decode(q, k8, v8, bt, ctx, scale, k_scale=ks, v_scale=vs, _config=inside, **kw))
             row.update(ms_16bit_fused=tf16, ms_fp8_fused=tf8, copy_share_16bit_fused=bytes16 / tf16 / 1e9 / copy_tbps,
                        copy_share_fp8_fused=bytes16 / 2 / tf8 / 1e9 / copy_tbps)
             extra += (f" | fused write: 16-bit {row['copy_share_16bit_fused']:4.0%}, "
@@ -144,6 +148,8 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
                 extra += f" | tail: 16-bit {t['copy_share_16bit']:4.0%}" + "".join(
                     f", fp8 {c} {t[f'copy_share_fp8_{c}']:4.0%}" for c in casts) + f" err {t['rel_err']:.1e}"
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         print(f"{h:2d}/{kvh:2d}x{d:3d} b={b:3d} n={n:5d} {bytes16 / 1e6:7.0f} MB 16-bit {t16 * 1e3:8.1f} us "
               f"{row['copy_share_16bit']:4.0%} | fp8 {t8 * 1e3:8.1f} us {row['copy_share_fp8']:4.0%} of copy "
               f"x{row['speedup']:.2f} err={err:.1e}{extra}", flush=True)
@@ -154,7 +160,7 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
 
 def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict, casts) -> dict:
     """The fused-write launches with NEW_KV_TAIL: ms of the 16-bit kernel and of the fp8 one with each
-    cast, and the largest relative distance of their outputs from the default fused launch's."""
+    cast, and the largest relative distance of their outputs from the in-tile fused launch's."""
     from benchmarks.kernels.bench_decode import _bench
     from benchmarks.kernels.decode_check import rel_err
     from kernels.paged_decode import paged_decode
@@ -163,12 +169,13 @@ def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict, casts) -> dict:
         kc, vc, ks, vs = cache
         return lambda: paged_decode(q, kc, vc, bt, ctx, scale, k_scale=ks, v_scale=vs, _config=cfg, **kw)
 
+    inside = {"NEW_KV_TAIL": False}
     out = {"ms_16bit": _bench(call(cache16, {"NEW_KV_TAIL": True}))}
-    err = rel_err(call(cache16, {"NEW_KV_TAIL": True})(), call(cache16, None)())
+    err = rel_err(call(cache16, {"NEW_KV_TAIL": True})(), call(cache16, inside)())
     for c in casts:
         f = call(cache8, {"NEW_KV_TAIL": True, "FP8_CAST": c})
         out[f"ms_fp8_{c}"] = _bench(f)
-        err = max(err, rel_err(f(), call(cache8, None)()))
+        err = max(err, rel_err(f(), call(cache8, inside)()))
     out["rel_err"] = err
     return out
 
@@ -360,7 +367,11 @@ def main(argv=None) -> dict:
     result["copy_tbps"] = copy_tbps
     print(f"{result['device']}: copy {copy_tbps:.2f} TB/s", flush=True)
     if "decode" in args.sections:
-        result["rows"] += decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write, args.new_kv_tail)
+        def keep(row: dict) -> None:  # the file after each shape: a time limit keeps the shapes done
+            result["rows"].append(row)
+            write_result(result, args.out_dir, prefix)
+
+        decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write, args.new_kv_tail, on_row=keep)
         if args.sweep:
             result["rows"] += sweep_rows(copy_tbps, args.sweep_budget)
         write_result(result, args.out_dir, prefix)

@@ -16,16 +16,18 @@ new tokens whose keys are the chunk's own (causal) plus the i·C before it, read
 - *_tiles_fastest: the same two with PrefillConfig.order "tiles_fastest" (the query tiles vary fastest
   in the grid, so the programs resident at once stream one or two kv heads' prefix, not all eight:
   the L2 hypothesis of issue 45), the same output bits;
-- flashpage_split / _prefix_n32 / _prefix_n128 / _stages4 / _asm_ids* (chunks with a prefix): the paged
-  prefix loop's own options (PrefillConfig.prefix_split, prefix_n, num_stages, prefix_ids), see
-  PREFIX_OPTIONS; one the GPU cannot compile is skipped with a line saying why;
+- flashpage_load_ids / _split / _prefix_n32 / _prefix_n128 / _stages4 / _asm_ids* (chunks with a
+  prefix): the paged prefix loop's options (PrefillConfig.prefix_split, prefix_n, num_stages,
+  prefix_ids), see PREFIX_OPTIONS (flashpage_load_ids: the table's loop until 2026-11-27); one the GPU
+  cannot compile is skipped with a line saying why;
 - vllm_fa3 (only where vLLM's site is importable, VLLM_SITE): vLLM's FlashAttention-3
   `flash_attn_varlen_func` with the same block table, what `vllm serve` runs on Hopper;
 and one whole-prompt row per impl (the prompt in one call, the cuDNN SDPA backend as the contiguous
 ceiling; flashpage in both orders). TFLOP/s counts the useful causal work: 4·H·D·C·(i·C + C/2) per
 chunk (H query heads).
 Time: triton.testing.do_bench medians. Before timing, each impl's chunk output is checked against
-kernels/reference.py's prefill_attention_ref on the last chunk (a failed check stops the run).
+kernels/reference.py's prefill_attention_ref on the last chunk, the first kv head's query heads (a
+failed check stops the run).
 Writes prefill_chunks_<gpu>.json; `--smoke` runs tiny sizes anywhere (the CPU under the interpreter).
 """
 
@@ -43,17 +45,17 @@ from kernels.reference import prefill_attention_ref
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B's attention
 SMOKE = dict(heads=4, kv_heads=2, head_dim=16, block_size=4)
-# The paged prefix loop's options (kernels/flash_prefill.py PrefillConfig; the table's prefix tile is
-# 64 keys wide, 3 stages): unmasked whole tiles, narrower and wider tiles, a deeper pipeline for the
-# gathers (the whole launch's num_stages), and the page ids through an inline load ("asm": the K/V
-# gathers then stay pipelined, see benchmarks/kernels/prefill_ir.py) alone and with the others.
-ASM = {"prefix_ids": "asm"}
-PREFIX_OPTIONS = {"flashpage_split": {"prefix_split": True}, "flashpage_prefix_n32": {"prefix_n": 32},
-                  "flashpage_prefix_n128": {"prefix_n": 128}, "flashpage_stages4": {"num_stages": 4},
+# The paged prefix loop's options (kernels/flash_prefill.py PrefillConfig), each spelled out whole,
+# not on top of the table's pick (128-key tiles, page ids through the inline load, 3 stages, since
+# 2026-11-27): LOAD is the table's loop before (64-key tiles, tl.load's ids), alone and with
+# unmasked whole tiles, narrower tiles or a deeper pipeline (the whole launch's num_stages); each
+# half of the table's change alone; the table's loop with unmasked whole tiles.
+LOAD, ASM = {"prefix_ids": "load", "prefix_n": 64}, {"prefix_ids": "asm", "prefix_n": 64}
+PREFIX_OPTIONS = {"flashpage_load_ids": LOAD, "flashpage_split": {**LOAD, "prefix_split": True},
+                  "flashpage_prefix_n32": {**LOAD, "prefix_n": 32},
+                  "flashpage_prefix_n128": {**LOAD, "prefix_n": 128}, "flashpage_stages4": {**LOAD, "num_stages": 4},
                   "flashpage_asm_ids": ASM, "flashpage_asm_ids_stages4": {**ASM, "num_stages": 4},
-                  "flashpage_asm_ids_n128": {**ASM, "prefix_n": 128},
-                  "flashpage_asm_ids_tiles_fastest": {**ASM, "order": "tiles_fastest"}}
-
+                  "flashpage_asm_ids_n128_split": {"prefix_ids": "asm", "prefix_n": 128, "prefix_split": True}}
 
 def chunk_flops(start: int, n: int, heads: int, d: int) -> float:
     """Useful causal work of n queries at positions [start, start + n): each attends to every
@@ -141,12 +143,15 @@ def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, t
         cache = paged(k, v, start, bs, gen)
         impls = chunk_impls(q, k, v, start, c, cache, scale)
         if start + c == prompt:  # the last chunk: every impl against the reference before any timing
+            # (the first kv head's group of query heads only: the reference's fp32 scores of all 32
+            # heads over a 32k prompt's last chunk are 32 GiB, past an H100's free memory)
+            g = h // kvh
             cu = torch.tensor([0, c], dtype=torch.int32, device=device)
-            ref = prefill_attention_ref(q[start:], k[start:], v[start:], cu, scale, k_cache=cache[0], v_cache=cache[1],
-                                        block_tables=cache[2],
+            ref = prefill_attention_ref(q[start:, :g], k[start:, :1], v[start:, :1], cu, scale,
+                                        k_cache=cache[0][:, :, :1], v_cache=cache[1][:, :, :1], block_tables=cache[2],
                                         prefix_lens=torch.tensor([start], dtype=torch.int32, device=device)).float()
             for name, fn in impls.items():
-                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                err = ((fn()[:, :g].float() - ref).norm() / ref.norm()).item()
                 if not err < 2e-2:
                     raise SystemExit(f"CHECK FAILED: {name} on the chunk at {start}: relative error {err:.2e}")
         for name, fn in impls.items():

@@ -41,13 +41,31 @@ def test_orders_and_prefix_split_give_the_same_bits(case):
         assert torch.equal(out, outs[0]), cfg
 
 
-@pytest.mark.parametrize("prefix_n", [16, 64])
+@pytest.mark.parametrize("prefix_n", [16, 64, 128])
 def test_prefix_tile_widths(prefix_n):
     """Prefix tiles narrower and wider than BLOCK_N (32 under the interpreter, in 16-token blocks);
     at one width the split, the order and the id load change no bit."""
     configs = [{"prefix_n": prefix_n}, {"prefix_n": prefix_n, **ORDER, **SPLIT, **IDS}]
     a, b = _outputs(7, configs, LENS, 8, 2, 64, torch.float16, prefix_lens=PREFIX)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("max_seqlen", [16, 2048, 8192, 20000])
+def test_the_gpu_table_reads_a_16_bit_prefix_with_the_measured_loop(monkeypatch, head_dim, group, max_seqlen):
+    """The GPU table's 128-row tiles over a 16-bit paged prefix take 128-key prefix tiles and the
+    inline id load (measured faster on an H100: flash_prefill._PREFIX_LOOP); no prefix, an fp8
+    prefix and other tiles keep tl.load's ids at the tile's width."""
+    from kernels.flash_prefill import _pick_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+    for prefix, fp8 in ((False, False), (True, False), (True, True)):
+        cfg = _pick_config(head_dim, max_seqlen, cuda, group, True, prefix, fp8=fp8)
+        measured = prefix and not fp8 and cfg.block_m == 128
+        assert (cfg.prefix_n, cfg.prefix_ids) == ((128, "asm") if measured else (None, "load")), (prefix, fp8, cfg)
+    assert _pick_config(128, max_seqlen, cuda, 4, True, True).prefix_ids == "asm"  # the 8B shape's chunks
 
 
 def test_orders_with_a_tile_map(loops):

@@ -211,19 +211,20 @@ def test_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype) -> None:
     _check_fused_kv_write(heads, dtype, 64, [1, 16, 17, 300, 5], (1, 4, 16))
 
 
-# NEW_KV_TAIL: the loop over the cached tokens only, this step's token added after it by the last
-# split. (2, 2): the lane-wise path; (6, 2) at head 80: group 3 with a padded head; fp8 GQA at head
+# NEW_KV_TAIL (the default): the loop over the cached tokens only, this step's token added after it
+# by the last split; off, the token where()d into its tile. (2, 2): the lane-wise path; (6, 2) at head 80: group 3 with a padded head; fp8 GQA at head
 # 128 (e4m3) and MQA at head 64 (e5m2). Lengths 1 (nothing in the loop), off and on the block (16)
 # and tile (32; 33: the new token alone in its tile), 16 splits leave most splits empty.
 @pytest.mark.parametrize("heads,head_dim,dtype,fp8", [((2, 2), 64, torch.float16, None),
                                                       ((6, 2), 80, torch.bfloat16, None),
                                                       ((8, 2), 128, torch.bfloat16, "float8_e4m3fn"),
                                                       ((4, 1), 64, torch.float16, "float8_e5m2")])
-def test_new_kv_after_the_loop(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, fp8: str | None) -> None:
-    """The option NEW_KV_TAIL against the reference (outputs; the cache bytes it writes equal the
-    reference write's, as the default's do), split and unsplit, and a padding row of context 0
-    stays zero."""
-    _check_fused_kv_write(heads, dtype, head_dim, [1, 16, 33, 17, 70], (1, 3, 16), {"NEW_KV_TAIL": True}, fp8=fp8)
+@pytest.mark.parametrize("tail", [True, False])
+def test_new_kv_after_the_loop_or_inside_its_tile(heads: tuple[int, int], head_dim: int, dtype: torch.dtype,
+                                                  fp8: str | None, tail: bool) -> None:
+    """NEW_KV_TAIL on and off against the reference (outputs; the cache bytes written equal the
+    reference write's), split and unsplit, and a padding row of context 0 stays zero."""
+    _check_fused_kv_write(heads, dtype, head_dim, [1, 16, 33, 17, 70], (1, 3, 16), {"NEW_KV_TAIL": tail}, fp8=fp8)
     num_heads, kvh = heads
     seed, q, kc, vc, bt, ctx = _make([5, 1], num_heads, kvh, 16, dtype, head_dim=head_dim)
     kv = torch.randn(2, kvh, head_dim).to(dtype).to(DEVICE)
@@ -231,7 +232,7 @@ def test_new_kv_after_the_loop(heads: tuple[int, int], head_dim: int, dtype: tor
     for ns in (1, 4):
         out = paged_decode(q, kc, vc, bt, ctx, 0.125, num_splits=ns, k_new=kv, v_new=kv,
                            slot_mapping=torch.full((2,), -1, dtype=torch.int32, device=DEVICE),
-                           _config={"NEW_KV_TAIL": True})
+                           _config={"NEW_KV_TAIL": tail})
         assert torch.equal(out[1], torch.zeros_like(out[1])), f"seed={seed} context 0 must give zeros (splits {ns})"
 
 
