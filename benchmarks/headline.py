@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from benchmarks.shared.common import gpu_slug
+from server.config import SPEC_BACKOFF
 
 DOC = "docs/benchmarks.md"
 OFFLINE_SHAPES = ("gpt2", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "llama-3.1-8b")
@@ -20,6 +21,9 @@ HTTP_CLIENTS = 256
 VLLM_FAILURE = ("vLLM failed in that run; its error (the last line vLLM printed) is under the run in "
                 f"[{DOC}]({DOC}#side-by-side-with-vllm), its whole log in the run's logs")
 LONG_PROMPTS = {"prompt-8k": "8k", "prompt-32k": "32k"}
+
+
+POLICIES = "spec_draft_model_eagle3_policies_h100.json"  # bench_spec --methods draft_model eagle3 --policies ...
 
 
 def _load(results: Path, name: str) -> dict | None:
@@ -156,7 +160,12 @@ def capabilities(results: Path) -> str:
         rows.append(f"| {what} | {measure} | {without:{fmt}} | {_link(name, format(with_, fmt))} | {cell} | {goal} | "
                     f"{gpu_slug(result['device']).upper()} | {result['date']} |")
 
-    for name, methods in (("spec_h100.json", ("ngram", "draft_model")), ("spec_eagle3_h100.json", ("eagle3",))):
+    # The draft model and EAGLE-3 from the run of both back-off rules where there is one, each under
+    # its default rule (server/config.py SPEC_BACKOFF), else from their runs under the rule of the day
+    policies = POLICIES if (results / POLICIES).exists() else None
+    sources = [("spec_h100.json", ("ngram",) if policies else ("ngram", "draft_model")),
+               *([(policies, ("draft_model", "eagle3"))] if policies else [("spec_eagle3_h100.json", ("eagle3",))])]
+    for name, methods in sources:
         spec = _load(results, name)
         if not spec:
             continue
@@ -164,6 +173,8 @@ def capabilities(results: Path) -> str:
         draft = SHAPE_NAMES.get(spec.get("draft"), spec.get("draft"))
         label = {"ngram": "n-gram", "draft_model": f"{draft}-shaped draft", "eagle3": "EAGLE-3 head"}
         for m in methods:
+            config = f"{m} p=0.8" + (f" backoff={SPEC_BACKOFF[m]}" if name == policies else "")
+            by.update({(c, f"{m} p=0.8"): by[c, config] for c in (1, 256) if (c, config) in by})
             one, off1 = by.get((1, f"{m} p=0.8")), by.get((1, "off"))
             if one and off1 and one["mean_accepted_length"]:
                 add(f"speculation, {label[m]}", f"batch 1, TPOT ms (mean accepted length {one['mean_accepted_length']:.2f})",

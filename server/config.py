@@ -111,8 +111,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # The small all-reduces of tensor parallelism (a decode step's rows) over NCCL, not the one-shot
     # all-reduce over symmetric memory (models/parallel/symm_all_reduce.py; vLLM's flag, whose default
-    # is False). On trial: True (NCCL) until tests/gpu/test_gpu_tp.py and bench_tp show it correct
-    # and faster on two H100s; --no-disable-custom-all-reduce turns it on
+    # is False). True (NCCL): on two H100s (2026-11-27) the one-shot gave NCCL's tokens
+    # (tests/gpu/test_gpu_tp.py) but no speed: 9.3-10.1 us against NCCL's 10.6-11.4 for 8-128 KB,
+    # and the 8B shape's batch-1 TPOT 4.33 ms against 4.32 (bench_tp, tp_llama-3.1-8b_h100.json);
+    # --no-disable-custom-all-reduce turns it on
     disable_custom_all_reduce: bool = True
     load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)
     # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--repeats-256", type=int, default=2, help="repeats at 256 clients (seconds a run)")
+    ap.add_argument("--repeats-256", type=int, default=3, help="repeats at 256 clients (seconds a run; 3: a median that one stalled run does not set)")
     ap.add_argument("--sweep-clients", type=int, nargs="*", default=[1, 8],
                     help="client counts run at every probability (the others at --probability only)")
     ap.add_argument("--probability", type=float, default=0.8, help="(k = 4: mean accepted length 3.4)")
@@ -287,6 +287,8 @@ def measure(engine: LLMEngine, spec, phase: str, methods: list[str], clients: in
                    min_acceptance=(SPEC_FLOORS[method] if floor is None else floor) if method is not None else None,
                    backoff=(backoff or SPEC_BACKOFF[method]) if method is not None else None,
                    output_tok_s=round(tok_s, 1), tpot_ms=round(tpot, 3), runs=len(runs[name]),
+                   # each run's, in order: a median of few hides whether one run stalled
+                   runs_tok_s=[round(r["output_tok_s"], 1) for r in runs[name]],
                    speedup=round(tok_s / base, 3) if base else None,
                    tpot_speedup=round(base_tpot / tpot, 3) if base_tpot else None,
                    verifications=drafts, expected_accepted_length=round(expected_length(p, k), 3),

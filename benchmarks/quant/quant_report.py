@@ -27,8 +27,13 @@ def report(result: dict) -> str:
         xr = f"{x['tok_per_s'] / base_x:.2f}×" if x and base_x else ""
         gb = f"{t['weight_bytes'] / 1e9:.1f}" if t.get("weight_bytes") else ""
         out.append(f"| {fmt} | {gb} | {t.get('tpot_ms', '')} | {tr} | {x.get('tok_per_s', 0):,.0f} | {xr} |")
-    gemm = [r for r in rows if r["step"] == "gemm"]
+    failed = [r for r in rows if r["step"] == "engine" and r.get("error")]
+    if failed:  # (an engine child that failed: its row says so, the run's other figures stand)
+        out += ["", "Engines that did not run: " + ", ".join(f"{r['format']} ({r['error']})" for r in failed) + "."]
+    gemm = [r for r in rows if r["step"] == "gemm" and "us" in r]
+    # the known implementations in their order, then any a newer bench_quant added, as they come
     impls = [i for i in GEMM_IMPLS if any(r["impl"] == i for r in gemm)]
+    impls += [i for i in dict.fromkeys(r["impl"] for r in gemm) if i not in impls]
     if gemm:
         out += ["", "GEMM time per linear (µs, medians of `triton.testing.do_bench`), by rows (m):", "",
                 "| linear | n × k | m | " + " | ".join(impls) + " |", "|---|---|---:|" + "---:|" * len(impls)]
@@ -36,6 +41,9 @@ def report(result: dict) -> str:
         for linear, n, k, m in dict.fromkeys((r["linear"], r["n"], r["k"], r["m"]) for r in gemm):
             cells = " | ".join(f"{by[(linear, m, i)]:.1f}" if (linear, m, i) in by else "" for i in impls)
             out.append(f"| {linear} | {n} × {k} | {m} | {cells} |")
+    if result.get("tuned"):  # the GEMV tile sweep's fastest config per weight shape (kernels/gemv.py's order)
+        out += ["", "GEMV tiles the sweep picked (one row): " + "; ".join(
+            f"{key}: {cfg}" for key, cfg in result["tuned"].items()) + "."]
     return "\n".join(out)
 
 

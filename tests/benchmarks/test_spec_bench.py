@@ -65,6 +65,7 @@ def test_floors_run_side_by_side(engine):
     rows = {r["config"]: r for r in measure(engine, engine.speculator, "plain", ["ngram"], 2, prompts, args, {}, 0.0)}
     low, high = rows["ngram p=0.5 floor=0.0"], rows["ngram p=0.5 floor=1.0"]
     assert (low["min_acceptance"], high["min_acceptance"]) == (0.0, 1.0)
+    assert low["runs_tok_s"] == [low["output_tok_s"]] and len(high["runs_tok_s"]) == 1  # each run's, kept
     assert 0 < high["verifications"] < low["verifications"], (high, low)
     with pytest.raises(SystemExit):
         main(["--floors", "draft_model=1.5"])
