@@ -66,14 +66,18 @@ class GemvConfig(NamedTuple):
 
 
 def config(n: int, k: int, int4: bool) -> GemvConfig:
-    """16 weight rows by 512 columns a K step (8 KB of FP8, 4 KB of int4 a program), 4 warps: compiled
-    for sm_90 (Triton 3.9, ptxas) the FP8 loop takes ~3.5 instructions a weight and 119 registers,
-    the int4 loop ~7 and 64, no spills; K split where the output tiles alone give fewer than four
-    programs per SM (at the Llama-3.1-8B shape on an H100: 2 for QKV, 4 for o_proj and down_proj,
-    none for gate/up). benchmarks/quant/bench_quant.py sweeps the alternatives."""
+    """Weight rows by columns a K step and warps, K split where the output tiles alone give fewer than
+    four programs per SM (kernels.tiles.splits_for). From bench_quant.py's sweep at the Llama-3.1-8B
+    shape on an H100 (benchmarks/results/quant_gemv_h100.json, triton 3.6; µs at one row, the
+    earlier 16 x 512, 4 warps before the arrow): FP8 4 x 512 with 2 warps (QKV 15.0 -> 11.4,
+    o_proj 11.4 -> 9.4, gate/up 43.8 -> 42.3), past 8k columns 8 x 512 with 4 (down_proj 25.9 ->
+    24.3); int4 8 x 1024 with 4 (QKV 17.9 -> 14.2, gate/up 55.8 -> 53.1, down_proj 33.0 -> 32.3),
+    4096 x 4096 and smaller 4 x 512 with 2 (o_proj 13.4 -> 11.6)."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return GemvConfig(32, 256, 1, 1)
-    return GemvConfig(16, 512, 4)
+    if int4:
+        return GemvConfig(4, 512, 2) if n * k <= 4096 * 4096 else GemvConfig(8, 1024, 4)
+    return GemvConfig(8, 512, 4) if k > 8192 else GemvConfig(4, 512, 2)
 
 
 def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:

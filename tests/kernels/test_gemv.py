@@ -96,3 +96,18 @@ def test_no_output_channels():
     x, w, ws = _fp8_operands(0, 128, 1 << 30, 0)
     xq, xs = quant_fp8(x)
     assert fp8_gemv(xq, xs, w, ws.reshape(0, 1), 1 << 30, torch.bfloat16).shape == (1, 0)
+
+
+def test_the_gpu_configs_are_the_sweeps_picks(monkeypatch):
+    """kernels/gemv.config on a GPU: the tiles bench_quant's H100 sweep found fastest at one row for
+    each Llama-3.1-8B linear (benchmarks/results/quant_gemv_h100.json's `tuned`)."""
+    import json
+    from pathlib import Path
+
+    import kernels.gemv as gemv
+
+    monkeypatch.setattr(gemv, "_INTERPRET", False)
+    tuned = json.loads((Path(__file__).parents[2] / "benchmarks/results/quant_gemv_h100.json").read_text())["tuned"]
+    for key, cfg in tuned.items():
+        fmt, n, k = key.split()
+        assert list(gemv.config(int(n), int(k), fmt == "int4")) == cfg, key
