@@ -172,9 +172,9 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv-engine)
         timeout 570 python3 -m benchmarks.kernels.bench_fp8_kv --sections engine --tag engine --out-dir "$OUT" 2>&1 \
           | tee "$OUT/fp8_engine.log" | tail -10 || status=1 ;;
-      # fp8kv-tests: the fp8 GPU tests (fp8kv's first half), the opaque casts' bits against the default's
-      # (decode_config.FP8_CASTS) and the fused write's new-token options on the GPU, then this triton's
-      # IR of both launches (the benchmark's, the engine's fused write) with each cast and NEW_KV_TAIL.
+      # fp8kv-tests: the fp8 GPU tests (fp8kv's first half) and the fused write's new-token options on
+      # the GPU, then this triton's IR of both launches (the benchmark's, the engine's fused write) with
+      # and without NEW_KV_TAIL.
       # (the engine tests alone first: on 2026-11-27 a cold machine's compiles ran the whole list past
       # 330 s, one engine test failed, and the limit cut its report)
       fp8kv-tests)
@@ -185,13 +185,13 @@ for step in "${@:-tests throughput prefix}"; do
           tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8 or fused or new_kv" \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
         { timeout 60 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep
-          timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail --casts cast asm_v; } \
+          timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail; } \
           2>&1 | grep -v -i warn | tee "$OUT/decode_ir.log" | tail -16 || status=1 ;;
-      # decode-variants: every decode shape, 16-bit and fp8, with each fp8 cast, as the engine launches
-      # them (fused write), and with NEW_KV_TAIL (issues 45/46: batch-1 TPOT at 32k runs the fused launch);
+      # decode-variants: every decode shape, 16-bit and fp8, as the engine launches them (fused write),
+      # and with NEW_KV_TAIL (issues 45/46: batch-1 TPOT at 32k runs the fused launch);
       # the file (fp8_kv_variants_<gpu>.json) is rewritten after each shape
       decode-variants)
-        timeout "${VARIANTS_S:-560}" python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --fp8-casts cast asm_v asm \
+        timeout "${VARIANTS_S:-560}" python3 -m benchmarks.kernels.bench_fp8_kv --sections decode \
           --fused-write --new-kv-tail --tag variants --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_variants.log" | tail -26 || status=1 ;;
       # spec-policies: issue 48's back-off rules side by side (per_sequence, batch), the draft model and
       # EAGLE-3 at 1 / 8 / 256 clients (8 and 256 at two acceptances, 256 also forced on); the file

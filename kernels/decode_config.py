@@ -67,20 +67,11 @@ def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm
 FP8_TILES = {(True, 64): (32, 8, 1, 0), (True, 128): (32, 8, 1, 0), (False, 64): (64, 4, 5, 0),
              (False, 128): (64, 4, 5, 0)}
 FP8_SPLIT_CAP = 32
-# How the GQA path turns an fp8 tile into the dots' fp16 (launch config key FP8_CAST; the tables pick
-# "cast"): "cast", Triton's cast, which its layout passes fuse into the dot operands' reads from
-# shared memory, V's a byte at a time (ld.shared.b8; its async copies 8 bytes wide); "asm_v", V through
-# kernels/fp8.py's dequantize_opaque, cast in its load layout and staged in fp16 for ldmatrix.trans as
-# a 16-bit V is; "asm", K too. Compiled for sm_90 (benchmarks/kernels/decode_ir.py), the table's
-# 64-key, 5-stage loop at head_dim 128 runs 727 PTX instructions a tile with "cast" and 508 with
-# "asm_v", 168 registers and 127 (3 CTAs an SM and 4), triton 3.6 (3.9: 669 and 467, 162 and 128);
-# the 16-bit loop 505 for twice the bytes; the copies as deep in flight in all (those counts are the
-# fused launch with NEW_KV_TAIL's; the plain launch's: 763 and 775). Measured on an H100
-# (benchmarks/results/fp8_kv_variants_h100.json): neither pays. "asm_v" is within 2% of "cast" at 9
-# of 21 shapes and up to 18% slower at the others, "asm" up to 32% slower; and where the group is
-# more than one head their outputs are not the default's bits (another accumulation layout), so
-# test_paged_decode's GPU bits check of them would fail there. Kept for decode_ir.py's counts only.
-FP8_CASTS = ("cast", "asm_v", "asm")
+# The GQA path's fp8 tiles take Triton's own cast. Variants that cast V, or K and V, through an
+# inline cvt (staged in fp16 for the dots) were measured on an H100 on 2026-11-27 and removed
+# (benchmarks/results/fp8_kv_variants_h100.json): V alone within 2% of it at 11 of 21 shapes, up to
+# 18% slower at 9, 6% faster at 1 (the engine's fused launch: 8, 9 and 4, by up to 16%), K and V up
+# to 32% slower, and other output bits at 14 and 16 of the 16 GQA shapes (another accumulation layout).
 # Launch config key NEW_KV_TAIL (with the fused K/V write; on unless a config says False): the key
 # loop runs over the cached tokens [0, context_len - 1) alone, as the launch without the write does,
 # and the last split adds this step's token from registers after it (one online-softmax update); the

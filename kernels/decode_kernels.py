@@ -6,7 +6,7 @@ them (through Triton's dispatch once per shape, then from a cached plan).
 import triton
 import triton.language as tl
 
-from kernels.fp8 import dequantize, dequantize_opaque, fp16_rows, inverse, quantize
+from kernels.fp8 import dequantize, fp16_rows, inverse, quantize
 
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -26,13 +26,11 @@ def _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
 
 
 @triton.jit
-def _for_math(x, q, LANES: tl.constexpr, OPAQUE: tl.constexpr = False):
+def _for_math(x, q, LANES: tl.constexpr):
     """fp8 K or V as the math takes it: fp32 on the lane-wise path, q's dtype (fp16 by then) for the
-    tensor-core dots; OPAQUE (dots only): through kernels/fp8.py's dequantize_opaque."""
+    tensor-core dots."""
     if LANES:
         y = dequantize(x, tl.float32)
-    elif OPAQUE:
-        y = dequantize_opaque(x)
     else:
         y = dequantize(x, q.dtype)
     return y
@@ -55,7 +53,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_CAST: tl.constexpr, NEW_KV_TAIL: tl.constexpr,
+    KV_FP8: tl.constexpr, NEW_KV_TAIL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -170,11 +168,8 @@ def _decode_kernel(
             k, v = _load_tile(k_base, v_base, page, tok, valid, offs_d, d_ok,
                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
         if KV_FP8:  # prefetched as fp8 (half the registers), cast here
-            # FP8_CAST (decode_config.FP8_CASTS, dots only): 0 Triton's cast, which its layout passes
-            # fuse into the dot operands' shared-memory reads (V's a byte at a time); 1 V, 2 K and V
-            # through the opaque cast (staged in fp16 for the dot, as a 16-bit tile).
-            k = _for_math(k, q, LANES, FP8_CAST == 2)
-            v = _for_math(v, q, LANES, FP8_CAST >= 1)
+            k = _for_math(k, q, LANES)
+            v = _for_math(v, q, LANES)
         if NEW_KV and not NEW_KV_TAIL:  # this step's token: from registers, not from its slot (maybe unwritten)
             is_last = (tok == last)[:, None]
             k = tl.where(is_last, k_last[None, :], k)

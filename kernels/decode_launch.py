@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.runtime import driver
 
-from kernels.decode_config import FP8_CASTS, MAX_SPLITS, merge_heads
+from kernels.decode_config import MAX_SPLITS, merge_heads
 from kernels.decode_kernels import _decode_kernel, _merge_kernel
 from kernels.scratch import scratch
 
@@ -67,9 +67,6 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
     lanes = group == 1 and not cfg.get("DOT", False)
     group_pad = 1 if lanes else max(16, triton.next_power_of_2(group))
     split = num_splits > 1
-    cast = cfg.get("FP8_CAST", "cast")
-    if cast not in FP8_CASTS:
-        raise ValueError(f"FP8_CAST must be one of {FP8_CASTS}, got {cast!r}")
     fused = split and num_splits <= MAX_SPLITS and cfg.get("FUSED_MERGE", _FUSED_MERGE)
     # A constexpr that follows the split count: servers compile every power of two up front
     # (see warmup_split_variants) so that no new batch shape compiles a variant mid-serving.
@@ -100,7 +97,6 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
         MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
         KV_FP8=scales is not None,
-        FP8_CAST=FP8_CASTS.index(cast) if scales is not None and not lanes else 0,  # (the dots' cast only)
         NEW_KV_TAIL=new_kv is not None and bool(cfg.get("NEW_KV_TAIL", True)),  # (decode_config: why)
     )
     grid = (num_seqs, num_kv_heads, num_splits)

@@ -114,28 +114,6 @@ def dequantize(c, dtype: tl.constexpr):
 
 
 @triton.jit
-def dequantize_opaque(c):
-    """fp8 `c` as fp16, the same values as dequantize(c, tl.float16), through an inline cvt that
-    Triton's layout passes cannot move (not pure). Why: Triton (3.6 and 3.9, sm_90) moves a plain
-    cast of a tile feeding tl.dot past the tile's conversion to the dot operand's layout, so that
-    shared memory holds fp8 and each thread reads its operand from there; for an operand whose
-    reduction runs across rows (V in P.V) that is one ld.shared.b8 a byte, where a 16-bit tile takes
-    ldmatrix.trans (benchmarks/kernels/decode_ir.py shows both). Through this op the tile is cast in
-    the layout it was loaded in, and the dot stages it in fp16. Under the interpreter: dequantize."""
-    if _INTERPRET:
-        out = dequantize(c, tl.float16)
-    elif c.dtype == tl.float8e5:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-            "=r,=r,r", [c], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [c], dtype=tl.float16, is_pure=False, pack=4)
-    return out
-
-
-@triton.jit
 def held(c, scale, dtype: tl.constexpr):
     """What fp8 `c` stored with `scale` means, c * scale in fp32, rounded to `dtype` (nearest even):
     the value written back over a K/V row the cache quantized (kv_write, rope_kv_write), so that

@@ -215,7 +215,7 @@ def kernel_info(log_path: str) -> None:
     import kernels.paged_decode as pd
 
     names = ("HEAD_DIM", "HEAD_DIM_PAD", "GROUP", "GROUP_PAD", "BLOCK_SIZE", "BLOCK_N", "SPLIT", "DOT_F32",
-             "PREFETCH", "LANES", "FUSED_MERGE", "SPLITS_PAD", "NEW_KV", "MERGE_HEADS", "KV_FP8", "FP8_CAST")
+             "PREFETCH", "LANES", "FUSED_MERGE", "SPLITS_PAD", "NEW_KV", "MERGE_HEADS", "KV_FP8", "NEW_KV_TAIL")
     seen = set()
     with open(log_path, "a") as f:
         for plan in list(pd._PLANS.values()):

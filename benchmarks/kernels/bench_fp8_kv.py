@@ -7,12 +7,11 @@ decode   kernels.paged_decode over the same scattered paged K/V stored 16-bit (f
          each cache holds (fp8: one a value), as a share of the copy bandwidth, and fp8's speed-up over
          the 16-bit kernel. Goal where the 16-bit K/V is >= 256 MB: >= 85% of copy in fp8 bytes, i.e.
          >= 1.7x. Each fp8 row is checked against the reference over the dequantized cache.
-         --fp8-casts asm_v asm: the fp8 kernel with decode_config.FP8_CASTS's opaque casts too (each row
-         also says whether its output has the default's bits); --fused-write: both kernels with this
-         step's K/V written in-kernel and attended inside its tile (NEW_KV_TAIL off: the engine's
-         launch until 2026-11-27; NEW_KV compiles to another loop: benchmarks/kernels/decode_ir.py
-         --new-kv); --new-kv-tail (with --fused-write): those launches with NEW_KV_TAIL on too (the
-         step's token after the loop, the engine's launch since: decode_ir.py --new-kv --tail).
+         --fused-write: both kernels with this step's K/V written in-kernel and attended inside its
+         tile (NEW_KV_TAIL off: the engine's launch until 2026-11-27; NEW_KV compiles to another
+         loop: benchmarks/kernels/decode_ir.py --new-kv); --new-kv-tail (with --fused-write): those
+         launches with NEW_KV_TAIL on too (the step's token after the loop, the engine's launch
+         since: decode_ir.py --new-kv --tail).
 sweep    (--sweep) fp8 tile configs x split counts at GQA and MHA shapes, against decode_config's pick.
 engine   the Llama-3.1-8B shape (benchmarks/shared/checkpoint.py; random bf16 weights, made on the GPU from its
          config.json with --load-format dummy unless --load-format auto), through LLMEngine with
@@ -26,10 +25,13 @@ The engine workload is `workload()` (seeded random token ids, ignore_eos): the p
 weights there, and reuses them when they exist) and the same prompts.
 
   python -m benchmarks.kernels.bench_fp8_kv --out-dir benchmarks/results [--sections decode engine] [--sweep]
-      [--fp8-casts cast asm_v asm] [--fused-write [--new-kv-tail]] [--checkpoint /tmp/llama8b]
+      [--fused-write [--new-kv-tail]] [--checkpoint /tmp/llama8b]
 
 Writes fp8_kv_<gpu>.json (rows of impl paged_decode, paged_decode fp8 sweep and engine); report(result)
-renders the tables.
+renders the tables, whatever columns a file's rows carry: files written before 2026-11-27's removal
+of the fp8 kernel's FP8_CAST option also have row["casts"] and, under row["tail"], each cast's
+ms_fp8_<cast> / copy_share_fp8_<cast> (the default cast's keys are still ms_fp8_cast and
+copy_share_fp8_cast).
 """
 
 from __future__ import annotations
@@ -86,14 +88,11 @@ def _compile_job(job) -> None:
     torch.cuda.synchronize()
 
 
-def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, tail: bool = False,
-                on_row=None) -> list[dict]:
-    """Per shape: the 16-bit and the fp8 kernel at their tables' configs; `casts`: the fp8 kernel with
-    each decode_config.FP8_CASTS besides "cast" too (times, shares, speed-ups and whether its output
-    has the default's bits, in row["casts"]); `fused`: both kernels with this step's K/V written
-    in-kernel (NEW_KV, slot -1: nothing stored) and attended inside its tile (NEW_KV_TAIL off),
-    another compiled loop; `tail` (with `fused`): those launches with NEW_KV_TAIL on (the step's token added after the
-    loop, which then is the plain launch's), the fp8 one with each of `casts`, and how far their
+def decode_rows(shapes, copy_tbps: float, fused: bool = False, tail: bool = False, on_row=None) -> list[dict]:
+    """Per shape: the 16-bit and the fp8 kernel at their tables' configs; `fused`: both kernels with
+    this step's K/V written in-kernel (NEW_KV, slot -1: nothing stored) and attended inside its tile
+    (NEW_KV_TAIL off), another compiled loop; `tail` (with `fused`): those launches with NEW_KV_TAIL on
+    (the step's token added after the loop, which then is the plain launch's), and how far their
     outputs are from the in-tile fused launch's (another fp32 summation order, not the same bits).
     `on_row(row)` is called after each shape (the caller writes what is done: a time limit keeps it)."""
     from benchmarks.kernels.bench_decode import _bench, build_shape
@@ -119,16 +118,6 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
                    tbps_16bit=bytes16 / t16 / 1e9, tbps_fp8=bytes16 / 2 / t8 / 1e9, speedup=t16 / t8, fp8_rel_err=err)
         row["copy_share_16bit"], row["copy_share_fp8"] = row["tbps_16bit"] / copy_tbps, row["tbps_fp8"] / copy_tbps
         extra = ""
-        for cast in casts:
-            if cast == "cast":
-                continue
-            fc = lambda c=cast: paged_decode(q, k8, v8, bt, ctx, scale, k_scale=ks, v_scale=vs,  # noqa: E731
-                                             _config={"FP8_CAST": c})
-            same = torch.equal(fc(), f8())
-            tc = _bench(fc)
-            share = bytes16 / 2 / tc / 1e9 / copy_tbps
-            row.setdefault("casts", {})[cast] = dict(ms=tc, copy_share=share, speedup=t16 / tc, same_bits=same)
-            extra += f" | {cast} {share:4.0%} x{t16 / tc:.2f}{'' if same else ' BITS DIFFER'}"
         if fused:  # the engine's launch: k_new, v_new written by the kernel (slot -1: not stored)
             kn = torch.randn(b, kvh, d, device=q.device, dtype=dt)
             slots = torch.full((b,), -1, dtype=torch.int32, device=q.device)
@@ -141,12 +130,11 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
             extra += (f" | fused write: 16-bit {row['copy_share_16bit_fused']:4.0%}, "
                       f"fp8 {row['copy_share_fp8_fused']:4.0%}")
             if tail:
-                row["tail"] = t = tail_rows(q, (kc, vc, None, None), (k8, v8, ks, vs), bt, ctx, scale, kw, casts)
+                row["tail"] = t = tail_rows(q, (kc, vc, None, None), (k8, v8, ks, vs), bt, ctx, scale, kw)
                 t["copy_share_16bit"] = bytes16 / t["ms_16bit"] / 1e9 / copy_tbps
-                for c in casts:
-                    t[f"copy_share_fp8_{c}"] = bytes16 / 2 / t[f"ms_fp8_{c}"] / 1e9 / copy_tbps
-                extra += f" | tail: 16-bit {t['copy_share_16bit']:4.0%}" + "".join(
-                    f", fp8 {c} {t[f'copy_share_fp8_{c}']:4.0%}" for c in casts) + f" err {t['rel_err']:.1e}"
+                t["copy_share_fp8_cast"] = bytes16 / 2 / t["ms_fp8_cast"] / 1e9 / copy_tbps
+                extra += (f" | tail: 16-bit {t['copy_share_16bit']:4.0%}, fp8 {t['copy_share_fp8_cast']:4.0%}"
+                          f" err {t['rel_err']:.1e}")
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -158,9 +146,10 @@ def decode_rows(shapes, copy_tbps: float, casts=("cast",), fused: bool = False, 
     return rows
 
 
-def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict, casts) -> dict:
-    """The fused-write launches with NEW_KV_TAIL: ms of the 16-bit kernel and of the fp8 one with each
-    cast, and the largest relative distance of their outputs from the in-tile fused launch's."""
+def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict) -> dict:
+    """The fused-write launches with NEW_KV_TAIL: ms of the 16-bit kernel and of the fp8 one (key
+    ms_fp8_cast, as when the fp8 kernel had other casts), and the largest relative distance of their
+    outputs from the in-tile fused launch's."""
     from benchmarks.kernels.bench_decode import _bench
     from benchmarks.kernels.decode_check import rel_err
     from kernels.paged_decode import paged_decode
@@ -169,14 +158,10 @@ def tail_rows(q, cache16, cache8, bt, ctx, scale, kw: dict, casts) -> dict:
         kc, vc, ks, vs = cache
         return lambda: paged_decode(q, kc, vc, bt, ctx, scale, k_scale=ks, v_scale=vs, _config=cfg, **kw)
 
-    inside = {"NEW_KV_TAIL": False}
-    out = {"ms_16bit": _bench(call(cache16, {"NEW_KV_TAIL": True}))}
-    err = rel_err(call(cache16, {"NEW_KV_TAIL": True})(), call(cache16, inside)())
-    for c in casts:
-        f = call(cache8, {"NEW_KV_TAIL": True, "FP8_CAST": c})
-        out[f"ms_fp8_{c}"] = _bench(f)
-        err = max(err, rel_err(f(), call(cache8, inside)()))
-    out["rel_err"] = err
+    inside, after = {"NEW_KV_TAIL": False}, {"NEW_KV_TAIL": True}
+    out = {"ms_16bit": _bench(call(cache16, after)), "ms_fp8_cast": _bench(call(cache8, after))}
+    out["rel_err"] = max(rel_err(call(cache16, after)(), call(cache16, inside)()),
+                         rel_err(call(cache8, after)(), call(cache8, inside)()))
     return out
 
 
@@ -335,13 +320,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--sections", nargs="+", default=["decode", "engine"], choices=["decode", "engine"])
     ap.add_argument("--sweep", action="store_true", help="also sweep fp8 decode configs")
     ap.add_argument("--sweep-budget", type=float, default=120.0)
-    ap.add_argument("--fp8-casts", nargs="+", default=["cast"], choices=["cast", "asm_v", "asm"],
-                    help="decode: also time the fp8 kernel with these decode_config.FP8_CASTS (its default: cast)")
     ap.add_argument("--fused-write", action="store_true",
                     help="decode: also time both kernels as the engine launches them (the step's K/V written in-kernel)")
     ap.add_argument("--new-kv-tail", action="store_true",
                     help="decode, with --fused-write: also time the launch option NEW_KV_TAIL (the step's token "
-                         "after the loop), 16-bit and fp8 with each --fp8-casts")
+                         "after the loop), 16-bit and fp8")
     ap.add_argument("--checkpoint", default=None, help="directory of the 8B-shape checkpoint (built there if missing)")
     ap.add_argument("--load-format", default="dummy", choices=["dummy", "auto"],
                     help="dummy: config.json alone, random weights made on the GPU at start-up; auto: random "
@@ -371,7 +354,7 @@ def main(argv=None) -> dict:
             result["rows"].append(row)
             write_result(result, args.out_dir, prefix)
 
-        decode_rows(DECODE_SHAPES, copy_tbps, args.fp8_casts, args.fused_write, args.new_kv_tail, on_row=keep)
+        decode_rows(DECODE_SHAPES, copy_tbps, args.fused_write, args.new_kv_tail, on_row=keep)
         if args.sweep:
             result["rows"] += sweep_rows(copy_tbps, args.sweep_budget)
         write_result(result, args.out_dir, prefix)

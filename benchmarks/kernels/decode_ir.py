@@ -3,7 +3,7 @@ and fp8 (e4m3) caches side by side: each config's key-loop copy depth, the loop'
 K/V tile, how its dot operands leave shared memory, registers, spills, shared memory, and the CTAs an
 SM holds.
 
-    python -m benchmarks.kernels.decode_ir [--head-dims 128 64] [--casts cast asm_v asm] [--new-kv [--tail]]
+    python -m benchmarks.kernels.decode_ir [--head-dims 128 64] [--new-kv [--tail]]
 
 Issue 46: the fp8 kernel reads 59-80% of the H100's copy bandwidth (fp8 bytes) where the 16-bit one
 reads 88-99% (benchmarks/results/fp8_kv_decode_h100.json). The launches compiled are those of that
@@ -18,13 +18,13 @@ nothing spills. The difference is the instructions: Triton fuses the fp8 -> fp16
 operand reads from shared memory, and V's operand runs across rows, so each thread reads it a byte
 at a time (64 ld.shared.b8 a 64-key tile at head_dim 128, where 16 bits take 8 ldmatrix.trans), and
 V's copies are 8 bytes wide: 727 instructions a tile against 505 for a 16-bit tile of twice the
-bytes (3.6; 3.9: 669 and 428). decode_config.FP8_CASTS "asm_v" (an inline cvt Triton cannot move)
-casts V in its load layout and stages it in fp16 instead: 508 (467), 127 registers instead of 168
-(4 CTAs an SM instead of 3). The engine's launch (--new-kv) is another loop: the where() that puts
-this step's K/V into its tile already stages both tiles in fp16, for 16 bits too (head_dim 128:
-738-799 instructions a tile, 168-190 registers, 2-3 CTAs an SM), so there the casts change nothing
-and the 16-bit figures the benchmark measured are not the engine's. Compile-time facts, not
-timings: bench_fp8_kv.py --fp8-casts ... --fused-write times them.
+bytes (3.6; 3.9: 669 and 428). Casting V through an inline cvt Triton cannot move, staged in fp16
+as a 16-bit V is, made that 508 (467) at 127 registers instead of 168, but measured no faster on an
+H100 and was removed (kernels/decode_config.py). The engine's launch (--new-kv) is another loop: the
+where() that puts this step's K/V into its tile already stages both tiles in fp16, for 16 bits too
+(head_dim 128: 738-799 instructions a tile, 168-190 registers, 2-3 CTAs an SM), so the 16-bit
+figures the benchmark measured are not the engine's. Compile-time facts, not timings:
+bench_fp8_kv.py --fused-write times them.
 
 --new-kv --tail: each engine launch also with decode_config's NEW_KV_TAIL (the step's token added
 after the loop, by the last split), a row "... tail" under each. Its loop is the launch without the
@@ -78,14 +78,13 @@ def sweep_configs(head_dim: int, path: Path = SWEEP_JSON) -> list[tuple[dict, st
     return list(out.values())
 
 
-def compile_launch(head_dim: int, fp8: bool, cfg: dict, cast: str = "cast", new_kv: bool = False,
-                   tail: bool = False):
+def compile_launch(head_dim: int, fp8: bool, cfg: dict, new_kv: bool = False, tail: bool = False):
     """The decode kernel as decode_launch._launch compiles it for this config (q, k_new, v_new, the
     cache and the block tables 16-aligned; strides multiples of 16 but num_splits and the block-table
     row stride, which the kernel does not specialise)."""
     import triton
 
-    from kernels.decode_config import FP8_CASTS, merge_heads
+    from kernels.decode_config import merge_heads
     from kernels.decode_kernels import _decode_kernel
 
     splits = int(cfg["num_splits"])
@@ -101,8 +100,7 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, cast: str = "cast", new_
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_F32=False,
                  PREFETCH=cfg.get("PREFETCH", 0), LANES=False, FUSED_MERGE=split, SPLITS_PAD=splits_pad,
                  NEW_KV=new_kv, MERGE_HEADS=merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"])
-                 if split else 1, KV_FP8=fp8, FP8_CAST=FP8_CASTS.index(cast) if fp8 else 0,
-                 NEW_KV_TAIL=new_kv and tail)
+                 if split else 1, KV_FP8=fp8, NEW_KV_TAIL=new_kv and tail)
     return compile_sm90(_decode_kernel, types, const,
                         lambda n: types[n].startswith("*") or n not in ("num_splits", "stride_bts", "scale_log2"),
                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
@@ -134,7 +132,6 @@ def line(name: str, cfg: dict, d: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[128, 64])
-    ap.add_argument("--casts", nargs="+", default=["cast", "asm_v", "asm"], help="fp8 casts (decode_config.FP8_CASTS)")
     ap.add_argument("--new-kv", action="store_true", help="the engine's launch (the step's K/V written in-kernel)")
     ap.add_argument("--no-sweep", action="store_true", help="the tables' configs only")
     ap.add_argument("--tail", action="store_true",
@@ -156,10 +153,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(line("16-bit" + " tail" * tail, cfg, d) + f" ({why})", flush=True)
         fp8_cfgs = table_configs(hd, True) + ([] if args.no_sweep else sweep_configs(hd))
         for cfg, why in fp8_cfgs:
-            for cast in args.casts:
-                for tail in tails:
-                    d = describe(compile_launch(hd, True, cfg, cast, args.new_kv, tail), cfg["num_warps"])
-                    print(line(f"fp8 {cast}" + " tail" * tail, cfg, d) + f" ({why})", flush=True)
+            for tail in tails:
+                d = describe(compile_launch(hd, True, cfg, args.new_kv, tail), cfg["num_warps"])
+                print(line("fp8" + " tail" * tail, cfg, d) + f" ({why})", flush=True)
 
 
 if __name__ == "__main__":

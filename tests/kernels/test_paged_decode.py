@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from kernels.decode_config import (FP8_CASTS, MAX_SPLITS, choose_fp8_config, choose_gpu_config, merge_heads,
+from kernels.decode_config import (MAX_SPLITS, choose_fp8_config, choose_gpu_config, merge_heads,
                                    merge_split_cap)
 from kernels.paged_decode import choose_config, paged_decode
 from kernels.reference import kv_write_ref, paged_decode_ref
@@ -290,44 +290,6 @@ def test_fp8_cache(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, fp
             assert not torch.isnan(out).any(), f"seed={seed} splits={ns}: unwritten or NaN output"
             _close(out, ref, dtype, f"seed={seed} {fp8} heads={heads} d={head_dim} splits={ns} config={cfg}")
     _check_fused_kv_write(heads, dtype, head_dim, [17, 1, 70], (1, 3), gpu_tile, fp8=fp8)
-
-
-@pytest.mark.parametrize("fp8", FP8_DTYPES)
-def test_fp8_casts_give_the_default_bits(fp8: str) -> None:
-    """decode_config.FP8_CASTS: V (asm_v) or K and V (asm) through the opaque cast give the default
-    cast's exact bits: GQA at head 128 (the lane-wise path ignores the option: MHA too), contexts of
-    1 and off the block and tile sizes, NaN bytes in unowned slots, split and unsplit, the fp8 tile
-    the GPU picks, and the fused K/V write (outputs and the bytes written). Under the interpreter the
-    cast is Triton's either way (no inline assembly there); on a GPU this checks the cvt's lanes."""
-    for heads, head_dim, splits in (((8, 2), 128, (1, 3)), ((2, 2), 64, (3,))):
-        num_heads, kvh = heads
-        lens = [1, 15, 17, 140]
-        random.shuffle(lens)
-        seed, q, kc, vc, bt, ctx = _make(lens, num_heads, kvh, 16, torch.bfloat16, head_dim=head_dim,
-                                         extra_table_cols=2)
-        (k8, ks), (v8, vs) = fp8_cache(kc, fp8, seed), fp8_cache(vc, fp8, seed + 1)
-        gpu = choose_fp8_config(len(lens), kvh, num_heads // kvh, bt.shape[1] * 16, 132, head_dim)
-        base = {"BLOCK_N": gpu["BLOCK_N"]} if DEVICE == "cpu" else {}  # a GPU takes the table's whole config
-        n = len(lens)
-        k_new, v_new = (torch.randn(n, kvh, head_dim, generator=torch.Generator().manual_seed(seed + i))
-                        .to(torch.bfloat16).to(DEVICE) for i in (2, 3))
-        last = ctx.long() - 1
-        slots = (bt.long()[torch.arange(n, device=DEVICE), last // 16] * 16 + last % 16).to(torch.int32)
-        for ns in splits:
-            got = {}
-            for cast in FP8_CASTS:
-                kt, vt = k8.clone(), v8.clone()
-                plain = paged_decode(q, k8, v8, bt, ctx, head_dim**-0.5, num_splits=ns, k_scale=ks, v_scale=vs,
-                                     _config={**base, "FP8_CAST": cast})
-                fused = paged_decode(q, kt, vt, bt, ctx, head_dim**-0.5, num_splits=ns, k_scale=ks, v_scale=vs,
-                                     k_new=k_new, v_new=v_new, slot_mapping=slots, _config={**base, "FP8_CAST": cast})
-                got[cast] = (plain, fused, kt.view(torch.uint8), vt.view(torch.uint8))
-            assert not torch.isnan(got["cast"][0]).any() and not torch.isnan(got["cast"][1]).any(), f"seed={seed}"
-            for cast in FP8_CASTS[1:]:
-                for a, b in zip(got[cast], got["cast"]):
-                    assert torch.equal(a, b), f"seed={seed} {fp8} heads={heads} d={head_dim} splits={ns} {cast}"
-    with pytest.raises(ValueError, match="FP8_CAST"):
-        paged_decode(q, k8, v8, bt, ctx, 0.125, k_scale=ks, v_scale=vs, _config={"FP8_CAST": "bf16"})
 
 
 def test_fp8_gpu_config() -> None:
