@@ -82,9 +82,9 @@ FP8_SPLIT_CAP = 32
 # 128 registers instead of 190 and 182 (3 and 4 CTAs an SM instead of 2), triton 3.6; 3.9: 428 and
 # 393 instead of 738 and 699, 151 and 149 registers instead of 182 and 168. Outputs differ in fp32
 # summation order only. Measured on an H100 (bench_fp8_kv.py --fused-write --new-kv-tail,
-# benchmarks/results/fp8_kv_variants_h100.json), every decode shape's fused launch as fast or faster
-# with it: 16-bit 61-89% of copy bandwidth -> 79-98% where the K/V are >= 256 MB (one 64k-token
-# sequence at 32/8 heads x 128: 68% -> 87%, the plain launch's 87%), fp8 43-60% -> 60-76%.
+# benchmarks/results/fp8_kv_variants_h100.json), every decode shape's fused launch faster or within 1%
+# with it: 16-bit 61-91% of copy bandwidth -> 79-98% where the K/V are >= 256 MB (one 64k-token
+# sequence at 32/8 heads x 128: 68% -> 87%, the plain launch's 87%), fp8 43-63% -> 60-76%.
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
