@@ -22,8 +22,9 @@ from tests.models.test_families_http import SERVER_ARGS, assert_exercised, excha
 # test_families_http's 10 ms a step keeps the first wave's longest prompt running for its 4 chunks and
 # 24 decode steps; accepted proposals cut those to ~6 verifications (the GPT-2 checkpoint drafts for
 # itself), so under load the wave's arrivals could spread past it and nothing was preempted (seen once
-# in CI beside another test process). 30 ms a step keeps the wave together for as long as before.
-STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.03"}
+# in CI beside another test process). 30 ms a step kept the wave together for as long as before,
+# until a check run beside two other jobs on the two cores (load ~6) spread it again; 60 ms a step.
+STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.06"}
 
 
 @pytest.fixture(scope="module")
