@@ -31,7 +31,8 @@ as ``kernels/wo_matmul.py`` at M = 1):
   bias     [N] x's dtype, or None
   returns  [1, N] x's dtype. int4 in groups: sum over each group's columns of x * q, then
            scale * (that - zero * sum of x over the group), so a weight costs a shift, a mask, a
-           conversion and an FMA.
+           conversion and an FMA. Option half2 (off by default): kernels/gemv_int4.py's loop in fp16
+           pairs (its own contract: fp16 partial sums, a range limit), for int4 without g_idx.
 
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).
@@ -48,12 +49,12 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_quant import dynamic_scale, quantize_values
-from kernels.rounding import round_to
-from kernels.tiles import k_range, split_arrive, split_buffers, split_plan, split_total, splits_for
+from kernels.gemv_int4 import _int4_half2_kernel
+from kernels.tiles import GEMV_PER_CHANNEL, gemv_finish, gemv_span, split_buffers, split_plan, splits_for
 from kernels.wo_matmul import fp8_bits_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-PER_CHANNEL = tl.constexpr(0)  # GROUP's value for one scale per output channel
+PER_CHANNEL = GEMV_PER_CHANNEL  # GROUP's value for one scale per output channel
 # x's forms (ACT): quantized before, or a 16-bit row quantized here per token, per group, statically
 ACT_FP8, ACT_TOKEN, ACT_GROUP, ACT_STATIC = (tl.constexpr(v) for v in range(4))
 
@@ -86,39 +87,10 @@ def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, i
 
 
 @triton.jit
-def _store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, round_to(acc, out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """The program's sums stored with the bias, rounded once; split: by the tile's last program, all
-    splits' partials added in split order (kernels/tiles.py)."""
-    if SPLIT:
-        block = tl.arange(0, BLOCK_N)
-        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N):
-            _store(split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N), offs_n, n_ok, bias_ptr,
-                   out_ptr, HAS_BIAS)
-    else:
-        _store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS)
-
-
-@triton.jit
-def _program_span(N, K, k_per_split, BLOCK_N: tl.constexpr):
-    """This program's output channels (offsets, in range, int64) and its split's [k_lo, k_hi)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo, k_hi = k_range(tl.program_id(1), K, k_per_split)
-    return offs_n, offs_n < N, offs_n.to(tl.int64), k_lo, k_hi
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n, n_ok, n64, k_lo, k_hi = _program_span(N, K, k_per_split, BLOCK_N)
+    offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
     # Products are summed elementwise in registers and reduced across threads once, after the loop.
     if GROUP == PER_CHANNEL:
         offs_k = tl.arange(0, BLOCK_K)
@@ -164,7 +136,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
                          mask=n_ok[:, None, None] & g_ok[None, :, None], other=0.0)
             acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
-    _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
+    gemv_finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
 
 @triton.jit
@@ -172,7 +144,7 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, par
                     groups,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n, n_ok, n64, k_lo, k_hi = _program_span(N, K, k_per_split, BLOCK_N)
+    offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
     # K as [G, C] (G groups of C columns a step; per channel: one "group" of BLOCK_K); products are
     # summed elementwise in registers and reduced across threads once, after the loop.
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
@@ -244,7 +216,7 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, par
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
         if GROUP == PER_CHANNEL:
             acc = acc * tl.load(s_ptr + n64 * groups, mask=n_ok, other=0.0)
-    _finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
+    gemv_finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
 
 def _launch(kernel, n: int, k: int, cfg: GemvConfig, out: torch.Tensor, bias: torch.Tensor | None, *args, **meta):
@@ -297,8 +269,9 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
 
 def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
             bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-            cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ dequant(weight)[N, K].T -> [1, N] in x's dtype. See the module docstring."""
+            cfg: GemvConfig | None = None, half2: bool = False) -> torch.Tensor:
+    """x [1, K] @ dequant(weight)[N, K].T -> [1, N] in x's dtype. See the module docstring; `half2`:
+    int4 without g_idx through kernels/gemv_int4.py's loop (fp16 pairs; its contract)."""
     (m, k), n = x.shape, weight.shape[0]
     int4 = zero is not None
     assert m == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1 and weight.is_contiguous()
@@ -317,6 +290,9 @@ def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: to
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    if half2 and int4 and g_idx is None:
+        return _launch(_int4_half2_kernel, n, k, cfg, out, bias, x.view(torch.int32), weight, scale, zero,
+                       groups=groups, X_BF16=x.dtype == torch.bfloat16, GROUP=g)
     return _launch(_wo_gemv_kernel, n, k, cfg, out, bias, x, weight, scale, zero if int4 else scale,
                    g_idx if g_idx is not None else scale, groups=groups, INT4=int4, GROUP=g,
                    HAS_GIDX=g_idx is not None)

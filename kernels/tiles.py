@@ -123,3 +123,35 @@ def split_buffers(device: torch.device, tiles: int, splits: int, tile_elems: int
             raise RuntimeError("a split-K GEMM's buffers must be made before capture: run the shape eagerly first")
     return (scratch(("split-partials", device), n, torch.float32, device),
             scratch(("split-counters", device), tiles, torch.int32, device, min_size=COUNTERS, zeroed=True))
+
+
+GEMV_PER_CHANNEL = tl.constexpr(0)  # the GEMVs' GROUP for one scale per output channel
+
+
+@triton.jit
+def _gemv_store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, round_to(acc, out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def gemv_finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A GEMV program's sums (kernels/gemv.py, gemv_int4.py) stored with the bias, rounded once;
+    split: by the tile's last program, all splits' partials added in split order."""
+    if SPLIT:
+        block = tl.arange(0, BLOCK_N)
+        if split_arrive(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N):
+            _gemv_store(split_total(acc, part_ptr, count_ptr, tl.program_id(0), block, BLOCK_N), offs_n, n_ok,
+                        bias_ptr, out_ptr, HAS_BIAS)
+    else:
+        _gemv_store(acc, offs_n, n_ok, bias_ptr, out_ptr, HAS_BIAS)
+
+
+@triton.jit
+def gemv_span(N, K, k_per_split, BLOCK_N: tl.constexpr):
+    """A GEMV program's output channels (offsets, in range, int64) and its split's [k_lo, k_hi)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo, k_hi = k_range(tl.program_id(1), K, k_per_split)
+    return offs_n, offs_n < N, offs_n.to(tl.int64), k_lo, k_hi

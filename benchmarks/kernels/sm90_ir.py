@@ -54,15 +54,7 @@ def loop_waits(ttgir: str) -> list[str]:
 def hot_loop(ptx: str, marker: str = "mma.sync") -> Counter:
     """PTX opcodes (with their suffixes) of the longest loop whose body holds `marker`: a label and
     the backward branch to it. Inline-assembly blocks count an opcode per statement."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
-    body: list[str] = []
-    for i, line in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
-        if m and labels.get(m.group(1), i) < i:
-            cand = lines[labels[m.group(1)] : i + 1]
-            if any(marker in x for x in cand) and len(cand) > len(body):
-                body = cand
+    body = _longest_loop(ptx.splitlines(), r"^(\$L__BB\d+_\d+):", r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", marker)
     ops: Counter = Counter()
     for line in body:
         for stmt in re.split(r"[;{}]", line.split("//")[0]):
@@ -70,6 +62,20 @@ def hot_loop(ptx: str, marker: str = "mma.sync") -> Counter:
             if m:
                 ops[m.group(1)] += 1
     return ops
+
+
+def _longest_loop(lines: list[str], label: str, branch: str, marker: str) -> list[str]:
+    """The longest run of lines from a label (regex `label`, group 1 its name) to a backward branch to
+    it (regex `branch`) that holds `marker`."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(label, line))}
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(branch, line)
+        if m and labels.get(m.group(1), i) < i:
+            cand = lines[labels[m.group(1)] : i + 1]
+            if any(marker in x for x in cand) and len(cand) > len(body):
+                body = cand
+    return body
 
 
 def copy_widths(ptx: str) -> Counter:
@@ -103,3 +109,22 @@ def ptxas_info(ptx: str) -> tuple[int, int] | None:
 def regs_text(ptx: str) -> str:
     info = ptxas_info(ptx)
     return f"{info[0]} registers, {info[1]} B spilled" if info else "registers unknown (no bundled ptxas took the PTX)"
+
+
+def sass_loop(cubin: bytes, marker: str = "LDG") -> Counter:
+    """SASS opcodes (without modifiers) of the longest loop of the cubin whose body holds `marker`,
+    disassembled by the bundled nvdisasm: a label and the backward branch to it."""
+    import triton.backends.nvidia
+
+    exe = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        lines = subprocess.run([exe, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
+    ops: Counter = Counter()
+    for line in _longest_loop(lines, r"^(\.L_x_\d+):", r"\bBRA\s+`\((\.L_x_\d+)\)", marker):
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops

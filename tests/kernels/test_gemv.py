@@ -81,6 +81,29 @@ def test_int4_gemv_matches_reference(cfg, group, n, k, gidx):
 
 
 @pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("group,n,k,dtype,symmetric", [(128, 33, 200, torch.bfloat16, False),
+                                                       (32, 17, 136, torch.float16, True),
+                                                       (128, 40, 128, torch.float16, False),
+                                                       (1 << 30, 24, 264, torch.bfloat16, True)])
+def test_int4_half2_gemv_matches_reference(cfg, group, n, k, dtype, symmetric):
+    """wo_gemv's half2 option (kernels/gemv_int4.py): a partial last group, groups of 32, one group,
+    per channel; symmetric zeros (8) and not; bf16 and fp16 rows; bias on odd N. Within the default
+    loop's tolerance of the reference, and near the default loop (fp16 sums of four products)."""
+    x, qw, scale, zero, _ = _int4(n, k, group, n + k)
+    if symmetric:
+        zero = torch.full_like(zero, 8)
+    x = x.to(dtype)
+    bias = (torch.randn(n) * 0.1).to(dtype) if n % 2 else None
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, qw, scale, zero, bias)]
+    out = wo_gemv(*dev[:4], group, dev[4], cfg=cfg, half2=True)
+    ref = wo_matmul_ref(x, qw, scale, zero, group, bias)
+    assert out.shape == (1, n) and out.dtype == dtype
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=2e-2, rtol=1e-2)
+    default = wo_gemv(*dev[:4], group, dev[4], cfg=cfg).cpu().float()
+    torch.testing.assert_close(out.cpu().float(), default, atol=8e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
 @pytest.mark.parametrize("group", [128, 1 << 30])
 def test_fp8_weight_only_gemv_matches_reference(cfg, group):
     g = torch.Generator().manual_seed(group % 97)
