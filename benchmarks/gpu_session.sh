@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|spec-policies]...
+#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -212,6 +212,21 @@ for step in "${@:-tests throughput prefix}"; do
           | tee "$OUT/prefill_order_tests.log" | tail -5 || status=1
         timeout 410 python3 -m benchmarks.kernels.bench_prefill_chunks --out-dir "$OUT" 2>&1 | tee "$OUT/prefill_chunks.log" \
           | tail -60 || status=1 ;;
+      # Issues 45 + 50: where a decode step's time goes on the Llama-3.1-8B shape (dummy weights), rank 0's
+      # profile (benchmarks/profiling/profile_step.py): the served step, the step's device time through
+      # its graph and eagerly, the kernels by category and by name. profile-step (one GPU): TP=1 at batch
+      # 1 and 256; tp2profile (two GPUs): TP=2 at batch 1, NCCL's all-reduces (PROFILE_ARGS adds flags:
+      # PROFILE_ARGS=--no-disable-custom-all-reduce for the one-shot). Each writes
+      # profile_step_llama-3.1-8b_tp<N>_<gpu>.json into $OUT (benchmarks/results/experiments/ when kept).
+      profile-step)
+        # shellcheck disable=SC2086
+        timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 256 --out-dir "$OUT" \
+          ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v -e '^USDT' -e 'Warning' | tail -90 || status=1 ;;
+      tp2profile)
+        # shellcheck disable=SC2086
+        timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --tensor-parallel-size 2 --batch 1 \
+          --out-dir "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/tp2profile.log" | grep -v -e '^USDT' -e 'Warning' | tail -50 \
+          || status=1 ;;
       profile)
         for n in 1 4; do
           python3 -m benchmarks.profiling.profile_server --server-args "--api-server-count $n" --label "api$n" \

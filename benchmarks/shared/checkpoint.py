@@ -101,9 +101,10 @@ def make_random_llama(path: str | Path, shape: str | dict, seed: int = 0, device
     return path
 
 
-def make_config_only_llama(path: str | Path, shape: str) -> Path:
-    """A checkpoint directory of one of LLAMA_SHAPES with config.json (bf16) and the tokenizer but no
-    weight files: what `--load-format dummy` serves (random weights made on the device)."""
+def make_config_only_llama(path: str | Path, shape: str | dict) -> Path:
+    """A checkpoint directory of one of LLAMA_SHAPES (or of a dict of such config fields) with
+    config.json (bf16) and the tokenizer but no weight files: what `--load-format dummy` serves
+    (random weights made on the device)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _llama_config(shape).save_pretrained(path)

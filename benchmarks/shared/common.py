@@ -27,15 +27,16 @@ def gpu_slug(device_name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")).lower()
 
 
-def gpu_run_info(module: str, argv: list[str] | None) -> dict:
+def gpu_run_info(module: str, argv: list[str] | None, device: str = "cuda") -> dict:
     """device, torch, triton, date, command (`python -m <module> <argv>`): the head of an offline GPU
-    benchmark's result file."""
+    benchmark's result file (device "cpu" where `device` is not CUDA: a benchmark's CPU path)."""
     import datetime
 
     import torch
     import triton
 
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__.split("+")[0], triton=triton.__version__,
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    return dict(device=name, torch=torch.__version__.split("+")[0], triton=triton.__version__,
                 date=datetime.date.today().isoformat(),
                 command=f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
 
