@@ -34,7 +34,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels.flash_prefill import PrefillConfig, _pick_config, _tma_ok, flash_prefill  # noqa: E402
+from kernels.flash_prefill import _tma_ok, flash_prefill  # noqa: E402
+from kernels.prefill_config import PrefillConfig, _pick_config  # noqa: E402
 from kernels.reference import prefill_attention_ref  # noqa: E402
 from models.attention import make_backend  # noqa: E402
 

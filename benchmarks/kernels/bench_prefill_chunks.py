@@ -45,7 +45,7 @@ from kernels.reference import prefill_attention_ref
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B's attention
 SMOKE = dict(heads=4, kv_heads=2, head_dim=16, block_size=4)
-# The paged prefix loop's options (kernels/flash_prefill.py PrefillConfig), each spelled out whole,
+# The paged prefix loop's options (kernels/prefill_config.py PrefillConfig), each spelled out whole,
 # not on top of the table's pick (128-key tiles, page ids through the inline load, 3 stages, since
 # 2026-11-27): LOAD is the table's loop before (64-key tiles, tl.load's ids), alone and with
 # unmasked whole tiles, narrower tiles or a deeper pipeline (the whole launch's num_stages); each

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.flash_prefill import config_bounds
+from kernels.prefill_config import config_bounds
 from kvcache import allocate_kv_cache
 from models import StepRows
 from server.worker.runner import ModelRunner

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import kernels.flash_prefill as fp
-from kernels.flash_prefill import PrefillConfig, _pick_config, block_m, config_bounds, flash_prefill, tile_map
+import kernels.prefill_config as pc
+from kernels.flash_prefill import flash_prefill, tile_map
+from kernels.prefill_config import PrefillConfig, _pick_config, block_m, config_bounds
 from kernels.reference import prefill_attention_ref
 
 from tests.helpers import FP8_DTYPES, fp8_cache
@@ -37,7 +39,7 @@ def gen(request) -> torch.Generator:
 def path(request, monkeypatch) -> str:
     """New-token K/V through tensor descriptors or through pointers (the interpreter's default
     is the descriptor wherever the tensors allow it, as on the GPU)."""
-    monkeypatch.setattr(fp, "_INTERPRET_TMA", request.param == "tma")
+    monkeypatch.setattr(pc, "_INTERPRET_TMA", request.param == "tma")
     return request.param
 
 
