@@ -13,6 +13,12 @@
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl xgrammar apache-tvm-ffi
 # Every benchmark runs as a module from the repo root: python -m benchmarks.<package>.<name>.
+# One-GPU steps side by side on a host of two (device time counts per host: both GPUs busy halves it):
+#   bash benchmarks/gpu_session.sh none    # installs once
+#   ( export CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0; bash benchmarks/gpu_session.sh STEP... > $OUT/g0.log 2>&1 ) &
+#   ( export CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1; bash benchmarks/gpu_session.sh STEP... > $OUT/g1.log 2>&1 ) &
+#   wait
+# (the host's CPU is shared: host-bound figures, batch-1 TPOT most, may move; say which ran beside which)
 set -uo pipefail
 # (installed once a machine: sessions run side by side on a host's GPUs, CUDA_VISIBLE_DEVICES and OUT
 # apart, after a first one has installed, share it)
