@@ -170,9 +170,9 @@ for step in "${@:-tests throughput prefix}"; do
       fp8kv)
         # (a cold machine compiles every kernel variant first: 300 s ran out there, 61 s warm; the
         # engine tests alone first, so that a limit cannot cut their report)
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
+        timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
           | tail -30 || status=1
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
+        timeout 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
           tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
           tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
