@@ -187,9 +187,9 @@ for step in "${@:-tests throughput prefix}"; do
       # (the engine tests alone first: on 2026-11-27 a cold machine's compiles ran the whole list past
       # 330 s, one engine test failed, and the limit cut its report)
       fp8kv-tests)
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
+        timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
           | tail -30 || status=1
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
           tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
           tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8 or fused or new_kv" \
           2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
