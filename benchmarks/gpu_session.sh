@@ -53,6 +53,16 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 status=0
+# The fp8 GPU tests (fp8kv, fp8kv-tests): the engine's alone first, so that a limit cannot cut their
+# report (on 2026-11-27 a cold machine's compiles ran one list past 330 s with a failure in it), then
+# the kernels' selected by -k $2 within $1 s
+fp8_tests() {
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
+    | tail -30 || status=1
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_write.py \
+    tests/kernels/test_rope.py tests/kernels/test_paged_decode.py tests/kernels/test_flash_prefill.py \
+    tests/kernels/test_invariant_attention.py -k "$2" 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+}
 for step in "${@:-tests throughput prefix}"; do
   for s in $step; do
     echo "=== $s"
@@ -168,14 +178,8 @@ for step in "${@:-tests throughput prefix}"; do
       # sweep; fp8kv-engine: the Llama-3.1-8B shape (dummy weights), 8k-token prompts, as many at once
       # as each cache holds, and batch-1 TPOT at 32k, per cache dtype (each step fits one call).
       fp8kv)
-        # (a cold machine compiles every kernel variant first: 300 s ran out there, 61 s warm; the
-        # engine tests alone first, so that a limit cannot cut their report)
-        timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
-          | tail -30 || status=1
-        timeout 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
-          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
-          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8" \
-          2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+        # (a cold machine compiles every kernel variant first: 300 s ran out there, 61 s warm)
+        fp8_tests 130 "fp8 or float8"
         timeout 240 python3 -m benchmarks.kernels.bench_fp8_kv --sections decode --sweep --sweep-budget 45 --tag decode \
           --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_decode.log" | tail -28 || status=1 ;;
       fp8kv-engine)
@@ -184,15 +188,8 @@ for step in "${@:-tests throughput prefix}"; do
       # fp8kv-tests: the fp8 GPU tests (fp8kv's first half) and the fused write's new-token options on
       # the GPU, then this triton's IR of both launches (the benchmark's, the engine's fused write) with
       # and without NEW_KV_TAIL.
-      # (the engine tests alone first: on 2026-11-27 a cold machine's compiles ran the whole list past
-      # 330 s, one engine test failed, and the limit cut its report)
       fp8kv-tests)
-        timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
-          | tail -30 || status=1
-        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py \
-          tests/kernels/test_kv_write.py tests/kernels/test_rope.py tests/kernels/test_paged_decode.py \
-          tests/kernels/test_flash_prefill.py tests/kernels/test_invariant_attention.py -k "fp8 or float8 or fused or new_kv" \
-          2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+        fp8_tests 150 "fp8 or float8 or fused or new_kv"
         { timeout 60 python3 -m benchmarks.kernels.decode_ir --head-dims 128 --no-sweep
           timeout 90 python3 -m benchmarks.kernels.decode_ir --head-dims 128 64 --no-sweep --new-kv --tail; } \
           2>&1 | grep -v -i warn | tee "$OUT/decode_ir.log" | tail -16 || status=1 ;;
