@@ -150,9 +150,13 @@ SPEC_FLOORS = {"ngram": SPEC_MIN_ACCEPTANCE, "draft_model": SPEC_MIN_ACCEPTANCE_
 # model-based methods: replayed at the measured points (1 / 8 clients at p = 0 / 0.5 / 0.7 / 0.8 / 0.9,
 # 64 / 256 at 0.8), its mean over 20 oracle seeds is never below per_sequence's, and it lifts 8 clients
 # at p = 0.5 / 0.7 from 0.62x / 0.77x to 0.92x / 1.08x (draft) and 0.86x / 1.38x to 0.97x / 1.48x
-# (EAGLE-3); an estimate, not a measurement
-# (benchmarks/results/experiments/spec_policy_replay_estimate_h100.json). n-gram keeps per_sequence
-# (the replay favours batch for it too, except 0.98x against 0.983x at 1 client, p = 0).
+# (EAGLE-3), an estimate (benchmarks/results/experiments/spec_policy_replay_estimate_h100.json) that
+# the H100 then measured (spec_draft_model_eagle3_policies_h100.json, 8 clients): the draft 0.60x ->
+# 0.93x at p = 0.5 and 1.11x -> 1.32x at 0.8, EAGLE-3 0.79x -> 0.93x at 0.5 and 1.90x either way at
+# 0.8; 1 client alike; at 256 clients speculation is off above 32 running (15-17 verifications a
+# rule), and the 0.92x rows there (the draft per_sequence, EAGLE-3 batch) are not the rules' doing.
+# n-gram keeps per_sequence (the replay favours batch for it too, except 0.98x against 0.983x at 1
+# client, p = 0).
 SPEC_BACKOFFS = ("per_sequence", "batch")
 SPEC_BACKOFF = {"ngram": "per_sequence", "draft_model": "batch", "eagle3": "batch"}
 # The batch rule's cost model, in plain decode steps of one row (6.31 ms at the Llama-3.1-8B shape,
