@@ -165,7 +165,8 @@ def _scaled_mm_with_quant(x, w):
 
 
 def sweep_rows(shape: str) -> list[dict]:
-    """The GEMV's tiles at one row, per linear: FP8 per channel (input from the norm) and int4 g128."""
+    """The GEMV's tiles at one row, per linear: FP8 per channel (input from the norm), int4 g128, and
+    int4 g128 through the half2 loop (kernels/gemv_int4.py, an option off by default: its own picks)."""
     from kernels.fp8_quant import quant_fp8
     from kernels.gemv import GemvConfig, fp8_gemv, wo_gemv
 
@@ -175,11 +176,12 @@ def sweep_rows(shape: str) -> list[dict]:
         ws = _weights(n, k, copies)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = quant_fp8(x)
-        for kind in ("fp8", "int4"):
+        for kind in ("fp8", "int4", "int4_half2"):
             for c in GEMV_SWEEP:
                 cfg = GemvConfig(*c)
                 fn = (lambda i: fp8_gemv(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg)) \
-                    if kind == "fp8" else (lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, cfg=cfg))
+                    if kind == "fp8" else (lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, cfg=cfg,
+                                                             half2=kind == "int4_half2"))
                 row = dict(step="sweep", impl=f"{kind}_gemv", linear=name, n=n, k=k, m=1, config=list(c))
                 try:
                     row["us"] = graph_us(fn, copies)
@@ -197,11 +199,12 @@ def sweep_rows(shape: str) -> list[dict]:
 
 
 def best_configs(rows: list[dict]) -> dict[str, list]:
-    """{"int4|fp8 N K": the fastest GEMV config} from the sweep's rows."""
+    """{"fp8|int4|int4_half2 N K": the fastest GEMV config} from the sweep's rows (install_gemv_configs
+    reads the fp8 and int4 ones: kernels/gemv.config's)."""
     best = {}
     for r in rows:
         if r["step"] == "sweep" and "us" in r:
-            key = f"{r['impl'].split('_')[0]} {r['n']} {r['k']}"
+            key = f"{r['impl'].removesuffix('_gemv')} {r['n']} {r['k']}"
             if key not in best or r["us"] < best[key][0]:
                 best[key] = (r["us"], r["config"])
     return {key: cfg for key, (_, cfg) in best.items()}

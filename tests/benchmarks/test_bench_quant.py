@@ -15,13 +15,15 @@ def test_summary_goals_tuned_tiles_and_table():
             dict(step="sweep", impl="fp8_gemv", n=6144, k=4096, config=[16, 512, 4, 0], us=30.0),
             dict(step="sweep", impl="fp8_gemv", n=6144, k=4096, config=[8, 512, 4, 0], us=25.0),
             dict(step="sweep", impl="int4_gemv", n=6144, k=4096, config=[4, 512, 2, 0], error="OutOfResources"),
+            dict(step="sweep", impl="int4_half2_gemv", n=6144, k=4096, config=[8, 1024, 4, 0], us=9.0),
             dict(step="gemm", linear="qkv_proj", m=1, impl="ours_fp8", us=31.5)]
     s = summarize(rows)
     assert s["tpot_ratio_fp8-dynamic"] == 0.55 and s["tpot_goal_met_fp8-dynamic"]  # <= 0.6
     assert s["tpot_ratio_awq"] == 0.45 and not s["tpot_goal_met_awq"]  # 4-bit: <= 0.4
     assert s["throughput_ratio_fp8-dynamic"] == 1.25 and not s["throughput_goal_met_fp8-dynamic"]  # >= 1.3
     assert "tpot_goal_met_fp8-block" not in s
-    assert best_configs(rows) == {"fp8 6144 4096": [8, 512, 4, 0]}  # failed configs never win
+    # failed configs never win; the half2 loop's picks are its own, not int4's
+    assert best_configs(rows) == {"fp8 6144 4096": [8, 512, 4, 0], "int4_half2 6144 4096": [8, 1024, 4, 0]}
     text = table(dict(rows=rows, summary=s, shape="llama-3.1-8b"))
     assert "fp8-dynamic: TPOT 3.300 ms (x0.55), 1250.0 tok/s (x1.25)" in text
     assert "fp8-block: exit status 1" in text

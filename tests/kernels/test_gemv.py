@@ -133,4 +133,5 @@ def test_the_gpu_configs_are_the_sweeps_picks(monkeypatch):
     tuned = json.loads((Path(__file__).parents[2] / "benchmarks/results/quant_gemv_h100.json").read_text())["tuned"]
     for key, cfg in tuned.items():
         fmt, n, k = key.split()
-        assert list(gemv.config(int(n), int(k), fmt == "int4")) == cfg, key
+        if fmt in ("fp8", "int4"):  # (the half2 loop's picks are its own: an option, not config()'s)
+            assert list(gemv.config(int(n), int(k), fmt == "int4")) == cfg, key
