@@ -174,12 +174,11 @@ def capabilities(results: Path) -> str:
         label = {"ngram": "n-gram", "draft_model": f"{draft}-shaped draft", "eagle3": "EAGLE-3 head"}
         for m in methods:
             config = f"{m} p=0.8" + (f" backoff={SPEC_BACKOFF[m]}" if name == policies else "")
-            by.update({(c, f"{m} p=0.8"): by[c, config] for c in (1, 256) if (c, config) in by})
-            one, off1 = by.get((1, f"{m} p=0.8")), by.get((1, "off"))
+            one, off1 = by.get((1, config)), by.get((1, "off"))
             if one and off1 and one["mean_accepted_length"]:
                 add(f"speculation, {label[m]}", f"batch 1, TPOT ms (mean accepted length {one['mean_accepted_length']:.2f})",
                     name, spec, off1["tpot_ms"], one["tpot_ms"], ".2f", "≥ 2.2× at length 3")
-            many, off = by.get((256, f"{m} p=0.8")), by.get((256, "off"))
+            many, off = by.get((256, config)), by.get((256, "off"))
             if many and off:
                 add(f"speculation, {label[m]}", "256 clients, output tok/s", name, spec, off["output_tok_s"],
                     many["output_tok_s"], ",.0f", "≥ 0.98×", lower_is_better=False)
