@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile]...
+#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile|kerneltests|fp8gputests]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -59,6 +59,7 @@ status=0
 fp8_tests() {
   timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
     | tail -30 || status=1
+  [ "$1" = 0 ] && return
   timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_write.py \
     tests/kernels/test_rope.py tests/kernels/test_paged_decode.py tests/kernels/test_flash_prefill.py \
     tests/kernels/test_invariant_attention.py -k "$2" 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
@@ -68,6 +69,12 @@ for step in "${@:-tests throughput prefix}"; do
     echo "=== $s"
     case $s in
       tests) python3 -m pytest -q tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+      # the kernels' tests alone on the GPU (the defaults' bits after a kernel change), within KERNEL_TESTS_S
+      # (-v: a test cut by the limit still leaves the names of those that failed before it)
+      kerneltests) timeout "${KERNEL_TESTS_S:-500}" python3 -m pytest -v -p no:cacheprovider tests/kernels 2>&1 \
+          | tee "$OUT/kernel_tests.log" | grep -E -e 'FAILED|ERROR' -e ' in [0-9.]+s' | tail -25 || status=1 ;;
+      # the engine's fp8 GPU tests alone (fp8kv's first half)
+      fp8gputests) fp8_tests 0 "fp8" ;;
       throughput) python3 -m benchmarks.engine.bench_throughput --out-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" || status=1 ;;
       prefix) python3 -m benchmarks.engine.bench_prefix --out-dir "$OUT" 2>&1 | tee "$OUT/prefix.log" || status=1 ;;
       load) python3 -m benchmarks.serving.compare --out-dir "$OUT" "${LOAD_ARGS[@]:-}" 2>&1 | tee "$OUT/load.log" || status=1 ;;
