@@ -57,7 +57,9 @@ status=0
 # report (on 2026-11-27 a cold machine's compiles ran one list past 330 s with a failure in it), then
 # the kernels' selected by -k $2 within $1 s
 fp8_tests() {
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" \
+  # (FP8_GPU_K: a -k selection; --tb=short -x: a failure's report before a limit can cut it)
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py ${FP8_GPU_K:+-x --tb=short -k "$FP8_GPU_K"} \
+    2>&1 | tee "$OUT/fp8_gpu_tests.log" \
     | tail -30 || status=1
   [ "$1" = 0 ] && return
   timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_kv_write.py \

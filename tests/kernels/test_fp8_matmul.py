@@ -29,7 +29,9 @@ def test_fp8_matmul_matches_reference(group, m, n, k, out_dtype):
     out = fp8_matmul(a, sa, b, sb, group, out_dtype, bias)
     ref = fp8_matmul_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), group, out_dtype, None if bias is None else bias.cpu())
     assert out.dtype == out_dtype and out.shape == (m, n)
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    # fp32 out: exact sums on the CPU; on an H100 the FP8 MMA adds its products in fewer bits than
+    # fp32 (seen there: up to 9e-4 apart at K 384, sums of order 1), as 16-bit outputs' rounding allows
+    tol = 1e-2 if out_dtype != torch.float32 else 1e-5 if DEVICE == "cpu" else 2e-3
     torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=tol)
 
 
