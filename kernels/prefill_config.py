@@ -99,8 +99,11 @@ _POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
 # chunk at 8k of prefix 5.86 -> 4.21 ms, at 16k 10.29 -> 7.14 ms (1.39x, 1.44x); "asm" alone 4.74
 # and 8.26, 128-key tiles alone 4.98 and 8.72; the other options gained less (the split 4.54 and
 # 7.96, the program order 5.44 and 9.72). The same bits as tl.load's ids (tests/kernels/test_flash_prefill_order.py, which passed
-# on the H100). An fp8 prefix keeps the table's loop (its combination unmeasured).
-_PREFIX_LOOP = {"prefix_n": 128, "prefix_ids": "asm"}
+# on the H100). The prefix's whole tiles in an unmasked loop (prefix_split; the same bits) took a
+# further 4.26 -> 3.97 ms at 8k, 7.12 -> 6.90 at 16k, 10.08 -> 10.01 at 24k (the same benchmark, one
+# H100 run, 2026-11-28: benchmarks/results/prefill_chunks_h100.json, flashpage_asm_ids_n128_split).
+# An fp8 prefix keeps the table's loop (its combination unmeasured).
+_PREFIX_LOOP = {"prefix_n": 128, "prefix_ids": "asm", "prefix_split": True}
 # Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
 # descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
 _INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32

@@ -54,8 +54,8 @@ def test_prefix_tile_widths(prefix_n):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("max_seqlen", [16, 2048, 8192, 20000])
 def test_the_gpu_table_reads_a_16_bit_prefix_with_the_measured_loop(monkeypatch, head_dim, group, max_seqlen):
-    """The GPU table's 128-row tiles over a 16-bit paged prefix take 128-key prefix tiles and the
-    inline id load (measured faster on an H100: prefill_config._PREFIX_LOOP); no prefix, an fp8
+    """The GPU table's 128-row tiles over a 16-bit paged prefix take 128-key prefix tiles, the
+    inline id load and the unmasked loop over whole tiles (measured faster on an H100: prefill_config._PREFIX_LOOP); no prefix, an fp8
     prefix and other tiles keep tl.load's ids at the tile's width."""
     from kernels.prefill_config import _pick_config
 
@@ -64,7 +64,8 @@ def test_the_gpu_table_reads_a_16_bit_prefix_with_the_measured_loop(monkeypatch,
     for prefix, fp8 in ((False, False), (True, False), (True, True)):
         cfg = _pick_config(head_dim, max_seqlen, cuda, group, True, prefix, fp8=fp8)
         measured = prefix and not fp8 and cfg.block_m == 128
-        assert (cfg.prefix_n, cfg.prefix_ids) == ((128, "asm") if measured else (None, "load")), (prefix, fp8, cfg)
+        assert (cfg.prefix_n, cfg.prefix_ids, cfg.prefix_split) == (
+            (128, "asm", True) if measured else (None, "load", False)), (prefix, fp8, cfg)
     assert _pick_config(128, max_seqlen, cuda, 4, True, True).prefix_ids == "asm"  # the 8B shape's chunks
 
 
