@@ -31,8 +31,9 @@ as ``kernels/wo_matmul.py`` at M = 1):
   bias     [N] x's dtype, or None
   returns  [1, N] x's dtype. int4 in groups: sum over each group's columns of x * q, then
            scale * (that - zero * sum of x over the group), so a weight costs a shift, a mask, a
-           conversion and an FMA. Option half2 (off by default): kernels/gemv_int4.py's loop in fp16
-           pairs (its own contract: fp16 partial sums, a range limit), for int4 without g_idx.
+           conversion and an FMA. Option half2: kernels/gemv_int4.py's loop in fp16 pairs (its own
+           contract: fp16 partial sums, |x| within HALF2_X_BOUND), for int4 without g_idx; the
+           caller's choice (models/quant/gemms.py takes it where the linear's input is bounded).
 
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).

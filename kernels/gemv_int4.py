@@ -1,4 +1,5 @@
-"""The int4 decode GEMV's half2 loop: ``kernels.gemv.wo_gemv(..., half2=True)``, off by default.
+"""The int4 decode GEMV's half2 loop: ``kernels.gemv.wo_gemv(..., half2=True)``, which
+models/quant/gemms.py takes for a linear whose input is bounded within HALF2_X_BOUND (after an RMSNorm).
 
 wo_gemv's fp32 loop spends ~7 instructions on each weight (sm_90 PTX, benchmarks/kernels/gemv_ir.py):
 a nibble's shift, its mask and exponent, the float's bias taken off, the FMA, x's load, conversion
@@ -44,6 +45,9 @@ import triton.language as tl
 from kernels.tiles import GEMV_PER_CHANNEL as PER_CHANNEL, gemv_finish, gemv_span
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# |x| up to which the half2 loop is safe: a lane's fp16 sum of four products (|q - z| <= 15) stays
+# under fp16's 65504 for |x| < 1092; a caller that cannot bound its x this way keeps the fp32 loop
+HALF2_X_BOUND = 1000.0
 
 # one word's eight products: $1 the word, $2 (1024 + z) and $3 -(64 + z) as fp16 pairs, $4..$7 x's
 # pairs (columns i, i + 4) for i = 0, 1, 2, 3; $0 the fp32 sum
@@ -190,4 +194,4 @@ def _int4_half2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
                 HAS_BIAS, BLOCK_N)
 
 
-__all__ = ["_int4_half2_kernel"]
+__all__ = ["HALF2_X_BOUND", "_int4_half2_kernel"]

@@ -148,6 +148,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, invariant)
 
+    def norm_consumers(self) -> tuple[tuple[RMSNorm, Linear], ...]:
+        """The linears that read an RMSNorm's output, with that norm (models/quant bound_norm_inputs)."""
+        return (self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)
+
     def forward(self, x: torch.Tensor, h: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata,
                 next_norm: RMSNorm, next_linear: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; h = input_layernorm(x). Returns the new residual stream and

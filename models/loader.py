@@ -166,6 +166,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str, atten
         model.load_weights(tensors)
     if scheme is not None:
         quant.finish(model)
+        quant.bound_norm_inputs(model)
     return model.eval().requires_grad_(False)
 
 

@@ -15,6 +15,7 @@ reports the weights' real bytes and format (the KV cache sizing, /v1/models, the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def finish(model: nn.Module) -> None:
             module.quant.finish(module)
 
 
+def bound_norm_inputs(model: nn.Module) -> None:
+    """Each quantized linear that reads an RMSNorm's output (a module's `norm_consumers()`: pairs of
+    norm and linear) gets `input_bound`, a bound on every |x| it can be given: RMSNorm(x)_i =
+    x_i / rms(x) * w_i and x_i^2 <= K * mean(x^2), so |RMSNorm(x)_i| <= sqrt(K) * max|w| whatever
+    x is (the eps only lowers it). gemms.weight_only_linear picks the int4 GEMV's half2 loop by it."""
+    for module in model.modules():
+        for norm, linear in getattr(module, "norm_consumers", lambda: ())():
+            if linear.quant is not None:
+                linear.input_bound = math.sqrt(linear.in_features) * norm.weight.detach().abs().max().item()
+
+
 def weights_info(model: nn.Module) -> WeightsInfo:
     scheme = getattr(model, "quant_scheme", None)
     tensors = list(model.parameters()) + list(model.buffers())
@@ -121,4 +133,4 @@ def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Q
 
 
 __all__ = ["METHODS", "PER_CHANNEL", "QuantScheme", "QuantizedInput", "ActivationFormat", "WeightsInfo", "detect",
-           "attach", "convert", "finish", "weights_info", "merge_parts", "add_rmsnorm_for", "silu_mul_for", "compute_mode"]
+           "attach", "convert", "finish", "bound_norm_inputs", "weights_info", "merge_parts", "add_rmsnorm_for", "silu_mul_for", "compute_mode"]

@@ -2,8 +2,8 @@
 call these; benchmarks/quant/bench_quant.py times them as "ours"):
 
   rows       fp8 weights, FP8 activations (w8a8)             int4 (or fp8) weights, 16-bit activations
-  1          kernels/gemv.py fp8_gemv: the input quantized      kernels/gemv.py wo_gemv
-             in the GEMV where no norm or silu_mul did it
+  1          kernels/gemv.py fp8_gemv: the input quantized      kernels/gemv.py wo_gemv (int4 in
+             in the GEMV where no norm or silu_mul did it       fp16 pairs where x's bound allows)
   2 - 16     kernels/fp8_matmul.py, K split to fill the SMs     kernels/wo_matmul.py, K split likewise
   more       torch._scaled_mm (rowwise scales, bf16 out,        kernels/dequant.py into a transient
              aligned), else kernels/fp8_matmul.py               16-bit weight, then cuBLAS
@@ -12,10 +12,17 @@ At up to 16 rows a GEMM streams its weight once and its cost is the weight's byt
 it is compute bound, where cuBLAS (and cuBLASLt's FP8 GEMM) beat in-register dequantization once
 per row tile. The row count alone decides, so a decode step of 13 rows and its CUDA graph, padded
 to 16, run the same kernels with the same tiles: a row's bits do not depend on the padding.
+
+An int4 GEMV takes kernels/gemv_int4.py's half2 loop (two weights an instruction: at one row of
+the Llama-3.1-8B shape on an H100, qkv_proj 14.3 -> 9.3 us, gate_up_proj 53.6 -> 30.7;
+benchmarks/results/quant_h100.json) where the linear's `input_bound` (models/quant
+bound_norm_inputs: an RMSNorm's output) keeps every |x| within its fp16 range. Other int4 linears
+(o_proj, down_proj: their inputs have no such bound) and g_idx layers keep the fp32 loop.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -25,6 +32,7 @@ from kernels.dequant import dequantize
 from kernels.fp8_matmul import fp8_matmul
 from kernels.fp8_quant import quant_fp8
 from kernels.gemv import fp8_gemv, wo_gemv
+from kernels.gemv_int4 import HALF2_X_BOUND
 from kernels.wo_matmul import wo_matmul
 
 DECODE_ROWS = 16  # rows up to which the weight is streamed by the decode kernels
@@ -57,11 +65,14 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       group: int, bias: torch.Tensor | None, g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (16-bit) @ the int4 (zero given) or fp8 weight dequantized, [N, K].T."""
+                       group: int, bias: torch.Tensor | None, g_idx: torch.Tensor | None = None,
+                       input_bound: float = math.inf) -> torch.Tensor:
+    """x [M, K] (16-bit) @ the int4 (zero given) or fp8 weight dequantized, [N, K].T; `input_bound`:
+    a bound on every |x| the linear can be given (an int4 GEMV within HALF2_X_BOUND takes the half2
+    loop)."""
     rows = x.shape[0]
     if rows == 1:
-        return wo_gemv(x, weight, scale, zero, group, bias, g_idx)
+        return wo_gemv(x, weight, scale, zero, group, bias, g_idx, half2=input_bound <= HALF2_X_BOUND)
     if rows <= DECODE_ROWS:
         return wo_matmul(x, weight, scale, zero, group, bias, g_idx)
     return F.linear(x, dequantize(weight, scale, zero, group, x.dtype, g_idx), bias)

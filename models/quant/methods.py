@@ -18,6 +18,7 @@ the 'dequant' mode: the linear is then a plain 16-bit Linear again), and `apply`
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -124,7 +125,7 @@ class Int4Method:
 
     def apply(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return weight_only_linear(x, linear.qweight, linear.scales, linear.zeros, self.scheme.group, linear.bias,
-                                  getattr(linear, "g_idx", None))
+                                  getattr(linear, "g_idx", None), getattr(linear, "input_bound", math.inf))
 
 
 def make_method(scheme: QuantScheme, mode: str, dtype: torch.dtype) -> Fp8Method | Int4Method:

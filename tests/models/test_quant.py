@@ -195,6 +195,34 @@ def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fm
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > (0.8 if mode == "w8a8" else 0.95)
 
 
+def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_path):
+    """The linears that read an RMSNorm's output (qkv_proj, gate_up_proj) carry the norm's bound on
+    their input, sqrt(K) * max|w|, and their one-row int4 GEMVs take the half2 loop; o_proj and
+    down_proj (no such bound) keep the fp32 loop. A one-token prefill through both (the interpreter
+    runs the loops) stays within weight-only error of the dequantized model."""
+    import math
+
+    import models.quant.gemms as gemms
+
+    path = tmp_path / "awq"
+    quantize_checkpoint(calm_src, path, "awq")
+    monkeypatch.setattr(quant, "compute_mode", lambda *a: "weight_only")
+    ours = load_model(path, torch.bfloat16, "cpu", "sdpa")
+    monkeypatch.undo()
+    layer = ours.layers[0]
+    for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                         (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        assert linear.input_bound == math.sqrt(linear.in_features) * norm.weight.abs().max().item()
+    assert not hasattr(layer.self_attn.o_proj, "input_bound") and not hasattr(layer.mlp.down_proj, "input_bound")
+    picks, gemv = [], gemms.wo_gemv
+    monkeypatch.setattr(gemms, "wo_gemv", lambda *a, half2: picks.append((a[1].shape, half2)) or gemv(*a, half2=half2))
+    got = prefill_logits(ours, IDS[:1])
+    assert sorted(h for _, h in picks) == [False, False, True, True], picks
+    assert {s[0]: h for s, h in picks}[2 * LLAMA["intermediate_size"]] is True  # gate_up_proj's rows
+    want = prefill_logits(load_model(path, torch.bfloat16, "cpu", "sdpa"), IDS[:1])  # dequantized at load
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
+
+
 def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
     ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8")
     assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])
