@@ -270,9 +270,10 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
 
 def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
             bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-            cfg: GemvConfig | None = None, half2: bool = False) -> torch.Tensor:
+            cfg: GemvConfig | None = None, half2: bool = False, prescale: bool = False) -> torch.Tensor:
     """x [1, K] @ dequant(weight)[N, K].T -> [1, N] in x's dtype. See the module docstring; `half2`:
-    int4 without g_idx through kernels/gemv_int4.py's loop (fp16 pairs; its contract)."""
+    int4 without g_idx through kernels/gemv_int4.py's loop (fp16 pairs; its contract), with
+    `prescale` for x of any range (each K step scaled by a power of two)."""
     (m, k), n = x.shape, weight.shape[0]
     int4 = zero is not None
     assert m == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1 and weight.is_contiguous()
@@ -293,7 +294,7 @@ def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: to
         return out
     if half2 and int4 and g_idx is None:
         return _launch(_int4_half2_kernel, n, k, cfg, out, bias, x.view(torch.int32), weight, scale, zero,
-                       groups=groups, X_BF16=x.dtype == torch.bfloat16, GROUP=g)
+                       groups=groups, X_BF16=x.dtype == torch.bfloat16, GROUP=g, PRESCALE=prescale)
     return _launch(_wo_gemv_kernel, n, k, cfg, out, bias, x, weight, scale, zero if int4 else scale,
                    g_idx if g_idx is not None else scale, groups=groups, INT4=int4, GROUP=g,
                    HAS_GIDX=g_idx is not None)

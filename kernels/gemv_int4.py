@@ -28,7 +28,11 @@ row, up to the order of the sums and these roundings), with
     the bf16 reference 4.9e-3 / 1.3e-3), fp16 rows 6.8e-4 / 2.2e-4 (fp32 loop 4.8e-4 / 1.2e-4);
     tests/kernels/test_gemv.py holds it to the fp32 loop's tolerance of the reference;
   - range: a lane's partial sum (four products) must stay within fp16's 65504: |x| up to ~1000 in
-    any column. Past it the output is inf / NaN (the fp32 loop has no such limit);
+    any column (HALF2_X_BOUND). Past it the output is inf / NaN (the fp32 loop has no such limit),
+    unless PRESCALE (wo_gemv's `prescale`): then each program's K step multiplies x by the power of
+    two that brings the step's largest |x| into [256, 512) (1 where it is below 512) and its sums
+    by the inverse, exactly; x values that the scaling takes below fp16's normal range (6.1e-5)
+    round there, which is the plain loop's rounding of them relative to the step's largest;
   - x [1, K] 16-bit, 4-byte aligned (read as int32 pairs of columns); no g_idx (GPTQ's desc_act
     keeps the fp32 loop); groups or one per channel as wo_gemv.
 Under the interpreter (which runs no PTX) each asm block is the same operation written out in fp32
@@ -81,6 +85,14 @@ _PAIR_F16_HI = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
 _PAIR_BF16_LO = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 16; shl.b32 b, $2, 16; cvt.rn.f16x2.f32 $0, b, a; }")
 _PAIR_BF16_HI = tl.constexpr(
     "{ .reg .b32 a, b; and.b32 a, $1, 0xFFFF0000; and.b32 b, $2, 0xFFFF0000; cvt.rn.f16x2.f32 $0, b, a; }")
+# ... times the step's power of two $3 (PRESCALE): fp32 for bf16 rows (before the conversion), an
+# fp16 pair for fp16 rows
+_PAIR_F16_LO_S = tl.constexpr("{ .reg .b32 p; prmt.b32 p, $1, $2, 0x5410; mul.rn.f16x2 $0, p, $3; }")
+_PAIR_F16_HI_S = tl.constexpr("{ .reg .b32 p; prmt.b32 p, $1, $2, 0x7632; mul.rn.f16x2 $0, p, $3; }")
+_PAIR_BF16_LO_S = tl.constexpr("{ .reg .b32 a, b; shl.b32 a, $1, 16; shl.b32 b, $2, 16; mul.rn.f32 a, a, $3; "
+                               "mul.rn.f32 b, b, $3; cvt.rn.f16x2.f32 $0, b, a; }")
+_PAIR_BF16_HI_S = tl.constexpr("{ .reg .b32 a, b; and.b32 a, $1, 0xFFFF0000; and.b32 b, $2, 0xFFFF0000; "
+                               "mul.rn.f32 a, a, $3; mul.rn.f32 b, b, $3; cvt.rn.f16x2.f32 $0, b, a; }")
 
 
 @triton.jit
@@ -96,17 +108,43 @@ def _f16_bits(v):
 
 
 @triton.jit
-def _x_pair(lo_word, hi_word, HIGH: tl.constexpr, X_BF16: tl.constexpr):
+def _x_value(bits, X_BF16: tl.constexpr):
+    """The 16-bit x in the low half of `bits` (uint32), as fp32."""
+    if X_BF16:
+        return ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return _f16(bits)
+
+
+@triton.jit
+def _x_pair(lo_word, hi_word, sc, HIGH: tl.constexpr, X_BF16: tl.constexpr, PRESCALE: tl.constexpr):
     """x's fp16 pair (column c, column c + 4) from the words (uint32) of columns c & ~1 and c + 4 & ~1:
-    the low columns of each or (HIGH) the high ones."""
+    the low columns of each or (HIGH) the high ones; with PRESCALE times `sc` (a power of two, fp32),
+    exactly where the product stays in fp16's normal range."""
     if _INTERPRET:
         shift: tl.constexpr = 16 if HIGH else 0
         a = (lo_word >> shift) & 0xFFFF
         b = (hi_word >> shift) & 0xFFFF
-        if X_BF16:
+        if PRESCALE:  # bf16: the fp32 product rounded once to fp16; fp16: the f16x2 product's rounding
+            a = _f16_bits(_x_value(a, X_BF16) * sc)
+            b = _f16_bits(_x_value(b, X_BF16) * sc)
+        elif X_BF16:
             a = _f16_bits((a << 16).to(tl.float32, bitcast=True))
             b = _f16_bits((b << 16).to(tl.float32, bitcast=True))
         return a | (b << 16)
+    elif PRESCALE:
+        if X_BF16 and HIGH:
+            asm: tl.constexpr = _PAIR_BF16_HI_S
+        elif X_BF16:
+            asm: tl.constexpr = _PAIR_BF16_LO_S
+        elif HIGH:
+            asm: tl.constexpr = _PAIR_F16_HI_S
+        else:
+            asm: tl.constexpr = _PAIR_F16_LO_S
+        # the scale as the operand each form multiplies by: fp32 bits, or an fp16 pair
+        s_bits = sc.to(tl.uint32, bitcast=True) if X_BF16 else _f16_bits(sc) * 0x10001
+        s_bits = tl.broadcast_to(s_bits, lo_word.shape)
+        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [lo_word, hi_word, s_bits], dtype=tl.uint32, is_pure=True,
+                                         pack=1)
     else:
         if X_BF16 and HIGH:
             asm: tl.constexpr = _PAIR_BF16_HI
@@ -117,6 +155,21 @@ def _x_pair(lo_word, hi_word, HIGH: tl.constexpr, X_BF16: tl.constexpr):
         else:
             asm: tl.constexpr = _PAIR_F16_LO
         return tl.inline_asm_elementwise(asm, "=r,r,r", [lo_word, hi_word], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _step_scale(x01, x23, x45, x67, X_BF16: tl.constexpr):
+    """(sc, 1 / sc): the power of two that brings the step's largest |x| into [256, 512) where it is
+    512 or more, else 1 (exact powers of two: the sums scaled back lose nothing)."""
+    m = tl.maximum(tl.maximum(tl.abs(_x_value(x01, X_BF16)), tl.abs(_x_value(x01 >> 16, X_BF16))),
+                   tl.maximum(tl.abs(_x_value(x23, X_BF16)), tl.abs(_x_value(x23 >> 16, X_BF16))))
+    m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(_x_value(x45, X_BF16)), tl.abs(_x_value(x45 >> 16, X_BF16))),
+                                 tl.maximum(tl.abs(_x_value(x67, X_BF16)), tl.abs(_x_value(x67 >> 16, X_BF16)))))
+    e = (tl.max(tl.max(m, axis=1), axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    big = e >= 136  # |x| >= 512 (NaN and inf too: their outputs stay NaN)
+    sc = tl.where(big, ((262 - e.to(tl.int32)) << 23).to(tl.float32, bitcast=True), 1.0)
+    inv = tl.where(big, ((e.to(tl.int32) - 8) << 23).to(tl.float32, bitcast=True), 1.0)
+    return sc, inv
 
 
 @triton.jit
@@ -153,9 +206,10 @@ def _dot8(words, zlo, zhi, x04, x15, x26, x37):
 
 @triton.jit
 def _int4_half2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split, groups,
-                       X_BF16: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x_ptr: x's columns in int32 pairs (column 2i in the low half); out_ptr: x's dtype."""
+                       X_BF16: tl.constexpr, GROUP: tl.constexpr, PRESCALE: tl.constexpr, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x_ptr: x's columns in int32 pairs (column 2i in the low half); out_ptr: x's dtype. PRESCALE: each
+    K step's x scaled by the power of two _step_scale picks, its sums scaled back (any |x|)."""
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
     G: tl.constexpr = BLOCK_K // C
@@ -185,10 +239,15 @@ def _int4_half2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
         x23 = tl.load(x_ptr + wv * 4 + 1, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
         x45 = tl.load(x_ptr + wv * 4 + 2, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
         x67 = tl.load(x_ptr + wv * 4 + 3, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
-        x04 = tl.broadcast_to(_x_pair(x01, x45, False, X_BF16)[None], [BLOCK_N, G, WG])
-        x15 = tl.broadcast_to(_x_pair(x01, x45, True, X_BF16)[None], [BLOCK_N, G, WG])
-        x26 = tl.broadcast_to(_x_pair(x23, x67, False, X_BF16)[None], [BLOCK_N, G, WG])
-        x37 = tl.broadcast_to(_x_pair(x23, x67, True, X_BF16)[None], [BLOCK_N, G, WG])
+        if PRESCALE:
+            sc, inv = _step_scale(x01, x23, x45, x67, X_BF16)
+            s = s * inv
+        else:
+            sc = 1.0
+        x04 = tl.broadcast_to(_x_pair(x01, x45, sc, False, X_BF16, PRESCALE)[None], [BLOCK_N, G, WG])
+        x15 = tl.broadcast_to(_x_pair(x01, x45, sc, True, X_BF16, PRESCALE)[None], [BLOCK_N, G, WG])
+        x26 = tl.broadcast_to(_x_pair(x23, x67, sc, False, X_BF16, PRESCALE)[None], [BLOCK_N, G, WG])
+        x37 = tl.broadcast_to(_x_pair(x23, x67, sc, True, X_BF16, PRESCALE)[None], [BLOCK_N, G, WG])
         acc3 += s * _dot8(words, zlo, zhi, x04, x15, x26, x37)
     gemv_finish(tl.sum(tl.sum(acc3, axis=2), axis=1), offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT,
                 HAS_BIAS, BLOCK_N)

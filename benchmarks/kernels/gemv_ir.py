@@ -4,7 +4,7 @@ PTX instructions per thread and per weight, ptxas registers and spills, for the 
 loop (fp32), its half2 option (kernels/gemv_int4.py) and the FP8 GEMV (input quantized before, per
 channel) for reference.
 
-    python -m benchmarks.kernels.gemv_ir [--loops int4 half2 fp8] [--x-dtype bf16|fp16]
+    python -m benchmarks.kernels.gemv_ir [--loops int4 half2 half2_prescale fp8] [--x-dtype bf16|fp16]
 
 Issue 47: at one row the int4 GEMV read 1.1 TB/s of weight bytes on gate_up where the FP8 GEMV read
 2.8 (benchmarks/results/quant_gemv_h100.json). Compiled here (bf16 rows, group 128; SASS of the K loop,
@@ -24,7 +24,7 @@ import argparse
 from benchmarks.kernels.sm90_ir import compile_sm90, hot_loop, ptxas_info, real_compiler, sass_loop
 
 SMS = 132  # an H100's
-LOOPS = ("int4", "half2", "fp8")
+LOOPS = ("int4", "half2", "half2_prescale", "fp8")
 
 
 def _splits(n: int, k: int, cfg) -> int:
@@ -58,7 +58,7 @@ def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16"):
         from kernels.gemv_int4 import _int4_half2_kernel as kernel
 
         types = dict(x_ptr="*i32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*u8", groups="i32")
-        const = dict(X_BF16=x_dtype == "bf16", GROUP=128, **common)
+        const = dict(X_BF16=x_dtype == "bf16", GROUP=128, PRESCALE=loop == "half2_prescale", **common)
     types.update(bias_ptr=out, out_ptr=out, part_ptr="*fp32" if common["SPLIT"] else out,
                  count_ptr="*i32" if common["SPLIT"] else out, N="i32", K="i32", k_per_split="i32")
     aligned = lambda a: types[a].startswith("*") or a in ("N", "K", "k_per_split")  # noqa: E731
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             compiled, cfg = compile_gemv(loop, n, k, args.x_dtype)
             d = describe(compiled, cfg)
             tile = f"{cfg.block_n} x {cfg.block_k} w{cfg.num_warps}"
-            print(f"  {name:12s} {n:5d} x {k:5d} {loop:5s} {tile:14s} {d['weights']} weights a thread a step: "
+            print(f"  {name:12s} {n:5d} x {k:5d} {loop:14s} {tile:14s} {d['weights']} weights a thread a step: "
                   f"PTX {d['instructions']} = {d['per_weight']:.2f} a weight, SASS {d['sass']} = "
                   f"{d['sass_per_weight']:.2f} a weight; {d['regs']} regs, {d['spill']} B spilled; SASS {d['top']}",
                   flush=True)

@@ -5,7 +5,7 @@
               FP8 GEMM where this torch has one (checked against ours), and ours: what
               models/quant/gemms.py runs for FP8 per channel (input quantized by the norm, or raw: the
               GEMV quantizes it at one row), FP8 128x128 blocks and int4 (AWQ's group 128), plus the
-              tile kernels and the int4 GEMV's half2 loop (ours_int4_half2, an option off by default) at
+              tile kernels and the int4 GEMV's half2 loop (ours_int4_half2; _prescale: each K step scaled) at
               one row for comparison with the GEMV. Each case is timed as a CUDA graph of calls over
               copies of the weight that together pass the L2 cache (as a decode step's layers do): no
               launch gaps, no L2 hits, device time only
@@ -133,11 +133,14 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
             if m == 1:  # the tile kernels the GEMV replaces at one row
                 cases["fp8_tiles"] = lambda i: fp8_matmul(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16)
                 cases["int4_tiles"] = lambda i: wo_matmul(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128)
-                # the GEMV's half2 loop (kernels/gemv_int4.py, an option off by default), same tiles
+                # the GEMV's half2 loop (kernels/gemv_int4.py: what gemms.py takes after a norm), same tiles
                 cases["ours_int4_half2"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, half2=True)
+                # ... with each K step's power of two (any |x|: what o_proj and down_proj would take)
+                cases["ours_int4_half2_prescale"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128,
+                                                                      half2=True, prescale=True)
             int4_bytes = n * k // 2 + n * k // 128 * 5
             weight_bytes = {"bf16_cublas": 2 * n * k, "ours_int4": int4_bytes, "int4_tiles": int4_bytes,
-                            "ours_int4_half2": int4_bytes}
+                            "ours_int4_half2": int4_bytes, "ours_int4_half2_prescale": int4_bytes}
             for impl, fn in cases.items():
                 row = dict(step="gemm", linear=name, n=n, k=k, m=m, impl=impl)
                 try:
@@ -310,7 +313,7 @@ def table(result: dict) -> str:
         elif "error" in r and r["step"] == "engine":
             lines.append(f"{r['format']:>12}: {r['error']}")
     impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_raw_input", "ours_fp8_block", "ours_int4",
-             "ours_int4_half2", "fp8_tiles", "int4_tiles"]
+             "ours_int4_half2", "ours_int4_half2_prescale", "fp8_tiles", "int4_tiles"]
     lines.append("one row, us: " + " | ".join(impls))
     for name in linear_shapes(result["shape"]):
         got = {r["impl"]: r.get("us", "x") for r in rows if r["step"] == "gemm" and r["linear"] == name and r["m"] == 1}

@@ -17,7 +17,8 @@ An int4 GEMV takes kernels/gemv_int4.py's half2 loop (two weights an instruction
 the Llama-3.1-8B shape on an H100, qkv_proj 14.3 -> 9.3 us, gate_up_proj 53.6 -> 30.7;
 benchmarks/results/quant_h100.json) where the linear's `input_bound` (models/quant
 bound_norm_inputs: an RMSNorm's output) keeps every |x| within its fp16 range. Other int4 linears
-(o_proj, down_proj: their inputs have no such bound) and g_idx layers keep the fp32 loop.
+(o_proj, down_proj: their inputs have no such bound) keep the fp32 loop, or with HALF2_PRESCALE the
+half2 loop with each K step scaled by a power of two; g_idx layers keep the fp32 loop.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from kernels.gemv_int4 import HALF2_X_BOUND
 from kernels.wo_matmul import wo_matmul
 
 DECODE_ROWS = 16  # rows up to which the weight is streamed by the decode kernels
+# int4 GEMVs of unbounded inputs (o_proj, down_proj) through the half2 loop with its per-step power
+# of two (PRESCALE): ~5.5 SASS instructions a weight where the plain half2 loop takes 4.5 and the
+# fp32 loop 9.9 (sm_90, triton 3.6: benchmarks/kernels/gemv_ir.py); off until an H100 times it
+# (bench_quant's ours_int4_half2_prescale) and runs its GPU test
+HALF2_PRESCALE = False
 
 
 class QuantizedInput(NamedTuple):
@@ -72,7 +78,8 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     loop)."""
     rows = x.shape[0]
     if rows == 1:
-        return wo_gemv(x, weight, scale, zero, group, bias, g_idx, half2=input_bound <= HALF2_X_BOUND)
+        bounded = input_bound <= HALF2_X_BOUND
+        return wo_gemv(x, weight, scale, zero, group, bias, g_idx, half2=bounded or HALF2_PRESCALE, prescale=not bounded)
     if rows <= DECODE_ROWS:
         return wo_matmul(x, weight, scale, zero, group, bias, g_idx)
     return F.linear(x, dequantize(weight, scale, zero, group, x.dtype, g_idx), bias)

@@ -104,6 +104,28 @@ def test_int4_half2_gemv_matches_reference(cfg, group, n, k, dtype, symmetric):
 
 
 @pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the plain loop's, on purpose
+def test_int4_half2_prescale_takes_any_range(cfg, dtype):
+    """half2 with prescale: columns of |x| 3000-30000 (as down_proj's inputs can hold, in one K step
+    and not the other) overflow the plain half2 loop's fp16 sums (inf / NaN out); each step scaled
+    by its power of two gives the default loop's result, and where x is small the plain loop's bits."""
+    n, k, group = 33, 264, 128
+    x, qw, scale, zero, _ = _int4(n, k, group, 7)
+    big = x.clone().float()
+    big[0, [3, 40, 41]] = torch.tensor([3000.0, -30000.0, 12000.0])  # the first K step (of 256) only
+    dev = [t.to(DEVICE) for t in (big.to(dtype), qw, scale, zero)]
+    plain = wo_gemv(*dev, group, cfg=cfg, half2=True).cpu().float()
+    assert not plain.isfinite().all()  # what the prescale is for
+    out = wo_gemv(*dev, group, cfg=cfg, half2=True, prescale=True).cpu().float()
+    default = wo_gemv(*dev, group, cfg=cfg).cpu().float()
+    torch.testing.assert_close(out, default, atol=1e-2 * default.abs().max().item(), rtol=4e-3)
+    small = [t.to(DEVICE) for t in (x.to(dtype), qw, scale, zero)]  # every step's max below 512: scale 1
+    assert torch.equal(wo_gemv(*small, group, cfg=cfg, half2=True, prescale=True),
+                       wo_gemv(*small, group, cfg=cfg, half2=True))
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
 @pytest.mark.parametrize("group", [128, 1 << 30])
 def test_fp8_weight_only_gemv_matches_reference(cfg, group):
     g = torch.Generator().manual_seed(group % 97)

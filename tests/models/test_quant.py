@@ -215,7 +215,7 @@ def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_
         assert linear.input_bound == math.sqrt(linear.in_features) * norm.weight.abs().max().item()
     assert not hasattr(layer.self_attn.o_proj, "input_bound") and not hasattr(layer.mlp.down_proj, "input_bound")
     picks, gemv = [], gemms.wo_gemv
-    monkeypatch.setattr(gemms, "wo_gemv", lambda *a, half2: picks.append((a[1].shape, half2)) or gemv(*a, half2=half2))
+    monkeypatch.setattr(gemms, "wo_gemv", lambda *a, **kw: picks.append((a[1].shape, kw["half2"])) or gemv(*a, **kw))
     got = prefill_logits(ours, IDS[:1])
     assert sorted(h for _, h in picks) == [False, False, True, True], picks
     assert {s[0]: h for s, h in picks}[2 * LLAMA["intermediate_size"]] is True  # gate_up_proj's rows
