@@ -38,7 +38,7 @@ one's. The all-reduces are NCCL's (the default) or, with --no-disable-custom-all
 one-shot over symmetric memory. On the CPU (--device cpu) the graph mode is absent, the "kernels"
 are operators by self time and the times are wall times.
 
-Writes <out-dir>/profile_step_<shape>_tp<N>[_custom]_<gpu>.json: {device, torch, triton, date,
+Writes <out-dir>/profile_step_<shape>_tp<N>[_custom][_fp8]_<gpu>.json: {device, torch, triton, date,
 command, shape, dtype, tensor_parallel_size, disable_custom_all_reduce, context, rows: [{batch,
 step_ms, graph, eager}]}, each mode {device_ms, host_ms, kernel_ms, busy_ms, gap_ms, spin_ms,
 kernels_per_step, categories: {category: {us, count, share}}, kernels: [{name, category, us,
@@ -205,8 +205,9 @@ def report(result: dict, top: int = 15) -> str:
     the top kernels (the graph's where the profiler saw them, else the eager step's)."""
     custom = "" if result["tensor_parallel_size"] == 1 else (
         ", NCCL all-reduces" if result["disable_custom_all_reduce"] else ", custom all-reduce")
+    quant = f", {result['quantization']} weights" if result.get("quantization") else ""
     lines = [f"{result['shape']} at TP={result['tensor_parallel_size']}{custom}, context {result['context']}, "
-             f"{result['dtype']}, rank 0's profile ({result['device']})"]
+             f"{result['dtype']}{quant}, rank 0's profile ({result['device']})"]
     for row in result["rows"]:
         modes = [(name, row[name]) for name in ("graph", "eager") if row.get(name) is not None]
         lines += ["", f"Batch {row['batch']}: served step {row['step_ms']:.3f} ms", "",
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="launches profiled per mode")
     p.add_argument("--top", type=int, default=15, help="kernels the printed report lists per batch")
     p.add_argument("--dtype", default=None, help="default: the shape's 16-bit dtype on CUDA, float32 on the CPU")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the dummy weights quantized at load (per channel, FP8 activations per token: "
+                        "FP8_DYNAMIC's step)")
     p.add_argument("--device", default="cuda", help="cuda (cuda:0..N-1), or cpu")
     p.add_argument("--out-dir", default="benchmarks/results/experiments")
     args = p.parse_args(argv)
@@ -262,12 +266,15 @@ def run(args, argv: list[str] | None, root: Path) -> dict:
     setting = {} if custom is None else {"disable_custom_all_reduce": custom}
     config = EngineConfig(model=str(path), load_format=load_format, dtype=dtype, device=args.device,
                           tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=max(256, *args.batch),
+                          quantization=args.quantization,
                           max_model_len=args.context + tokens_needed(args) + 16, **setting)
     result = {**gpu_run_info("benchmarks.profiling.profile_step", argv, args.device), "shape": args.shape,
               "dtype": dtype, "tensor_parallel_size": config.tensor_parallel_size,
-              "disable_custom_all_reduce": config.disable_custom_all_reduce, "context": args.context, "rows": []}
+              "disable_custom_all_reduce": config.disable_custom_all_reduce, "context": args.context,
+              "quantization": args.quantization, "rows": []}
     prefix = f"profile_step_{args.shape}_tp{config.tensor_parallel_size}" + (
-        "_custom" if config.tensor_parallel_size > 1 and not config.disable_custom_all_reduce else "")
+        "_custom" if config.tensor_parallel_size > 1 and not config.disable_custom_all_reduce else "") + (
+        f"_{args.quantization}" if args.quantization else "")
     engine = LLMEngine(config)
     rng = random.Random(0)
     try:

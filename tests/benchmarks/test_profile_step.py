@@ -111,3 +111,13 @@ def test_the_whole_script_on_the_cpu_at_two_ranks(tmp_path):
         assert eager["categories"]["GEMM/GEMV"]["count"] >= 4 * layers  # q/k/v, o, gate/up, down at least
         assert sum(c["share"] for c in eager["categories"].values()) == pytest.approx(1.0, abs=1e-3)
     assert "Batch 2: served step" in profile_step.report(result)
+
+
+def test_fp8_weights_profiled_apart(tmp_path):
+    """--quantization fp8: the dummy weights quantized at load (the CPU serves them dequantized),
+    named in the file and the report."""
+    result = profile_step.main(["--shape", "tiny-llama", "--device", "cpu", "--quantization", "fp8", "--batch", "1",
+                                "--context", "8", "--served-steps", "1", "--reps", "1", "--steps", "1",
+                                "--out-dir", str(tmp_path)])
+    assert json.loads((tmp_path / "profile_step_tiny-llama_tp1_fp8_cpu.json").read_text()) == result
+    assert result["quantization"] == "fp8" and "float32, fp8 weights" in profile_step.report(result)
