@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile|kerneltests|fp8gputests]...
+#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -143,6 +143,17 @@ for step in "${@:-tests throughput prefix}"; do
         timeout 565 python3 -m benchmarks.quant.bench_quant --time-budget 490 --out-dir "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
+      # quant-ab: the engines only (bench_quant's engine step), each format with and without its options
+      # (+pdl: --enable-pdl; +prescale: o_proj's and down_proj's int4 GEMVs in the scaled half2 loop), for
+      # the next defaults; pdltests: --enable-pdl's GPU tests (the same bits with and without it)
+      quant-ab)
+        timeout 565 python3 -m benchmarks.quant.bench_quant --steps engine --time-budget 520 --out-dir "$OUT" \
+          --formats bf16 bf16+pdl fp8-dynamic fp8-dynamic+pdl awq awq+prescale awq+prescale+pdl > "$OUT/quant_ab.log" 2>&1 \
+          || status=1
+        grep -v '^{' "$OUT/quant_ab.log" | tail -20 ;;
+      pdltests)
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_pdl.py 2>&1 | tee "$OUT/pdl_tests.log" \
+          | tail -8 || status=1 ;;
       quanttests)
         timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_staging.py \
           tests/kernels/test_gemv.py tests/kernels/test_dequant.py tests/kernels/test_fp8_quant.py \
@@ -237,6 +248,15 @@ for step in "${@:-tests throughput prefix}"; do
         # shellcheck disable=SC2086
         timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 256 --out-dir "$OUT" \
           ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v -e '^USDT' -e 'Warning' | tail -90 || status=1 ;;
+      # profile-fp8: the FP8 step (weights quantized at load, FP8_DYNAMIC's kernels) at batch 1, without and
+      # with --enable-pdl (issue 47: where its 4.38 ms against 0.6x's 3.78 go)
+      profile-fp8)
+        for extra in "" --enable-pdl; do
+          # shellcheck disable=SC2086
+          timeout 200 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 --quantization fp8 \
+            $extra --out-dir "$OUT" 2>&1 | tee -a "$OUT/profile_fp8.log" | grep -v -e '^USDT' -e 'Warning' | tail -40 \
+            || status=1
+        done ;;
       tp2profile)
         # shellcheck disable=SC2086
         timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --tensor-parallel-size 2 --batch 1 \

@@ -6,6 +6,7 @@ them (through Triton's dispatch once per shape, then from a cached plan).
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8 import dequantize, fp16_rows, inverse, quantize
 
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite (no -inf - -inf).
@@ -53,8 +54,9 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
-    KV_FP8: tl.constexpr, NEW_KV_TAIL: tl.constexpr,
+    KV_FP8: tl.constexpr, NEW_KV_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(PDL)  # (kernels/pdl.py: o_proj's GEMV may start its weight stream)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

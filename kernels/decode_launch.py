@@ -16,6 +16,7 @@ import torch
 import triton
 from triton.runtime import driver
 
+from kernels import pdl
 from kernels.decode_config import MAX_SPLITS, merge_heads
 from kernels.decode_kernels import _decode_kernel, _merge_kernel
 from kernels.scratch import scratch
@@ -98,6 +99,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
         KV_FP8=scales is not None,
         NEW_KV_TAIL=new_kv is not None and bool(cfg.get("NEW_KV_TAIL", True)),  # (decode_config: why)
+        PDL=pdl.active(q.device),  # (last: the plan's constexprs follow the signature's order)
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     dec = _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, kn, vn, slots, out, po, plse, cnt,

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.rms_norm import MAX_ROW, rms_row
 from kernels.rounding import round_to
 from kernels.silu_mul import silu_mul_values
@@ -106,7 +107,9 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, n, stride_x, stride_s, BLOCK:
 
 @triton.jit
 def _norm_quant_kernel(x_ptr, y_ptr, w_ptr, q_ptr, s_ptr, static_ptr, n, eps, stride_x, stride_y, stride_s,
-                       ADD: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr):
+                       ADD: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)  # (kernels/pdl.py: a GEMV after it may start its weight stream)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -123,7 +126,8 @@ def _norm_quant_kernel(x_ptr, y_ptr, w_ptr, q_ptr, s_ptr, static_ptr, n, eps, st
 
 @triton.jit
 def _silu_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, inter, stride_gu, stride_s, BLOCK: tl.constexpr,
-                       GROUP: tl.constexpr, STATIC: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                       GROUP: tl.constexpr, STATIC: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)  # (kernels/pdl.py: a GEMV after it may start its weight stream)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
@@ -169,7 +173,7 @@ def add_rmsnorm_fp8(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps:
     if x.shape[0]:
         _norm_quant_kernel[(x.shape[0],)](x, y, weight, q, scale, static, x.shape[1], eps, x.stride(0), y.stride(0),
                                           scale.stride(0), ADD=True, BLOCK=block, GROUP=group,
-                                          STATIC=static_scale is not None, num_warps=warps)
+                                          STATIC=static_scale is not None, PDL=pdl.active(x.device), num_warps=warps)
     return x, q, scale
 
 
@@ -181,7 +185,7 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 
     if x.shape[0]:
         _norm_quant_kernel[(x.shape[0],)](x, x, weight, q, scale, static, x.shape[1], eps, x.stride(0), x.stride(0),
                                           scale.stride(0), ADD=False, BLOCK=block, GROUP=group,
-                                          STATIC=static_scale is not None, num_warps=warps)
+                                          STATIC=static_scale is not None, PDL=pdl.active(x.device), num_warps=warps)
     return q, scale
 
 
@@ -194,5 +198,6 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30,
     if gate_up.shape[0]:
         _silu_quant_kernel[(gate_up.shape[0],)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0),
                                                 BLOCK=block, GROUP=group, STATIC=static_scale is not None,
-                                                LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, num_warps=warps)
+                                                LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda,
+                                                PDL=pdl.active(gate_up.device), num_warps=warps)
     return q, scale

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_quant import dynamic_scale, quantize_values
 from kernels.gemv_int4 import _int4_half2_kernel
 from kernels.tiles import GEMV_PER_CHANNEL, gemv_finish, gemv_span, split_buffers, split_plan, splits_for
@@ -90,8 +91,13 @@ def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, i
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
+    if PDL:  # (kernels/pdl.py) the first two K steps' weight bytes on their way, then the wait
+        pf = k_lo + tl.arange(0, 2 * BLOCK_K // 128) * 128
+        pdl.prefetch_l2(w_ptr + n64[:, None] * K + pf[None, :], n_ok[:, None] & (pf < k_hi)[None, :], w_ptr)
+        pdl.launch_dependents(PDL)
+        pdl.wait(PDL)
     # Products are summed elementwise in registers and reduced across threads once, after the loop.
     if GROUP == PER_CHANNEL:
         offs_k = tl.arange(0, BLOCK_K)
@@ -144,8 +150,18 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
 def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                     groups,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
+    if PDL:  # (kernels/pdl.py) the first two K steps' weights on their way (int4: words), then the wait
+        if INT4:
+            pf = k_lo // 8 + tl.arange(0, 2 * BLOCK_K // 256) * 32
+            pdl.prefetch_l2(w_ptr + n64[:, None] * (K // 8) + pf[None, :], n_ok[:, None] & (pf < k_hi // 8)[None, :],
+                            w_ptr)
+        else:
+            pf = k_lo + tl.arange(0, 2 * BLOCK_K // 128) * 128
+            pdl.prefetch_l2(w_ptr + n64[:, None] * K + pf[None, :], n_ok[:, None] & (pf < k_hi)[None, :], w_ptr)
+        pdl.launch_dependents(PDL)
+        pdl.wait(PDL)
     # K as [G, C] (G groups of C columns a step; per channel: one "group" of BLOCK_K); products are
     # summed elementwise in registers and reduced across threads once, after the loop.
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
@@ -226,7 +242,7 @@ def _launch(kernel, n: int, k: int, cfg: GemvConfig, out: torch.Tensor, bias: to
     part, count = split_buffers(out.device, tiles, splits, cfg.block_n) if splits > 1 else (out, out)
     kernel[(tiles, splits)](*args, bias if bias is not None else out, out, part, count, n, k, per, **meta,
                             SPLIT=splits > 1, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                            num_warps=cfg.num_warps)
+                            PDL=pdl.active(out.device), num_warps=cfg.num_warps, **pdl.launch_options(out.device))
     return out
 
 

@@ -46,6 +46,7 @@ import os
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.tiles import GEMV_PER_CHANNEL as PER_CHANNEL, gemv_finish, gemv_span
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -207,10 +208,15 @@ def _dot8(words, zlo, zhi, x04, x15, x26, x37):
 @triton.jit
 def _int4_half2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split, groups,
                        X_BF16: tl.constexpr, GROUP: tl.constexpr, PRESCALE: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """x_ptr: x's columns in int32 pairs (column 2i in the low half); out_ptr: x's dtype. PRESCALE: each
     K step's x scaled by the power of two _step_scale picks, its sums scaled back (any |x|)."""
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
+    if PDL:  # (kernels/pdl.py) the first two K steps' words on their way, then the wait
+        pf = k_lo // 8 + tl.arange(0, 2 * BLOCK_K // 256) * 32
+        pdl.prefetch_l2(w_ptr + n64[:, None] * (K // 8) + pf[None, :], n_ok[:, None] & (pf < k_hi // 8)[None, :], w_ptr)
+        pdl.launch_dependents(PDL)
+        pdl.wait(PDL)
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
     G: tl.constexpr = BLOCK_K // C
     WG: tl.constexpr = C // 8  # a group's words, word w holding columns 8w .. 8w + 7 (column 8w + j in bits 4j)

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -65,7 +66,9 @@ def _rms_store(s, mask, cols, n, eps, w_ptr, h_row_ptr):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, n, eps, stride_x, stride_y, stride_h, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, n, eps, stride_x, stride_y, stride_h, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)  # (kernels/pdl.py: a GEMV after it may start its weight stream)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -107,7 +110,7 @@ def add_rmsnorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: flo
     if n_rows:
         block = triton.next_power_of_2(hidden)
         _add_rmsnorm_kernel[(n_rows,)](x, y, weight, out, hidden, eps, x.stride(0), y.stride(0), out.stride(0),
-                                       BLOCK=block, num_warps=_warps(block))
+                                       BLOCK=block, PDL=pdl.active(x.device), num_warps=_warps(block))
     return x, out
 
 

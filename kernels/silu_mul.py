@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels import pdl
 from kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -49,7 +50,9 @@ def silu_mul_values(g, u, dt: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)  # (kernels/pdl.py: a GEMV after it may start its weight stream)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -73,6 +76,6 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         block = min(triton.next_power_of_2(inter), 8192 if _INTERPRET else 1024)
         _silu_mul_kernel[(n, triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
-            LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda,
+            LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, PDL=pdl.active(gate_up.device),
             num_warps=1 if _INTERPRET else max(1, min(4, block // 256)))
     return out

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps a waiting request may be held back while many others decode, so that "
                         "prompts arriving together share one prefill (0 = admit at once)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager, help="no CUDA graphs")
+    p.add_argument("--enable-pdl", action=argparse.BooleanOptionalAction, default=d.enable_pdl,
+                   help="programmatic dependent launch on compute capability 9.0+ (Hopper): a decode GEMV starts "
+                        "streaming its weights while the kernel before it finishes")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule and launch each step while the previous one still runs on the device")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,

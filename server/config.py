@@ -99,6 +99,10 @@ class EngineConfig:
     max_admit_delay: int = 8
     running_per_admit: int = 64  # hold waiting requests back while fewer than one waits per this many running
     enforce_eager: bool = False  # no CUDA graphs
+    # Programmatic dependent launch (kernels/pdl.py; sm_90+): the decode GEMVs start their weight
+    # stream in the tail of the kernel before them. Off until an H100 run measures it
+    # (bench_quant's +pdl formats, profile_step --enable-pdl)
+    enable_pdl: bool = False
     async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0
     # Batch-invariant kernels (GEMMs, attention): a request's tokens and logprobs are the same bits

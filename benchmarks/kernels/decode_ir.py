@@ -100,7 +100,7 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, new_kv: bool = False, ta
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_F32=False,
                  PREFETCH=cfg.get("PREFETCH", 0), LANES=False, FUSED_MERGE=split, SPLITS_PAD=splits_pad,
                  NEW_KV=new_kv, MERGE_HEADS=merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"])
-                 if split else 1, KV_FP8=fp8, NEW_KV_TAIL=new_kv and tail)
+                 if split else 1, KV_FP8=fp8, NEW_KV_TAIL=new_kv and tail, PDL=False)
     return compile_sm90(_decode_kernel, types, const,
                         lambda n: types[n].startswith("*") or n not in ("num_splits", "stride_bts", "scale_log2"),
                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

@@ -35,14 +35,14 @@ def _splits(n: int, k: int, cfg) -> int:
     return s if not cfg.split_k else cfg.split_k
 
 
-def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16"):
+def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16", pdl: bool = False):
     """(compiled kernel, its config) of wo_gemv (int4, group 128; half2: its option) or fp8_gemv
     (fp8 input and weight, per channel) at [1, k] x [n, k], as the launcher specialises it (pointers
     and N, K, the split's K 16-aligned)."""
     from kernels import gemv
 
     cfg = gemv.config(n, k, loop != "fp8")
-    common = dict(SPLIT=_splits(n, k, cfg) > 1, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    common = dict(SPLIT=_splits(n, k, cfg) > 1, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl)
     out = "*" + x_dtype
     if loop == "fp8":
         kernel = gemv._fp8_gemv_kernel
@@ -62,7 +62,8 @@ def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16"):
     types.update(bias_ptr=out, out_ptr=out, part_ptr="*fp32" if common["SPLIT"] else out,
                  count_ptr="*i32" if common["SPLIT"] else out, N="i32", K="i32", k_per_split="i32")
     aligned = lambda a: types[a].startswith("*") or a in ("N", "K", "k_per_split")  # noqa: E731
-    return compile_sm90(kernel, types, const, aligned, {"num_warps": cfg.num_warps, "num_stages": 3}), cfg
+    options = {"num_warps": cfg.num_warps, "num_stages": 3, **({"launch_pdl": True} if pdl else {})}
+    return compile_sm90(kernel, types, const, aligned, options), cfg
 
 
 def describe(compiled, cfg) -> dict:
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "fp16"], help="the int4 GEMVs' row (x) dtype")
     ap.add_argument("--linears", nargs="+", default=None, help="of the Llama-3.1-8B shape (default: all four)")
+    ap.add_argument("--pdl", action="store_true", help="as launched with PDL (kernels/pdl.py): also print the "
+                    "prologue's prefetches and grid-dependency instructions")
     args = ap.parse_args(argv)
     real_compiler("gemv_ir")  # before the kernel modules' first import
     import triton
@@ -96,8 +99,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.linears and name not in args.linears:
             continue
         for loop in args.loops:
-            compiled, cfg = compile_gemv(loop, n, k, args.x_dtype)
+            compiled, cfg = compile_gemv(loop, n, k, args.x_dtype, args.pdl)
             d = describe(compiled, cfg)
+            if args.pdl:
+                ptx = compiled.asm["ptx"]
+                print(f"  {name:12s} {loop}: PDL prologue: {ptx.count('prefetch.global.L2')} L2 prefetches, "
+                      f"{ptx.count('griddepcontrol.launch_dependents')} launch_dependents, "
+                      f"{ptx.count('griddepcontrol.wait')} wait", flush=True)
             tile = f"{cfg.block_n} x {cfg.block_k} w{cfg.num_warps}"
             print(f"  {name:12s} {n:5d} x {k:5d} {loop:14s} {tile:14s} {d['weights']} weights a thread a step: "
                   f"PTX {d['instructions']} = {d['per_weight']:.2f} a weight, SASS {d['sass']} = "

@@ -38,7 +38,7 @@ one's. The all-reduces are NCCL's (the default) or, with --no-disable-custom-all
 one-shot over symmetric memory. On the CPU (--device cpu) the graph mode is absent, the "kernels"
 are operators by self time and the times are wall times.
 
-Writes <out-dir>/profile_step_<shape>_tp<N>[_custom][_fp8]_<gpu>.json: {device, torch, triton, date,
+Writes <out-dir>/profile_step_<shape>_tp<N>[_custom][_fp8][_pdl]_<gpu>.json: {device, torch, triton, date,
 command, shape, dtype, tensor_parallel_size, disable_custom_all_reduce, context, rows: [{batch,
 step_ms, graph, eager}]}, each mode {device_ms, host_ms, kernel_ms, busy_ms, gap_ms, spin_ms,
 kernels_per_step, categories: {category: {us, count, share}}, kernels: [{name, category, us,
@@ -205,7 +205,8 @@ def report(result: dict, top: int = 15) -> str:
     the top kernels (the graph's where the profiler saw them, else the eager step's)."""
     custom = "" if result["tensor_parallel_size"] == 1 else (
         ", NCCL all-reduces" if result["disable_custom_all_reduce"] else ", custom all-reduce")
-    quant = f", {result['quantization']} weights" if result.get("quantization") else ""
+    quant = (f", {result['quantization']} weights" if result.get("quantization") else "") + (
+        ", PDL" if result.get("enable_pdl") else "")
     lines = [f"{result['shape']} at TP={result['tensor_parallel_size']}{custom}, context {result['context']}, "
              f"{result['dtype']}{quant}, rank 0's profile ({result['device']})"]
     for row in result["rows"]:
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="launches profiled per mode")
     p.add_argument("--top", type=int, default=15, help="kernels the printed report lists per batch")
     p.add_argument("--dtype", default=None, help="default: the shape's 16-bit dtype on CUDA, float32 on the CPU")
+    p.add_argument("--enable-pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: the dummy weights quantized at load (per channel, FP8 activations per token: "
                         "FP8_DYNAMIC's step)")
@@ -266,15 +268,15 @@ def run(args, argv: list[str] | None, root: Path) -> dict:
     setting = {} if custom is None else {"disable_custom_all_reduce": custom}
     config = EngineConfig(model=str(path), load_format=load_format, dtype=dtype, device=args.device,
                           tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=max(256, *args.batch),
-                          quantization=args.quantization,
+                          quantization=args.quantization, enable_pdl=args.enable_pdl,
                           max_model_len=args.context + tokens_needed(args) + 16, **setting)
     result = {**gpu_run_info("benchmarks.profiling.profile_step", argv, args.device), "shape": args.shape,
               "dtype": dtype, "tensor_parallel_size": config.tensor_parallel_size,
               "disable_custom_all_reduce": config.disable_custom_all_reduce, "context": args.context,
-              "quantization": args.quantization, "rows": []}
+              "quantization": args.quantization, "enable_pdl": args.enable_pdl, "rows": []}
     prefix = f"profile_step_{args.shape}_tp{config.tensor_parallel_size}" + (
         "_custom" if config.tensor_parallel_size > 1 and not config.disable_custom_all_reduce else "") + (
-        f"_{args.quantization}" if args.quantization else "")
+        f"_{args.quantization}" if args.quantization else "") + ("_pdl" if args.enable_pdl else "")
     engine = LLMEngine(config)
     rng = random.Random(0)
     try:

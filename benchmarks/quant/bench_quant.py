@@ -45,7 +45,13 @@ from benchmarks.shared.common import gpu_run_info, replay_us, write_result
 
 GOALS = {"tpot_fp8_ratio_max": 0.6, "tpot_int4_ratio_max": 0.4, "throughput_fp8_ratio_min": 1.3}
 INT4 = ("awq", "gptq", "w4a16")
-PRESCALE = "+prescale"  # a format's suffix (awq+prescale): its engine with models/quant/gemms.HALF2_PRESCALE on
+# a format's options, as suffixes (awq+prescale+pdl): its engine with models/quant/gemms.HALF2_PRESCALE
+# on (o_proj's and down_proj's int4 GEMVs through the scaled half2 loop), with --enable-pdl
+
+
+def base_format(fmt: str) -> str:
+    """The checkpoint format of a format with options (awq+prescale+pdl -> awq)."""
+    return fmt.split("+")[0]
 GEMV_SWEEP = [(16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 8, 0), (16, 1024, 8, 0), (8, 1024, 4, 0), (4, 512, 2, 0),
               (16, 512, 4, 1)]  # (block_n, block_k, warps, splits: 0 = from the shape)
 
@@ -237,7 +243,7 @@ def engine_rows(path: Path, fmt: str, args) -> list[dict]:
     from server.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=args.max_model_len))
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=args.max_model_len, enable_pdl="+pdl" in fmt))
     load_s = time.perf_counter() - t0
     rows = []
     prompt = [[(7 * i) % 1000 + 1 for i in range(128)]]
@@ -292,8 +298,8 @@ def summarize(rows: list[dict]) -> dict:
         if "bf16" in values:
             out.update({f"{name}_{fmt}": round(v / values["bf16"], 3) for fmt, v in values.items() if fmt != "bf16"})
     for fmt in tpot:
-        if fmt != "bf16" and "bf16" in tpot:
-            goal = GOALS["tpot_int4_ratio_max"] if fmt.removesuffix(PRESCALE) in INT4 else GOALS["tpot_fp8_ratio_max"]
+        if base_format(fmt) != "bf16" and "bf16" in tpot:  # (bf16+pdl: a ratio, no goal)
+            goal = GOALS["tpot_int4_ratio_max"] if base_format(fmt) in INT4 else GOALS["tpot_fp8_ratio_max"]
             out[f"tpot_goal_met_{fmt}"] = out[f"tpot_ratio_{fmt}"] <= goal
     for fmt in tput:
         if fmt.startswith("fp8") and "bf16" in tput:
@@ -326,8 +332,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=list(LLAMA_SHAPES))
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8-dynamic", "awq", "fp8-block"],
-                    help=f"quant_checkpoint.py's formats; an int4 one with {PRESCALE} also runs o_proj's and "
-                         "down_proj's GEMVs through the half2 loop with its per-step scaling (gemms.HALF2_PRESCALE)")
+                    help="quant_checkpoint.py's formats (bf16: the 16-bit checkpoint), each with options as "
+                         "suffixes: +prescale (int4: o_proj's and down_proj's GEMVs through the half2 loop with its "
+                         "per-step scaling, gemms.HALF2_PRESCALE), +pdl (--enable-pdl); e.g. awq+prescale+pdl")
     ap.add_argument("--steps", nargs="+", default=["gemm", "sweep", "engine"])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 16, 256, 2048])
     ap.add_argument("--num-requests", type=int, default=256, help="offline throughput's requests (0: no throughput)")
@@ -343,7 +350,7 @@ def main(argv=None) -> dict:
     if args.child:  # one format's engine steps, in a process of its own
         fmt, path, out = args.child
         install_gemv_configs(json.loads(args.gemv_configs))
-        if fmt.endswith(PRESCALE):  # o_proj's and down_proj's int4 GEMVs through the scaled half2 loop
+        if "+prescale" in fmt:  # o_proj's and down_proj's int4 GEMVs through the scaled half2 loop
             import models.quant.gemms as gemms
 
             gemms.HALF2_PRESCALE = True
@@ -381,10 +388,10 @@ def main(argv=None) -> dict:
                     result["rows"].append(dict(step="engine", impl=fmt, format=fmt, error="skipped: time budget"))
                     continue
                 path = bf16
-                if fmt != "bf16":
+                if base_format(fmt) != "bf16":
                     t0 = time.perf_counter()
                     path = Path(tmp) / fmt
-                    quantize_checkpoint(bf16, path, fmt.removesuffix(PRESCALE), device="cuda", dequantized=False)
+                    quantize_checkpoint(bf16, path, base_format(fmt), device="cuda", dequantized=False)
                     torch.cuda.empty_cache()
                     print(f"{fmt} checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
                 tuned = result["tuned"] if args.install_tuned else {}

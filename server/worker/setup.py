@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import pdl
 from kvcache import CacheSpec, KVScales, dtype_name, is_fp8_cache, resolve_cache_dtype
 from models import (DTYPES, ModelSpec, TensorParallel, WeightsInfo, check_quantized_split, checkpoint_dtype, load_config,
                     load_model, load_tokenizer, shard_spec, tensor_parallel, weights_info)
@@ -84,6 +85,10 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None,
         raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a GPU with fp8 conversions (compute "
                          f"capability 8.9 or later: Ada, Hopper); this one is "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    pdl.enable(config.enable_pdl)  # before any kernel compiles or a graph is captured
+    if config.enable_pdl:
+        log.info("programmatic dependent launch: %s", "on" if pdl.active(device) else
+                 "off (it needs a CUDA GPU of compute capability 9.0 or later)")
     tp = tensor_parallel()
     if tp.size != config.tensor_parallel_size:  # models are built for the process's group
         raise RuntimeError(f"this process runs a tensor-parallel group of {tp.size}: an engine of "

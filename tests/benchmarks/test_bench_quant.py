@@ -10,6 +10,7 @@ def test_summary_goals_tuned_tiles_and_table():
             dict(step="tpot", format="fp8-dynamic", tpot_ms=3.3, weight_bytes=8 * 2**30),
             dict(step="tpot", format="awq", tpot_ms=2.7, weight_bytes=5 * 2**30),
             dict(step="tpot", format="awq+prescale", tpot_ms=2.4, weight_bytes=5 * 2**30),
+            dict(step="tpot", format="bf16+pdl", tpot_ms=5.7, weight_bytes=16 * 2**30),
             dict(step="throughput", format="bf16", tok_per_s=1000.0),
             dict(step="throughput", format="fp8-dynamic", tok_per_s=1250.0),
             dict(step="engine", format="fp8-block", error="exit status 1"),
@@ -22,6 +23,7 @@ def test_summary_goals_tuned_tiles_and_table():
     assert s["tpot_ratio_fp8-dynamic"] == 0.55 and s["tpot_goal_met_fp8-dynamic"]  # <= 0.6
     assert s["tpot_ratio_awq"] == 0.45 and not s["tpot_goal_met_awq"]  # 4-bit: <= 0.4
     assert s["tpot_ratio_awq+prescale"] == 0.4 and s["tpot_goal_met_awq+prescale"]  # the 4-bit goal too
+    assert s["tpot_ratio_bf16+pdl"] == 0.95 and "tpot_goal_met_bf16+pdl" not in s  # an option of bf16: no goal
     assert s["throughput_ratio_fp8-dynamic"] == 1.25 and not s["throughput_goal_met_fp8-dynamic"]  # >= 1.3
     assert "tpot_goal_met_fp8-block" not in s
     # failed configs never win; the half2 loop's picks are its own, not int4's

@@ -93,14 +93,16 @@ def test_int4_half2_gemv_matches_reference(cfg, group, n, k, dtype, symmetric):
     if symmetric:
         zero = torch.full_like(zero, 8)
     x = x.to(dtype)
-    bias = (torch.randn(n) * 0.1).to(dtype) if n % 2 else None
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.1).to(dtype) if n % 2 else None
     dev = [t.to(DEVICE) if t is not None else None for t in (x, qw, scale, zero, bias)]
     out = wo_gemv(*dev[:4], group, dev[4], cfg=cfg, half2=True)
     ref = wo_matmul_ref(x, qw, scale, zero, group, bias)
     assert out.shape == (1, n) and out.dtype == dtype
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=2e-2, rtol=1e-2)
     default = wo_gemv(*dev[:4], group, dev[4], cfg=cfg).cpu().float()
-    torch.testing.assert_close(out.cpu().float(), default, atol=8e-3, rtol=4e-3)
+    # near the default loop: fp32 sums a little apart may round to neighbouring outputs (bf16: 2^-7 apart;
+    # the bias drawn from the global generator once made one such pair fail 4e-3)
+    torch.testing.assert_close(out.cpu().float(), default, atol=8e-3, rtol=8e-3 if dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.parametrize("cfg", SPLITS)
