@@ -132,29 +132,21 @@ def _x_pair(lo_word, hi_word, sc, HIGH: tl.constexpr, X_BF16: tl.constexpr, PRES
             a = _f16_bits((a << 16).to(tl.float32, bitcast=True))
             b = _f16_bits((b << 16).to(tl.float32, bitcast=True))
         return a | (b << 16)
-    elif PRESCALE:
-        if X_BF16 and HIGH:
-            asm: tl.constexpr = _PAIR_BF16_HI_S
-        elif X_BF16:
-            asm: tl.constexpr = _PAIR_BF16_LO_S
-        elif HIGH:
-            asm: tl.constexpr = _PAIR_F16_HI_S
-        else:
-            asm: tl.constexpr = _PAIR_F16_LO_S
-        # the scale as the operand each form multiplies by: fp32 bits, or an fp16 pair
-        s_bits = sc.to(tl.uint32, bitcast=True) if X_BF16 else _f16_bits(sc) * 0x10001
-        s_bits = tl.broadcast_to(s_bits, lo_word.shape)
-        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [lo_word, hi_word, s_bits], dtype=tl.uint32, is_pure=True,
-                                         pack=1)
     else:
         if X_BF16 and HIGH:
-            asm: tl.constexpr = _PAIR_BF16_HI
+            asm: tl.constexpr = _PAIR_BF16_HI_S if PRESCALE else _PAIR_BF16_HI
         elif X_BF16:
-            asm: tl.constexpr = _PAIR_BF16_LO
+            asm: tl.constexpr = _PAIR_BF16_LO_S if PRESCALE else _PAIR_BF16_LO
         elif HIGH:
-            asm: tl.constexpr = _PAIR_F16_HI
+            asm: tl.constexpr = _PAIR_F16_HI_S if PRESCALE else _PAIR_F16_HI
         else:
-            asm: tl.constexpr = _PAIR_F16_LO
+            asm: tl.constexpr = _PAIR_F16_LO_S if PRESCALE else _PAIR_F16_LO
+        if PRESCALE:
+            # the scale as the operand each form multiplies by: fp32 bits, or an fp16 pair
+            s_bits = sc.to(tl.uint32, bitcast=True) if X_BF16 else _f16_bits(sc) * 0x10001
+            s_bits = tl.broadcast_to(s_bits, lo_word.shape)
+            return tl.inline_asm_elementwise(asm, "=r,r,r,r", [lo_word, hi_word, s_bits], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
         return tl.inline_asm_elementwise(asm, "=r,r,r", [lo_word, hi_word], dtype=tl.uint32, is_pure=True, pack=1)
 
 
