@@ -240,9 +240,10 @@ def _launch(kernel, n: int, k: int, cfg: GemvConfig, out: torch.Tensor, bias: to
     per, splits = _plan(cfg, n, k, out.device)
     tiles = triton.cdiv(n, cfg.block_n)
     part, count = split_buffers(out.device, tiles, splits, cfg.block_n) if splits > 1 else (out, out)
+    use_pdl = pdl.active(out.device) and cfg.block_k >= 128  # (the prefetch's lines: two K steps of at least one)
     kernel[(tiles, splits)](*args, bias if bias is not None else out, out, part, count, n, k, per, **meta,
                             SPLIT=splits > 1, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                            PDL=pdl.active(out.device), num_warps=cfg.num_warps, **pdl.launch_options(out.device))
+                            PDL=use_pdl, num_warps=cfg.num_warps, **(pdl.launch_options(out.device) if use_pdl else {}))
     return out
 
 

@@ -159,7 +159,7 @@ def _step_scale(x01, x23, x45, x67, X_BF16: tl.constexpr):
     m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(_x_value(x45, X_BF16)), tl.abs(_x_value(x45 >> 16, X_BF16))),
                                  tl.maximum(tl.abs(_x_value(x67, X_BF16)), tl.abs(_x_value(x67 >> 16, X_BF16)))))
     e = (tl.max(tl.max(m, axis=1), axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF  # biased exponent
-    big = e >= 136  # |x| >= 512 (NaN and inf too: their outputs stay NaN)
+    big = e >= 136  # |x| >= 512 (NaN and inf too: their outputs stay non-finite)
     sc = tl.where(big, ((262 - e.to(tl.int32)) << 23).to(tl.float32, bitcast=True), 1.0)
     inv = tl.where(big, ((e.to(tl.int32) - 8) << 23).to(tl.float32, bitcast=True), 1.0)
     return sc, inv

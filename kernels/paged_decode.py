@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-from kernels import decode_launch
+from kernels import decode_launch, pdl
 from kernels.fp8 import check_scales, is_fp8
 from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count, stage_variants  # noqa: F401 (re-exported)
 # This file: the contract and the public entry points. The Triton programs are in
@@ -108,7 +108,7 @@ def paged_decode(
                    None if out is None else (out.shape, out.stride(), out.dtype),
                    None if new_kv is None else (k_new.stride(), k_new.dtype, v_new.stride(), v_new.dtype,
                                                 slot_mapping.dtype),
-                   None if _config is None else tuple(sorted(_config.items())))
+                   None if _config is None else tuple(sorted(_config.items())), pdl.active(q.device))
             plan = _PLANS.get(key) if decode_launch._PLANS_OK else None
             if plan is not None:
                 try:

@@ -6,7 +6,9 @@ then its first loads' latency before its memory stream is full) are spent while 
 idles. A kernel launched with PDL (Triton's `launch_pdl`) may start while the kernel before it
 still runs, once that kernel's programs have all triggered (`griddepcontrol.launch_dependents`) or
 ended; it must wait (`griddepcontrol.wait`: until that kernel has finished and its writes are
-visible) before it touches anything that kernel writes or reads.
+visible) before it touches anything an earlier kernel writes or reads. A kernel that triggers
+before its own wait (the GEMVs here) lets the next one start while it has not yet waited: so a
+PDL-launched kernel reads nothing but immutable data (weights) before its wait, and writes nothing.
 
 Here the decode GEMVs (kernels/gemv.py, gemv_int4.py) launch so: each program asks L2 for its
 first two weight tiles (`prefetch.global.L2`; weights are read-only, so this may run early) and

@@ -133,4 +133,5 @@ def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Q
 
 
 __all__ = ["METHODS", "PER_CHANNEL", "QuantScheme", "QuantizedInput", "ActivationFormat", "WeightsInfo", "detect",
-           "attach", "convert", "finish", "bound_norm_inputs", "weights_info", "merge_parts", "add_rmsnorm_for", "silu_mul_for", "compute_mode"]
+           "attach", "convert", "finish", "bound_norm_inputs", "weights_info", "merge_parts", "add_rmsnorm_for",
+           "silu_mul_for", "compute_mode"]

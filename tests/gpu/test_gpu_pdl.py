@@ -1,8 +1,10 @@
 """Programmatic dependent launch on a GPU (skipped without CUDA or below compute capability 9.0):
 with --enable-pdl the engine (CUDA graphs, asynchronous scheduling) gives the same greedy tokens and
 logprobs, bit for bit, as without it, at batch 1 and 13, for a 16-bit, an FP8_DYNAMIC and an AWQ
-checkpoint (the decode GEMVs wait for the kernel before them: a missing wait would read a half-written
-input); and the decode GEMVs alone give the same bits launched either way (kernels/pdl.py)."""
+checkpoint; and the decode GEMVs alone give the same bits launched either way (kernels/pdl.py).
+The GEMVs (one row: the quantized checkpoints at batch 1) are the kernels launched with PDL, where a
+missing wait would read a half-written input; elsewhere (bf16, 13 rows) only the norms', silu_mul's
+and the attention's triggers differ."""
 
 from __future__ import annotations
 

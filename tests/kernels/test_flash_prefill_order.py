@@ -55,8 +55,9 @@ def test_prefix_tile_widths(prefix_n):
 @pytest.mark.parametrize("max_seqlen", [16, 2048, 8192, 20000])
 def test_the_gpu_table_reads_a_16_bit_prefix_with_the_measured_loop(monkeypatch, head_dim, group, max_seqlen):
     """The GPU table's 128-row tiles over a 16-bit paged prefix take 128-key prefix tiles, the
-    inline id load and the unmasked loop over whole tiles (measured faster on an H100: prefill_config._PREFIX_LOOP); no prefix, an fp8
-    prefix and other tiles keep tl.load's ids at the tile's width."""
+    inline id load and the unmasked loop over whole tiles (measured faster on an H100:
+    prefill_config._PREFIX_LOOP); no prefix, an fp8 prefix and other tiles keep tl.load's ids at
+    the tile's width, in one masked loop."""
     from kernels.prefill_config import _pick_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
