@@ -144,11 +144,14 @@ for step in "${@:-tests throughput prefix}"; do
           || status=1
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
       # quant-ab: the engines only (bench_quant's engine step), each format with and without its options
-      # (+pdl: --enable-pdl; +prescale: o_proj's and down_proj's int4 GEMVs in the scaled half2 loop), for
+      # (+pdl: --enable-pdl; +prescale: o_proj's and down_proj's int4 GEMVs in the scaled half2 loop;
+      # +quantfirst: o_proj's FP8 row quantized by a launch of its own; its quant_<gpu>.json holds these
+      # engines only: keep it as experiments/quant_ab_<gpu>.json, apart from the full run's), for
       # the next defaults; pdltests: --enable-pdl's GPU tests (the same bits with and without it)
       quant-ab)
         timeout 565 python3 -m benchmarks.quant.bench_quant --steps engine --time-budget 520 --out-dir "$OUT" \
-          --formats bf16 bf16+pdl fp8-dynamic fp8-dynamic+pdl awq awq+prescale awq+prescale+pdl > "$OUT/quant_ab.log" 2>&1 \
+          --formats bf16 fp8-dynamic fp8-dynamic+pdl fp8-dynamic+quantfirst+pdl awq awq+pdl awq+prescale+pdl \
+          > "$OUT/quant_ab.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant_ab.log" | tail -20 ;;
       pdltests)

@@ -45,8 +45,10 @@ from benchmarks.shared.common import gpu_run_info, replay_us, write_result
 
 GOALS = {"tpot_fp8_ratio_max": 0.6, "tpot_int4_ratio_max": 0.4, "throughput_fp8_ratio_min": 1.3}
 INT4 = ("awq", "gptq", "w4a16")
-# a format's options, as suffixes (awq+prescale+pdl): its engine with models/quant/gemms.HALF2_PRESCALE
-# on (o_proj's and down_proj's int4 GEMVs through the scaled half2 loop), with --enable-pdl
+# a format's options, as suffixes (awq+prescale+pdl): its engine with a models/quant/gemms.py switch
+# on (+prescale: o_proj's and down_proj's int4 GEMVs through the scaled half2 loop; +quantfirst: an FP8
+# GEMV's 16-bit row quantized by its own launch first), or with --enable-pdl (+pdl)
+GEMMS_OPTIONS = {"+prescale": "HALF2_PRESCALE", "+quantfirst": "FP8_GEMV_QUANT_FIRST"}
 
 
 def base_format(fmt: str) -> str:
@@ -110,7 +112,7 @@ def _block_scaled_mm(xq, xs, wq, blocks):
 def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
     from kernels.fp8_matmul import fp8_matmul
     from kernels.fp8_quant import quant_fp8
-    from kernels.gemv import wo_gemv
+    from kernels.gemv import fp8_gemv, wo_gemv
     from kernels.wo_matmul import wo_matmul
     from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
 
@@ -142,6 +144,10 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 cases["int4_tiles"] = lambda i: wo_matmul(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128)
                 # the GEMV's half2 loop (kernels/gemv_int4.py: what gemms.py takes after a norm), same tiles
                 cases["ours_int4_half2"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, half2=True)
+                # a 16-bit row quantized by its own launch first, then the GEMV (the same bits as the GEMV's
+                # own quantization, ours_fp8_raw_input: gemms.FP8_GEMV_QUANT_FIRST)
+                cases["ours_fp8_quant_first"] = lambda i: fp8_gemv(*quant_fp8(x), ws[i]["w8"], ws[i]["scale"], 1 << 30,
+                                                                   torch.bfloat16)
                 # ... with each K step's power of two (any |x|: what o_proj and down_proj would take)
                 cases["ours_int4_half2_prescale"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128,
                                                                       half2=True, prescale=True)
@@ -319,7 +325,8 @@ def table(result: dict) -> str:
                          f"weights {r['weight_bytes'] / 2**30:.2f} GiB")
         elif "error" in r and r["step"] == "engine":
             lines.append(f"{r['format']:>12}: {r['error']}")
-    impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_raw_input", "ours_fp8_block", "ours_int4",
+    impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_raw_input", "ours_fp8_quant_first", "ours_fp8_block",
+             "ours_int4",
              "ours_int4_half2", "ours_int4_half2_prescale", "fp8_tiles", "int4_tiles"]
     lines.append("one row, us: " + " | ".join(impls))
     for name in linear_shapes(result["shape"]):
@@ -334,7 +341,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8-dynamic", "awq", "fp8-block"],
                     help="quant_checkpoint.py's formats (bf16: the 16-bit checkpoint), each with options as "
                          "suffixes: +prescale (int4: o_proj's and down_proj's GEMVs through the half2 loop with its "
-                         "per-step scaling, gemms.HALF2_PRESCALE), +pdl (--enable-pdl); e.g. awq+prescale+pdl")
+                         "per-step scaling, gemms.HALF2_PRESCALE), +quantfirst (FP8: o_proj's row quantized by a "
+                         "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), +pdl (--enable-pdl); e.g. awq+prescale+pdl")
     ap.add_argument("--steps", nargs="+", default=["gemm", "sweep", "engine"])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 16, 256, 2048])
     ap.add_argument("--num-requests", type=int, default=256, help="offline throughput's requests (0: no throughput)")
@@ -350,10 +358,11 @@ def main(argv=None) -> dict:
     if args.child:  # one format's engine steps, in a process of its own
         fmt, path, out = args.child
         install_gemv_configs(json.loads(args.gemv_configs))
-        if "+prescale" in fmt:  # o_proj's and down_proj's int4 GEMVs through the scaled half2 loop
-            import models.quant.gemms as gemms
+        import models.quant.gemms as gemms
 
-            gemms.HALF2_PRESCALE = True
+        for option, switch in GEMMS_OPTIONS.items():
+            if option in fmt:
+                setattr(gemms, switch, True)
         Path(out).write_text(json.dumps(engine_rows(Path(path), fmt, args)))
         return {}
     deadline = time.monotonic() + args.time_budget

@@ -42,6 +42,12 @@ DECODE_ROWS = 16  # rows up to which the weight is streamed by the decode kernel
 # fp32 loop 9.9 (sm_90, triton 3.6: benchmarks/kernels/gemv_ir.py); off until an H100 times it
 # (bench_quant's ours_int4_half2_prescale) and runs its GPU test
 HALF2_PRESCALE = False
+# an FP8 GEMV of a 16-bit row (o_proj's input: no launch before quantizes it) after its own quant_fp8
+# launch, instead of quantizing inside the GEMV, where each program reduces the whole row for its
+# scale: o_proj at one row 16.4 us against 9.3 us pre-quantized (H100, quant_h100.json). The same
+# bits either way (gemv.py's contract); off until an H100 times the launch it adds
+# (bench_quant's ours_fp8_quant_first)
+FP8_GEMV_QUANT_FIRST = False
 
 
 class QuantizedInput(NamedTuple):
@@ -62,6 +68,8 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     if rows == 1:
         if quantized:
             return fp8_gemv(x.q, x.scale, weight, weight_scale, group, dtype, bias)
+        if FP8_GEMV_QUANT_FIRST:
+            return fp8_gemv(*quant_fp8(x, act_group, input_scale), weight, weight_scale, group, dtype, bias)
         return fp8_gemv(x, None, weight, weight_scale, group, dtype, bias, act_group, input_scale)
     q, scale = x if quantized else quant_fp8(x, act_group, input_scale)
     if scaled_mm and rows > DECODE_ROWS:

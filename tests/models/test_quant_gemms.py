@@ -28,7 +28,7 @@ def _dev(*tensors):
 
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("kind", ["token", "block", "static"])
-def test_fp8_linear_at_each_row_count(m, kind):
+def test_fp8_linear_at_each_row_count(m, kind, monkeypatch):
     group = 128 if kind == "block" else 1 << 30
     static = torch.tensor([0.02]) if kind == "static" else None
     w, ws = quant_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(1)) * 0.05, group)
@@ -43,6 +43,11 @@ def test_fp8_linear_at_each_row_count(m, kind):
         # the norm's quantized input gives the same row as the raw one quantized by the linear
         assert torch.equal(fp8_linear(QuantizedInput(q, s), w, ws, group, group, static, torch.bfloat16, bias,
                                       scaled_mm), got)
+    if m == 1:  # ... and as quantized by its own launch before the GEMV (gemms.FP8_GEMV_QUANT_FIRST)
+        import models.quant.gemms as gemms
+
+        monkeypatch.setattr(gemms, "FP8_GEMV_QUANT_FIRST", True)
+        assert torch.equal(fp8_linear(x, w, ws, group, group, static, torch.bfloat16, bias, False), got)
 
 
 @pytest.mark.parametrize("m", ROWS)
