@@ -257,10 +257,16 @@ def engine_run(path: Path, kv: str, args) -> dict:
     vocab = engine.spec.vocab_size
     _drive(engine, workload(2, min(256, args.prompt_len), 8, vocab, seed=1)[0], 8)  # warm-up
     prompts, out_len = workload(n, args.prompt_len, args.output_len, vocab)
-    secs, tokens, most, _ = _drive(engine, prompts, out_len)
-    res.update(seconds=secs, output_tokens=tokens, output_tok_s=tokens / secs, most_running=most)
+    secs, tokens, most, times = _drive(engine, prompts, out_len)
+    # where the run's time went: until every request had its first token (the prefills, with the
+    # decodes of those already in), then the decodes alone (what the cache's width speeds up)
+    filled = max(t[0] for t in times.values() if t)
+    after = sum(1 for t in times.values() for x in t if x > filled)
+    res.update(seconds=secs, output_tokens=tokens, output_tok_s=tokens / secs, most_running=most,
+               all_first_tokens_s=filled, decode_only_tok_s=after / (secs - filled) if secs > filled else None)
     print(f"{kv}: {blocks} blocks ({blocks * bs} tokens), {n} requests of {args.prompt_len}+{out_len}: "
-          f"{tokens / secs:.0f} output tok/s, at most {most} running ({secs:.1f} s; start-up {start_s:.0f} s)", flush=True)
+          f"{tokens / secs:.0f} output tok/s, at most {most} running ({secs:.1f} s, every first token by "
+          f"{filled:.1f} s, then {res['decode_only_tok_s'] or 0:.0f} tok/s; start-up {start_s:.0f} s)", flush=True)
     prompt, _ = workload(1, args.tpot_context - args.tpot_tokens, 0, vocab, seed=2)
     secs, tokens, _, times = _drive(engine, prompt, args.tpot_tokens)
     gaps = [b - a for a, b in zip(times["r0"], times["r0"][1:])]
