@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.shared.common import ServerProcess
 from tests.helpers import make_llama_checkpoint
-from tests.models.test_families_http import SERVER_ARGS, assert_exercised, exchange, hf_greedy_all, wave_prompts
+from tests.models.test_families_http import (SERVER_ARGS, assert_exercised, generate_concurrently, hf_greedy_all,
+                                             scrape, wave_prompts)
 
 # test_families_http's 10 ms a step keeps the first wave's longest prompt running for its 4 chunks and
 # 24 decode steps; accepted proposals cut those to ~6 verifications (the GPT-2 checkpoint drafts for
@@ -25,10 +28,12 @@ from tests.models.test_families_http import SERVER_ARGS, assert_exercised, excha
 # in CI beside another test process). 30 ms a step kept the wave together for as long as before,
 # until a check run beside two other jobs on the two cores (load ~6) spread it again; 60 ms a step.
 STEP_SLEEP_ENV = {"FLASHPAGE_FAULT_INJECT": "sleep=0.06"}
-# ... and once more (a fresh-clone CI run here, 2026-11-28, gpt2: no preemption) the wave spread even
-# so: 10 blocks instead of 14, so that the 100- and the 63-token prompts alone (8 and 5 blocks as they
-# decode) no longer fit together, whichever others overlap them
-SPEC_SERVER_ARGS = [("10" if a == "14" else a) for a in SERVER_ARGS]
+# ... and still (two fresh-clone CI runs here on 2026-11-28, gpt2: no preemption): whether the wave
+# preempts depended on which prompts the scheduler happened to admit together, which a request's
+# arrival decides. So here the two longest (100 and 63 tokens: 7 + 4 blocks when admitted, 8 + 6 as
+# they decode) go first and the rest once both run (`exchange_preempting`), in a cache of 12 blocks:
+# both fit at admission, and their decodes cannot both finish without a preemption.
+SPEC_SERVER_ARGS = [("12" if a == "14" else a) for a in SERVER_ARGS]
 assert SPEC_SERVER_ARGS != SERVER_ARGS
 
 
@@ -53,6 +58,22 @@ def servers(tiny_ckpt, llama_ckpt):
             srv.stop(30, sig=signal.SIGKILL)
 
 
+def exchange_preempting(url: str) -> tuple[list[list[int]], list[list[int]], dict[str, float]]:
+    """test_families_http's exchange, the first wave's two longest prompts sent first and the rest
+    once the server runs both (see SPEC_SERVER_ARGS)."""
+    first, second = wave_prompts()
+    longest = sorted(range(len(first)), key=lambda i: len(first[i]))[-2:]
+    with ThreadPoolExecutor(len(first)) as pool:
+        futures = {i: pool.submit(generate_concurrently, url, [first[i]]) for i in longest}
+        deadline = time.monotonic() + 30
+        while scrape(url)["flashpage_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        futures |= {i: pool.submit(generate_concurrently, url, [first[i]]) for i in range(len(first)) if i not in longest}
+        got = [futures[i].result()[0] for i in range(len(first))]
+    got += generate_concurrently(url, second)
+    return first + second, got, scrape(url)
+
+
 def spec_counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     out = {}
@@ -68,7 +89,7 @@ def spec_counters(url: str) -> dict[str, float]:
 def test_greedy_over_http_with_speculation_matches_transformers(servers, tiny_ckpt, llama_ckpt, family):
     first, second = wave_prompts()
     want = hf_greedy_all(tiny_ckpt if family == "gpt2" else llama_ckpt, first + second)
-    prompts, got, metrics = exchange(servers[family])
+    prompts, got, metrics = exchange_preempting(servers[family])
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"{family}: prompt {i} ({len(prompts[i])} tokens) differs from transformers"
     assert_exercised(metrics)
