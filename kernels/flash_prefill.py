@@ -71,7 +71,7 @@ import triton
 from kernels.flash_prefill_kernels import _flash_prefill_kernel, _range_probe_kernel
 from kernels.fp8 import check_scales
 # (PrefillConfig and block_m are this module's API too: a caller builds tile maps with block_m)
-from kernels.prefill_config import ORDERS, PREFIX_IDS, PrefillConfig, _diag_width, _interpreting, _pick_config, block_m
+from kernels.prefill_config import PrefillConfig, _diag_width, _interpreting, _pick_config, block_m, check_config
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them every load goes through pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -176,20 +176,8 @@ def flash_prefill(
     else:
         cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions, fp8)
         cfg = cfg._replace(**(_config or {}))
-    positions = cfg.block_m // cfg.pack
-    if cfg.block_m % cfg.pack or group % cfg.pack or positions < 1:
-        raise ValueError(f"{cfg}: pack must divide block_m and the GQA group {group}")
-    if cfg.tma and not tma_ok:
-        raise ValueError(f"{cfg}: these k/v cannot be read through descriptors")
-    if cfg.diag not in (0, 1):
-        raise ValueError(f"{cfg}: diag must be 0 or 1")
-    if cfg.order not in ORDERS:
-        raise ValueError(f"{cfg}: order must be one of {ORDERS}")
-    prefix_n = cfg.prefix_n or cfg.block_n
-    if prefix_n < 16 or prefix_n & (prefix_n - 1):
-        raise ValueError(f"{cfg}: prefix_n must be a power of two >= 16")
-    if cfg.prefix_ids not in PREFIX_IDS:
-        raise ValueError(f"{cfg}: prefix_ids must be one of {PREFIX_IDS}")
+    check_config(cfg, group, tma_ok)
+    positions, prefix_n = cfg.block_m // cfg.pack, cfg.prefix_n or cfg.block_n
     # The asm id load reads each row's first block-table entry even where no prefix is read.
     asm_ids = has_prefix and cfg.prefix_ids == "asm" and block_tables.shape[1] > 0
     if tiles is not None:

@@ -156,6 +156,24 @@ def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int
     return cfg._replace(**_PREFIX_LOOP) if has_prefix and rows == 128 and not fp8 else cfg
 
 
+def check_config(cfg: PrefillConfig, group: int, tma_ok: bool) -> None:
+    """ValueError, naming the field, where `cfg` (a caller's own: flash_prefill's _config) cannot run
+    a GQA group of `group` heads over these tensors (`tma_ok`: descriptors can read them)."""
+    if cfg.block_m % cfg.pack or group % cfg.pack or cfg.block_m // cfg.pack < 1:
+        raise ValueError(f"{cfg}: pack must divide block_m and the GQA group {group}")
+    if cfg.tma and not tma_ok:
+        raise ValueError(f"{cfg}: these k/v cannot be read through descriptors")
+    if cfg.diag not in (0, 1):
+        raise ValueError(f"{cfg}: diag must be 0 or 1")
+    if cfg.order not in ORDERS:
+        raise ValueError(f"{cfg}: order must be one of {ORDERS}")
+    prefix_n = cfg.prefix_n or cfg.block_n
+    if prefix_n < 16 or prefix_n & (prefix_n - 1):
+        raise ValueError(f"{cfg}: prefix_n must be a power of two >= 16")
+    if cfg.prefix_ids not in PREFIX_IDS:
+        raise ValueError(f"{cfg}: prefix_ids must be one of {PREFIX_IDS}")
+
+
 def _diag_width(cfg: PrefillConfig) -> int:
     """Keys per tile of the diagonal loop: BLOCK_N, or with diag=1 the tile's positions, at least
     16 (tl.dot's smallest N) and at most BLOCK_N (a power of two dividing it)."""

@@ -1,0 +1,29 @@
+"""kernels/prefill_config.py check_config: a caller's own PrefillConfig (flash_prefill's _config) is
+refused, naming the field, where it cannot run; the tables' own picks always pass it."""
+
+import pytest
+import torch
+
+from kernels.prefill_config import PrefillConfig, _pick_config, check_config
+
+GOOD = PrefillConfig(128, 64, 8, 3, pack=4)
+
+
+@pytest.mark.parametrize("change,group,tma_ok,says", [
+    (dict(pack=3), 4, True, "pack must divide"), (dict(pack=8), 4, True, "pack must divide"),
+    (dict(tma=True), 4, False, "descriptors"), (dict(diag=2), 4, True, "diag"),
+    (dict(order="rows"), 4, True, "order must be one of"), (dict(prefix_n=48), 4, True, "prefix_n"),
+    (dict(prefix_n=8), 4, True, "prefix_n"), (dict(prefix_ids="ldg"), 4, True, "prefix_ids")])
+def test_a_config_that_cannot_run_is_refused_by_its_field(change, group, tma_ok, says):
+    check_config(GOOD, 4, True)
+    with pytest.raises(ValueError, match=says):
+        check_config(GOOD._replace(**change), group, tma_ok)
+
+
+@pytest.mark.parametrize("head_dim,group,prefix,fp8", [(64, 1, False, False), (128, 4, True, False),
+                                                         (128, 8, True, True), (64, 2, False, False)])
+def test_the_tables_picks_pass(monkeypatch, head_dim, group, prefix, fp8):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for max_seqlen in (16, 2048, 20000):
+        cfg = _pick_config(head_dim, max_seqlen, torch.device("cuda"), group, True, prefix, fp8=fp8)
+        check_config(cfg, group, True)
