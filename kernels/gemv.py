@@ -93,11 +93,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
-    if PDL:  # (kernels/pdl.py) the first two K steps' weight bytes on their way, then the wait
-        pf = k_lo + tl.arange(0, 2 * BLOCK_K // 128) * 128
-        pdl.prefetch_l2(w_ptr + n64[:, None] * K + pf[None, :], n_ok[:, None] & (pf < k_hi)[None, :], w_ptr)
-        pdl.launch_dependents(PDL)
-        pdl.wait(PDL)
+    pdl.gemv_prologue(w_ptr, n64, n_ok, K, k_lo, k_hi, 2 * BLOCK_K // 128, 128, PDL)  # the first two K steps' bytes
     # Products are summed elementwise in registers and reduced across threads once, after the loop.
     if GROUP == PER_CHANNEL:
         offs_k = tl.arange(0, BLOCK_K)
@@ -152,16 +148,10 @@ def _wo_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, out_ptr, par
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
-    if PDL:  # (kernels/pdl.py) the first two K steps' weights on their way (int4: words), then the wait
-        if INT4:
-            pf = k_lo // 8 + tl.arange(0, 2 * BLOCK_K // 256) * 32
-            pdl.prefetch_l2(w_ptr + n64[:, None] * (K // 8) + pf[None, :], n_ok[:, None] & (pf < k_hi // 8)[None, :],
-                            w_ptr)
-        else:
-            pf = k_lo + tl.arange(0, 2 * BLOCK_K // 128) * 128
-            pdl.prefetch_l2(w_ptr + n64[:, None] * K + pf[None, :], n_ok[:, None] & (pf < k_hi)[None, :], w_ptr)
-        pdl.launch_dependents(PDL)
-        pdl.wait(PDL)
+    if INT4:  # (kernels/pdl.py) the first two K steps' weights: int4 words, 32 a line; fp8 bytes
+        pdl.gemv_prologue(w_ptr, n64, n_ok, K // 8, k_lo // 8, k_hi // 8, 2 * BLOCK_K // 256, 32, PDL)
+    else:
+        pdl.gemv_prologue(w_ptr, n64, n_ok, K, k_lo, k_hi, 2 * BLOCK_K // 128, 128, PDL)
     # K as [G, C] (G groups of C columns a step; per channel: one "group" of BLOCK_K); products are
     # summed elementwise in registers and reduced across threads once, after the loop.
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP

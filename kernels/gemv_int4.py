@@ -151,13 +151,17 @@ def _x_pair(lo_word, hi_word, sc, HIGH: tl.constexpr, X_BF16: tl.constexpr, PRES
 
 
 @triton.jit
+def _word_abs(word, X_BF16: tl.constexpr):
+    """The larger |x| of the two 16-bit columns in `word` (uint32), as fp32."""
+    return tl.maximum(tl.abs(_x_value(word, X_BF16)), tl.abs(_x_value(word >> 16, X_BF16)))
+
+
+@triton.jit
 def _step_scale(x01, x23, x45, x67, X_BF16: tl.constexpr):
     """(sc, 1 / sc): the power of two that brings the step's largest |x| into [256, 512) where it is
     512 or more, else 1 (exact powers of two: the sums scaled back lose nothing)."""
-    m = tl.maximum(tl.maximum(tl.abs(_x_value(x01, X_BF16)), tl.abs(_x_value(x01 >> 16, X_BF16))),
-                   tl.maximum(tl.abs(_x_value(x23, X_BF16)), tl.abs(_x_value(x23 >> 16, X_BF16))))
-    m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(_x_value(x45, X_BF16)), tl.abs(_x_value(x45 >> 16, X_BF16))),
-                                 tl.maximum(tl.abs(_x_value(x67, X_BF16)), tl.abs(_x_value(x67 >> 16, X_BF16)))))
+    m = tl.maximum(tl.maximum(_word_abs(x01, X_BF16), _word_abs(x23, X_BF16)),
+                   tl.maximum(_word_abs(x45, X_BF16), _word_abs(x67, X_BF16)))
     e = (tl.max(tl.max(m, axis=1), axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF  # biased exponent
     big = e >= 136  # |x| >= 512 (NaN and inf too: their outputs stay non-finite)
     sc = tl.where(big, ((262 - e.to(tl.int32)) << 23).to(tl.float32, bitcast=True), 1.0)
@@ -204,11 +208,8 @@ def _int4_half2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     """x_ptr: x's columns in int32 pairs (column 2i in the low half); out_ptr: x's dtype. PRESCALE: each
     K step's x scaled by the power of two _step_scale picks, its sums scaled back (any |x|)."""
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
-    if PDL:  # (kernels/pdl.py) the first two K steps' words on their way, then the wait
-        pf = k_lo // 8 + tl.arange(0, 2 * BLOCK_K // 256) * 32
-        pdl.prefetch_l2(w_ptr + n64[:, None] * (K // 8) + pf[None, :], n_ok[:, None] & (pf < k_hi // 8)[None, :], w_ptr)
-        pdl.launch_dependents(PDL)
-        pdl.wait(PDL)
+    # (kernels/pdl.py) the first two K steps' words, 32 a line
+    pdl.gemv_prologue(w_ptr, n64, n_ok, K // 8, k_lo // 8, k_hi // 8, 2 * BLOCK_K // 256, 32, PDL)
     C: tl.constexpr = BLOCK_K if GROUP == PER_CHANNEL else GROUP
     G: tl.constexpr = BLOCK_K // C
     WG: tl.constexpr = C // 8  # a group's words, word w holding columns 8w .. 8w + 7 (column 8w + j in bits 4j)

@@ -73,11 +73,19 @@ def launch_dependents(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask, base):
-    """Ask L2 for the 128-byte lines at `ptrs` where `mask` (read-only data: a GEMV's weights); lanes
-    masked off ask for `base`'s line (a valid address) instead. Call under `if PDL:`."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [tl.where(mask, ptrs, base)],
-                              dtype=tl.int32, is_pure=False, pack=1)
+def gemv_prologue(w_ptr, rows, rows_ok, row_len, lo, hi, LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    """A PDL-launched GEMV's start (nothing without PDL): L2 asked for LINES 128-byte lines (LINE
+    weight elements each) of each of its `rows` (int64) from element `lo` of the row, those before
+    `hi` (weights are read-only: safe before the wait; lanes out of range ask for w_ptr's line), then
+    its dependents let start and the wait for the kernel before."""
+    if PDL:
+        cols = lo + tl.arange(0, LINES) * LINE
+        ok = rows_ok[:, None] & (cols < hi)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
+                                  [tl.where(ok, w_ptr + rows[:, None] * row_len + cols[None, :], w_ptr)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        launch_dependents(PDL)
+        wait(PDL)
 
 
-__all__ = ["active", "enable", "launch_dependents", "launch_options", "prefetch_l2", "wait"]
+__all__ = ["active", "enable", "gemv_prologue", "launch_dependents", "launch_options", "wait"]
