@@ -144,13 +144,13 @@ for step in "${@:-tests throughput prefix}"; do
           || status=1
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
       # quant-ab: the engines only (bench_quant's engine step), each format with and without its options
-      # (+pdl: --enable-pdl; +prescale: o_proj's and down_proj's int4 GEMVs in the scaled half2 loop;
-      # +quantfirst: o_proj's FP8 row quantized by a launch of its own; its quant_<gpu>.json holds these
+      # (+pdl: --enable-pdl; +no-prescale: o_proj's and down_proj's int4 GEMVs in the fp32 loop;
+      # +no-quantfirst: o_proj's FP8 row quantized in the GEMV; its quant_<gpu>.json holds these
       # engines only: keep it as experiments/quant_ab_<gpu>.json, apart from the full run's), for
       # the next defaults; pdltests: --enable-pdl's GPU tests (the same bits with and without it)
       quant-ab)
         timeout 565 python3 -m benchmarks.quant.bench_quant --steps engine --time-budget 520 --out-dir "$OUT" \
-          --formats bf16 fp8-dynamic fp8-dynamic+pdl fp8-dynamic+quantfirst+pdl awq awq+pdl awq+prescale+pdl \
+          --formats bf16 fp8-dynamic fp8-dynamic+no-quantfirst awq awq+no-prescale fp8-block gptq \
           > "$OUT/quant_ab.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant_ab.log" | tail -20 ;;
@@ -252,9 +252,9 @@ for step in "${@:-tests throughput prefix}"; do
         timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 256 --out-dir "$OUT" \
           ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v -e '^USDT' -e 'Warning' | tail -90 || status=1 ;;
       # profile-fp8: the FP8 step (weights quantized at load, FP8_DYNAMIC's kernels) at batch 1, without and
-      # with --enable-pdl (issue 47: where its 4.38 ms against 0.6x's 3.78 go)
+      # with --enable-pdl where PROFILE_FP8_PDL is set (issue 47: where its 4.38 ms against 0.6x's 3.78 go)
       profile-fp8)
-        for extra in "" --enable-pdl; do
+        for extra in "" ${PROFILE_FP8_PDL:+--enable-pdl}; do
           # shellcheck disable=SC2086
           timeout 200 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 --quantization fp8 \
             $extra --out-dir "$OUT" 2>&1 | tee -a "$OUT/profile_fp8.log" | grep -v -e '^USDT' -e 'Warning' | tail -40 \

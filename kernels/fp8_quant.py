@@ -22,7 +22,14 @@ silu_mul_fp8 (semantics = ``quant_fp8_ref`` of ``silu_mul_ref``): gate_up [M, 2 
   of silu(gate) * up, computed and rounded exactly as kernels/silu_mul.py's ``silu_mul`` does, then
   quantized as above: the input of an FP8 down projection in the launch that makes it.
 
-One program per row (<= 32768 elements). Exactness: the division is IEEE (div_rn) and the rounding
+One program per row (<= 32768 elements), except silu_mul_fp8 at up to SPLIT_MAX_ROWS rows (a decode
+step's), whose rows are long (14336 on the Llama-3.1-8B shape) and few: one program a row there is
+one SM doing every division of the row (10.8 us a layer, H200, profile_step --quantization fp8). It
+cuts each row into SPLIT_COLS-column chunks instead: with one scale a row (dynamic, per token), a
+first launch writes each chunk's silu_mul values and their largest magnitude, a second takes the
+row's largest and quantizes its chunk; with a static scale or groups (<= the chunk) one launch
+does a chunk whole. The values, the row's amax and the division are those of the one-program
+kernel, so are the bits. Exactness: the division is IEEE (div_rn) and the rounding
 to e4m3 is done on the bits (``e4m3_round``: the interpreter's own fp32 -> fp8 conversion does not
 round to nearest-even), so q and scale equal the reference bit for bit wherever the kernel's input
 equals the reference's (the fused versions: wherever h does, see kernels/rms_norm.py).
@@ -46,6 +53,8 @@ from kernels.silu_mul import silu_mul_values
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale (vLLM's floor)
+SPLIT_MAX_ROWS = 16  # silu_mul_fp8 splits rows up to this many (models/quant/gemms.py's DECODE_ROWS)
+SPLIT_COLS = 1024  # columns a program of the split silu_mul_fp8 takes (14 chunks a row on the 8B shape)
 
 
 @triton.jit
@@ -125,16 +134,56 @@ def _norm_quant_kernel(x_ptr, y_ptr, w_ptr, q_ptr, s_ptr, static_ptr, n, eps, st
 
 
 @triton.jit
+def _silu_chunk(gu_ptr, inter, stride_gu, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """(row, first column, local columns, mask, h): program (row, chunk)'s BLOCK columns of
+    silu(gate) * up, rounded to gate_up's dtype (fp32 values, 0 past the row)."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK
+    local = tl.arange(0, BLOCK)
+    mask = first + local < inter
+    base = gu_ptr + row * stride_gu + first + local
+    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + inter, mask=mask, other=0.0).to(tl.float32)
+    return row, first, local, mask, silu_mul_values(g, u, gu_ptr.dtype.element_ty, LIBDEVICE_EXP).to(tl.float32)
+
+
+@triton.jit
 def _silu_quant_kernel(gu_ptr, q_ptr, s_ptr, static_ptr, inter, stride_gu, stride_s, BLOCK: tl.constexpr,
                        GROUP: tl.constexpr, STATIC: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    # grid (rows, chunks): one chunk a row, or (static scale, or GROUP dividing BLOCK) chunks whole
     pdl.launch_dependents(PDL)  # (kernels/pdl.py: a GEMV after it may start its weight stream)
+    row, first, local, mask, h = _silu_chunk(gu_ptr, inter, stride_gu, BLOCK, LIBDEVICE_EXP)
+    s_row_ptr = s_ptr + row * stride_s
+    if not STATIC:  # (a static scale is written once a row, the same by every chunk)
+        s_row_ptr += first // GROUP
+    _quantize_row(h, mask, local, q_ptr + row * inter + first, s_row_ptr, static_ptr, BLOCK, GROUP, STATIC)
+
+
+@triton.jit
+def _silu_amax_kernel(gu_ptr, h_ptr, amax_ptr, inter, stride_gu, chunks, BLOCK: tl.constexpr,
+                      LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+    # split, one scale a row, first launch: the chunk's values (in gate_up's dtype, exactly) and amax
+    pdl.launch_dependents(PDL)
+    row, first, local, mask, h = _silu_chunk(gu_ptr, inter, stride_gu, BLOCK, LIBDEVICE_EXP)
+    tl.store(h_ptr + row * inter + first + local, h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(amax_ptr + row * chunks + tl.program_id(1), tl.max(tl.abs(h), axis=0))
+
+
+@triton.jit
+def _chunk_quant_kernel(h_ptr, amax_ptr, q_ptr, s_ptr, inter, chunks, stride_s, BLOCK: tl.constexpr,
+                        CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    # second launch: the row's amax from its chunks', its scale (stored by chunk 0), the chunk's q
+    pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    chunk = tl.program_id(1)
+    c = tl.arange(0, CHUNKS)
+    s = dynamic_scale(tl.max(tl.load(amax_ptr + row * chunks + c, mask=c < chunks, other=0.0), axis=0))
+    if chunk == 0:
+        tl.store(s_ptr + row * stride_s, s)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    h = silu_mul_values(g, u, gu_ptr.dtype.element_ty, LIBDEVICE_EXP).to(tl.float32)
-    _quantize_row(h, mask, cols, q_ptr + row * inter, s_ptr + row * stride_s, static_ptr, BLOCK, GROUP, STATIC)
+    h = tl.load(h_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * inter + cols, quantize_values(h, s).to(tl.float8e4nv), mask=mask)
 
 
 def _outputs(x: torch.Tensor, group: int, static_scale: torch.Tensor | None, k: int | None = None):
@@ -189,15 +238,33 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 
     return q, scale
 
 
-def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30,
-                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): silu(gate_up[:, :inter]) * gate_up[:, inter:] quantized as ``quant_fp8`` does."""
+def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30, static_scale: torch.Tensor | None = None,
+                 split_cols: int = SPLIT_COLS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): silu(gate_up[:, :inter]) * gate_up[:, inter:] quantized as ``quant_fp8`` does;
+    rows cut into `split_cols`-column chunks (a power of two) at up to SPLIT_MAX_ROWS rows."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up: [num_tokens, 2 * inter]"
-    inter = gate_up.shape[1] // 2
+    assert split_cols >= 16 and split_cols & (split_cols - 1) == 0, "split_cols: a power of two >= 16"
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     q, scale, static, block, group, warps = _outputs(gate_up, group, static_scale, inter)
-    if gate_up.shape[0]:
-        _silu_quant_kernel[(gate_up.shape[0],)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0),
-                                                BLOCK=block, GROUP=group, STATIC=static_scale is not None,
-                                                LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda,
-                                                PDL=pdl.active(gate_up.device), num_warps=warps)
+    if m == 0:
+        return q, scale
+    common = dict(LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, PDL=pdl.active(gate_up.device))
+    split = m <= SPLIT_MAX_ROWS and block > split_cols
+    if split and (static_scale is not None or group <= split_cols):  # whole chunks in one launch
+        chunk_warps = 1 if _INTERPRET else 4
+        _silu_quant_kernel[(m, -(-inter // split_cols))](gate_up, q, scale, static, inter, gate_up.stride(0),
+                                                         scale.stride(0), BLOCK=split_cols, GROUP=min(group, split_cols),
+                                                         STATIC=static_scale is not None, num_warps=chunk_warps, **common)
+    elif split and group >= block:  # one scale a row: the chunks' values and amax, then the row's scale and q
+        chunks, chunk_warps = -(-inter // split_cols), 1 if _INTERPRET else 4
+        h = torch.empty((m, inter), dtype=gate_up.dtype, device=gate_up.device)
+        amax = torch.empty((m, chunks), dtype=torch.float32, device=gate_up.device)
+        _silu_amax_kernel[(m, chunks)](gate_up, h, amax, inter, gate_up.stride(0), chunks, BLOCK=split_cols,
+                                       num_warps=chunk_warps, **common)
+        _chunk_quant_kernel[(m, chunks)](h, amax, q, scale, inter, chunks, scale.stride(0), BLOCK=split_cols,
+                                         CHUNKS=triton.next_power_of_2(chunks), PDL=common["PDL"],
+                                         num_warps=chunk_warps)
+    else:
+        _silu_quant_kernel[(m, 1)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0), BLOCK=block,
+                                   GROUP=group, STATIC=static_scale is not None, num_warps=warps, **common)
     return q, scale

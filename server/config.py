@@ -100,8 +100,10 @@ class EngineConfig:
     running_per_admit: int = 64  # hold waiting requests back while fewer than one waits per this many running
     enforce_eager: bool = False  # no CUDA graphs
     # Programmatic dependent launch (kernels/pdl.py; sm_90+): the decode GEMVs start their weight
-    # stream in the tail of the kernel before them. Off until an H100 run measures it
-    # (bench_quant's +pdl formats, profile_step --enable-pdl)
+    # stream in the tail of the kernel before them. Off: measured slower (H200, 2026-11-28, batch-1
+    # TPOT on the Llama-3.1-8B shape: FP8_DYNAMIC 3.718 -> 3.856 ms, AWQ 3.531 -> 3.706 ms; the FP8
+    # step's profile: 0.046 ms fewer gaps, 0.070 ms more kernel time; its results files under
+    # benchmarks/results/experiments/)
     enable_pdl: bool = False
     async_scheduling: bool = True  # launch step k before step k-1's tokens reach the host
     seed: int = 0

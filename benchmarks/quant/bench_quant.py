@@ -45,10 +45,23 @@ from benchmarks.shared.common import gpu_run_info, replay_us, write_result
 
 GOALS = {"tpot_fp8_ratio_max": 0.6, "tpot_int4_ratio_max": 0.4, "throughput_fp8_ratio_min": 1.3}
 INT4 = ("awq", "gptq", "w4a16")
-# a format's options, as suffixes (awq+prescale+pdl): its engine with a models/quant/gemms.py switch
-# on (+prescale: o_proj's and down_proj's int4 GEMVs through the scaled half2 loop; +quantfirst: an FP8
-# GEMV's 16-bit row quantized by its own launch first), or with --enable-pdl (+pdl)
-GEMMS_OPTIONS = {"+prescale": "HALF2_PRESCALE", "+quantfirst": "FP8_GEMV_QUANT_FIRST"}
+# a format's options, as suffixes (awq+no-prescale+pdl): its engine with a models/quant/gemms.py switch
+# on or off (+prescale / +no-prescale: o_proj's and down_proj's int4 GEMVs through the scaled half2
+# loop; +quantfirst / +no-quantfirst: an FP8 GEMV's 16-bit row quantized by its own launch first), or
+# with --enable-pdl (+pdl)
+GEMMS_OPTIONS = {"prescale": "HALF2_PRESCALE", "quantfirst": "FP8_GEMV_QUANT_FIRST"}
+
+
+def gemms_switches(fmt: str) -> dict[str, bool]:
+    """The gemms.py switches a format's options set: awq+no-prescale -> {"HALF2_PRESCALE": False}."""
+    out = {}
+    for opt in fmt.split("+")[1:]:
+        name = opt.removeprefix("no-")
+        if name in GEMMS_OPTIONS:
+            out[GEMMS_OPTIONS[name]] = not opt.startswith("no-")
+        elif opt != "pdl":
+            raise SystemExit(f"bench_quant: unknown format option +{opt} (prescale, quantfirst, pdl, no-...)")
+    return out
 
 
 def base_format(fmt: str) -> str:
@@ -342,7 +355,8 @@ def main(argv=None) -> dict:
                     help="quant_checkpoint.py's formats (bf16: the 16-bit checkpoint), each with options as "
                          "suffixes: +prescale (int4: o_proj's and down_proj's GEMVs through the half2 loop with its "
                          "per-step scaling, gemms.HALF2_PRESCALE), +quantfirst (FP8: o_proj's row quantized by a "
-                         "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), +pdl (--enable-pdl); e.g. awq+prescale+pdl")
+                         "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), each also as +no-..., +pdl (--enable-pdl); "
+                         "e.g. awq+no-prescale+pdl")
     ap.add_argument("--steps", nargs="+", default=["gemm", "sweep", "engine"])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 16, 256, 2048])
     ap.add_argument("--num-requests", type=int, default=256, help="offline throughput's requests (0: no throughput)")
@@ -360,9 +374,8 @@ def main(argv=None) -> dict:
         install_gemv_configs(json.loads(args.gemv_configs))
         import models.quant.gemms as gemms
 
-        for option, switch in GEMMS_OPTIONS.items():
-            if option in fmt:
-                setattr(gemms, switch, True)
+        for switch, on in gemms_switches(fmt).items():
+            setattr(gemms, switch, on)
         Path(out).write_text(json.dumps(engine_rows(Path(path), fmt, args)))
         return {}
     deadline = time.monotonic() + args.time_budget

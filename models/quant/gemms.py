@@ -39,15 +39,16 @@ from kernels.wo_matmul import wo_matmul
 DECODE_ROWS = 16  # rows up to which the weight is streamed by the decode kernels
 # int4 GEMVs of unbounded inputs (o_proj, down_proj) through the half2 loop with its per-step power
 # of two (PRESCALE): ~5.5 SASS instructions a weight where the plain half2 loop takes 4.5 and the
-# fp32 loop 9.9 (sm_90, triton 3.6: benchmarks/kernels/gemv_ir.py); off until an H100 times it
-# (bench_quant's ours_int4_half2_prescale) and runs its GPU test
-HALF2_PRESCALE = False
+# fp32 loop 9.9 (sm_90, triton 3.6: benchmarks/kernels/gemv_ir.py). The AWQ engine's batch-1 TPOT
+# on the Llama-3.1-8B shape 3.706 -> 3.186 ms with it (H200, both with PDL on, bench_quant
+# awq+pdl against awq+prescale+pdl, 2026-11-28)
+HALF2_PRESCALE = True
 # an FP8 GEMV of a 16-bit row (o_proj's input: no launch before quantizes it) after its own quant_fp8
 # launch, instead of quantizing inside the GEMV, where each program reduces the whole row for its
 # scale: o_proj at one row 16.4 us against 9.3 us pre-quantized (H100, quant_h100.json). The same
-# bits either way (gemv.py's contract); off until an H100 times the launch it adds
-# (bench_quant's ours_fp8_quant_first)
-FP8_GEMV_QUANT_FIRST = False
+# bits either way (gemv.py's contract). The FP8_DYNAMIC engine's batch-1 TPOT 3.856 -> 3.453 ms with
+# it (H200, with PDL on, bench_quant fp8-dynamic+pdl against fp8-dynamic+quantfirst+pdl, 2026-11-28)
+FP8_GEMV_QUANT_FIRST = True
 
 
 class QuantizedInput(NamedTuple):

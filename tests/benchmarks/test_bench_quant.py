@@ -2,7 +2,9 @@
 against bf16 and the goals (4-bit judged by the 4-bit goal, +prescale runs too), the fastest GEMV tiles per linear and
 kind, and the table's lines (a format whose engine failed says why)."""
 
-from benchmarks.quant.bench_quant import best_configs, linear_shapes, summarize, table
+import pytest
+
+from benchmarks.quant.bench_quant import base_format, best_configs, gemms_switches, linear_shapes, summarize, table
 
 
 def test_summary_goals_tuned_tiles_and_table():
@@ -34,3 +36,11 @@ def test_summary_goals_tuned_tiles_and_table():
     assert "qkv_proj: - | - | 31.5 |" in text
     assert linear_shapes("llama-3.1-8b") == {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
                                              "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+
+
+def test_format_options_set_the_gemms_switches_on_and_off():
+    assert gemms_switches("awq+no-prescale+pdl") == {"HALF2_PRESCALE": False}
+    assert gemms_switches("fp8-dynamic+quantfirst") == {"FP8_GEMV_QUANT_FIRST": True}
+    assert gemms_switches("gptq-desc-act") == {} and base_format("gptq-desc-act+no-quantfirst") == "gptq-desc-act"
+    with pytest.raises(SystemExit, match="unknown format option"):
+        gemms_switches("awq+prescal")

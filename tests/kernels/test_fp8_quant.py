@@ -78,11 +78,14 @@ def test_fused_norm_quant_matches_reference(name, group, static, m, k):
 
 
 @pytest.mark.parametrize("name,group,static", GROUP_CASES)
-@pytest.mark.parametrize("m,inter", [(1, 256), (5, 200), (0, 128)])
-def test_silu_mul_fp8_quantizes_silu_mul(name, group, static, m, inter):
+@pytest.mark.parametrize("m,inter", [(1, 256), (5, 200), (0, 128), (17, 200)])
+@pytest.mark.parametrize("split_cols", [1024, 128])  # 128: decode rows (<= 16) cut into chunks, a partial last
+def test_silu_mul_fp8_quantizes_silu_mul(name, group, static, m, inter, split_cols):
     gate_up = _x(m, 2 * inter, torch.bfloat16, inter)
+    if m > 2:
+        gate_up[2, inter + 150] = 60.0  # the row's largest |h| in its second chunk: the split's amax must see it
     st = torch.tensor([static], device=DEVICE) if static else None
-    q, s = silu_mul_fp8(gate_up, group, st)
+    q, s = silu_mul_fp8(gate_up, group, st, split_cols=split_cols)
     _same(q, s, *quant_fp8(silu_mul(gate_up), group, st))  # the same bits as the two launches it replaces
     ref_q, ref_s = quant_fp8_ref(silu_mul_ref(gate_up.cpu()), group, st.cpu() if st is not None else None)
     # against torch: exp may differ in its last bit (kernels/silu_mul.py), so q within one fp8 step
@@ -99,7 +102,8 @@ def test_a_rows_quantization_depends_on_that_row_only(name, group, static):
     st = torch.tensor([static], device=DEVICE) if static else None
     for fn in (lambda a, b: quant_fp8(a, group, st), lambda a, b: rmsnorm_fp8(a, w, 1e-5, group, st),
                lambda a, b: add_rmsnorm_fp8(a.clone(), b, w, 1e-5, group, st)[1:],
-               lambda a, b: silu_mul_fp8(torch.cat([a, b], 1), group, st)):
+               lambda a, b: silu_mul_fp8(torch.cat([a, b], 1), group, st),
+               lambda a, b: silu_mul_fp8(torch.cat([a, b], 1), group, st, split_cols=64)):
         q, s = fn(x, y)
         pq, ps = fn(px, py)
         _same(pq[:3], ps[:3], q, s)

@@ -43,10 +43,10 @@ def test_fp8_linear_at_each_row_count(m, kind, monkeypatch):
         # the norm's quantized input gives the same row as the raw one quantized by the linear
         assert torch.equal(fp8_linear(QuantizedInput(q, s), w, ws, group, group, static, torch.bfloat16, bias,
                                       scaled_mm), got)
-    if m == 1:  # ... and as quantized by its own launch before the GEMV (gemms.FP8_GEMV_QUANT_FIRST)
+    if m == 1:  # ... quantized by its own launch before the GEMV or in it (gemms.FP8_GEMV_QUANT_FIRST)
         import models.quant.gemms as gemms
 
-        monkeypatch.setattr(gemms, "FP8_GEMV_QUANT_FIRST", True)
+        monkeypatch.setattr(gemms, "FP8_GEMV_QUANT_FIRST", not gemms.FP8_GEMV_QUANT_FIRST)
         assert torch.equal(fp8_linear(x, w, ws, group, group, static, torch.bfloat16, bias, False), got)
 
 
