@@ -38,7 +38,9 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start > 0
+        """One token, the sequence's last, after others: a decode (it samples). A one-token chunk
+        inside a prompt (a step's budget down to 1) is a prefill chunk that samples nothing."""
+        return self.num_tokens == 1 and self.start > 0 and self.samples
 
     @property
     def samples(self) -> bool:
@@ -114,7 +116,7 @@ class Scheduler:
                     break
                 self.bm.append_slot(seq.blocks, start + n)
             item = ScheduledSeq(seq, start, n)
-            (out.decodes if n == 1 and start > 0 else out.prefills).append(item)  # item.is_decode
+            (out.decodes if remaining == 1 and start > 0 else out.prefills).append(item)  # item.is_decode
             budget -= n
             i += 1
 

@@ -165,15 +165,22 @@ def _logprobs(eng, prompts):
     return toks, lps
 
 
-def _assert_same_logprobs(a, b, bound=0.1):
-    """Wherever two runs' sequences still agree, every token's log-probability agrees (a wrong
-    input token, page table or row order would be off by nats, not rounding)."""
+def _logprob_gap(a, b) -> float:
+    """The largest difference of two runs' (_logprobs') log-probabilities wherever their sequences
+    still agree (and at the first token where they part)."""
     (gt, gl), (et, el) = a, b
     assert gt.keys() == et.keys()
     worst = 0.0
     for rid in gt:
         same = next((i for i, (x, y) in enumerate(zip(gt[rid], et[rid])) if x != y), len(gt[rid]))
         worst = max([worst] + [abs(x - y) for x, y in zip(gl[rid][: same + 1], el[rid][: same + 1])])
+    return worst
+
+
+def _assert_same_logprobs(a, b, bound=0.1):
+    """Wherever two runs' sequences still agree, every token's log-probability agrees (a wrong
+    input token, page table or row order would be off by nats, not rounding)."""
+    worst = _logprob_gap(a, b)
     assert worst < bound, f"log-probabilities differ by up to {worst:.3f}"
 
 

@@ -96,6 +96,26 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps():
     assert chunks(out.decodes) == [("a", 20, 1)] and out.decodes[0].is_decode
 
 
+def test_a_one_token_chunk_inside_a_prompt_is_a_prefill_chunk():
+    # A budget down to one token (here the whole budget; under load, what decodes leave) still
+    # continues a prompt one token a step, as prefill chunks that sample nothing: taken for decodes,
+    # each sampled a token from inside the prompt (an engine at max_num_batched_tokens=1 answered
+    # a 5-token prompt with a wrong token, or failed the request where it asked for logprobs)
+    _, sched = make(max_num_batched_tokens=1)
+    a = seq("a", 3)
+    sched.add(a)
+    seen = []
+    for _ in range(3):
+        out = sched.schedule()
+        seen += [(s.start, s.num_tokens, s.samples, s.is_decode, s in out.decodes) for s in out.prefills + out.decodes]
+        complete(sched, out)
+    # (the prompt's last token alone samples: a decode row, as the runner takes it)
+    assert seen == [(0, 1, False, False, False), (1, 1, False, False, False), (2, 1, True, True, True)]
+    assert a.output_token_ids == [7]
+    out = sched.schedule()
+    assert chunks(out.decodes) == [("a", 3, 1)] and out.decodes[0].is_decode and not out.prefills
+
+
 def test_unchunked_prompt_over_the_budget_goes_alone_or_waits():
     _, sched = make(max_num_batched_tokens=8, enable_chunked_prefill=False)
     big = seq("big", 12)
