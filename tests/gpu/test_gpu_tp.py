@@ -343,7 +343,7 @@ def test_quantized_checkpoints_at_two_gpus_give_one_gpus_tokens(quantized, fmt):
     if fmt.startswith("fp8"):
         dense = _engine(dequantized, 1, enforce_eager=True)
         try:
-              fp8_error = _logprob_gap(want, _logprobs(dense, prompts))
+            fp8_error = _logprob_gap(want, _logprobs(dense, prompts))
         finally:
             dense.close()
         assert fp8_error < 1.0  # FP8 activations' own error: tenths of a nat, not a wrong row's several
