@@ -348,7 +348,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tpot-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
-    result = dict(gpu_run_info("bench_fp8_kv.py", argv), args=vars(args), rows=[])
+    result = dict(gpu_run_info("benchmarks.kernels.bench_fp8_kv", argv), args=vars(args), rows=[])
     prefix = "fp8_kv" + (f"_{args.tag}" if args.tag else "")
     nbytes = 1 << 30
     src = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()

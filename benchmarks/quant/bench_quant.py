@@ -379,7 +379,7 @@ def main(argv=None) -> dict:
         Path(out).write_text(json.dumps(engine_rows(Path(path), fmt, args)))
         return {}
     deadline = time.monotonic() + args.time_budget
-    result = dict(benchmark="quant", shape=args.shape, **gpu_run_info("bench_quant.py", argv), formats=args.formats,
+    result = dict(benchmark="quant", shape=args.shape, **gpu_run_info("benchmarks.quant.bench_quant", argv), formats=args.formats,
                   goals=GOALS, rows=[], tuned={}, engine_gemv="tuned" if args.install_tuned else "defaults")
 
     def save():
