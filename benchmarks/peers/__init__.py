@@ -7,6 +7,9 @@ Here (network, no GPU):
 There (an H100, Python 3.12, torch 2.11.0+cu130, no network), from the repo root, the parts carried
 one a call (`carry` names each part file; a warm machine keeps them between back-to-back calls):
   python3 -m benchmarks.peers.run --workloads offline --checkpoints-only     # with the first part: checkpoints
+      (a quantized shape's copy, `llama-3.1-8b.awq`, needs the server's wheels: in that call first
+      `bash benchmarks/gpu_session.sh none && export PYTHONPATH=/tmp/site:$PWD`, carrying .whl, or make
+      it in the run's call, after unpack_vllm.sh)
   bash benchmarks/peers/fetch/unpack_vllm.sh --probe        # /tmp/vllm-site and /tmp/site; vLLM's version; imports
   export VLLM_SITE=/tmp/vllm-site PYTHONPATH=/tmp/site:$PWD
   timeout -s TERM 540 python3 -m benchmarks.peers.run --workloads offline:qwen2.5-0.5b structured --out-dir $OUT

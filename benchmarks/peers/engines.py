@@ -49,6 +49,8 @@ class Flags:
     kv_cache_dtype: str = "auto"
     dtype: str = "bfloat16"
     seed: int = 0
+    tensor_parallel_size: int = 1  # GPUs one model is split over (both engines' --tensor-parallel-size)
+    load_format: str = "auto"  # "dummy": random weights made on the GPUs from config.json alone (both engines')
     api_server_count: int | None = None  # serving only; None: each engine's own default
     vllm_args: tuple[str, ...] = ()  # serving only: more of `vllm serve`'s flags, recorded
     flashpage_args: tuple[str, ...] = ()  # serving only: more of `python -m server`'s flags, recorded
@@ -61,6 +63,18 @@ def _bool_flag(name: str, on: bool) -> str:
     return f"--{name}" if on else f"--no-{name}"
 
 
+def _shared_extras(flags: Flags) -> list[str]:
+    """The flags both CLIs spell alike, where they differ from the engines' defaults."""
+    out = []
+    if flags.kv_cache_dtype != "auto":
+        out += ["--kv-cache-dtype", flags.kv_cache_dtype]
+    if flags.tensor_parallel_size != 1:
+        out += ["--tensor-parallel-size", str(flags.tensor_parallel_size)]
+    if flags.load_format != "auto":
+        out += ["--load-format", flags.load_format]
+    return out
+
+
 def serve_cmd(engine: str, model: str, port: int, flags: Flags) -> list[str]:
     """The server's command line: `vllm serve` (through its CLI module, so no console script is
     needed) or `python -m server`, on 127.0.0.1:`port`, serving `model` as SERVED_NAME."""
@@ -70,8 +84,7 @@ def serve_cmd(engine: str, model: str, port: int, flags: Flags) -> list[str]:
               "--gpu-memory-utilization", str(flags.gpu_memory_utilization), "--block-size", str(flags.block_size),
               _bool_flag("enable-prefix-caching", flags.enable_prefix_caching),
               _bool_flag("enable-chunked-prefill", flags.enable_chunked_prefill), "--seed", str(flags.seed)]
-    if flags.kv_cache_dtype != "auto":
-        common += ["--kv-cache-dtype", flags.kv_cache_dtype]
+    common += _shared_extras(flags)
     if flags.api_server_count is not None:
         common += ["--api-server-count", str(flags.api_server_count)]
     if engine == "vllm":
@@ -94,8 +107,9 @@ def llm_kwargs(engine: str, model: str, flags: Flags) -> dict:
               gpu_memory_utilization=flags.gpu_memory_utilization, block_size=flags.block_size,
               enable_prefix_caching=flags.enable_prefix_caching, enable_chunked_prefill=flags.enable_chunked_prefill,
               seed=flags.seed, enforce_eager=False)
-    if flags.kv_cache_dtype != "auto":
-        kw["kv_cache_dtype"] = flags.kv_cache_dtype
+    for name in ("kv_cache_dtype", "tensor_parallel_size", "load_format"):
+        if getattr(flags, name) != getattr(Flags, name):
+            kw[name] = getattr(flags, name)
     if engine == "vllm":
         kw.update(structured_outputs_config=dict(VLLM_STRUCTURED), disable_log_stats=True)
     elif engine == "flashpage":

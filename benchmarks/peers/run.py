@@ -1,9 +1,11 @@
-"""vLLM and flashpage side by side on one GPU: the same checkpoints, flags, prompts and clients.
+"""vLLM and flashpage side by side on one GPU (or on N, --tensor-parallel-size): the same checkpoints, flags, prompts and clients.
 
   python benchmarks/peers/run.py --workloads offline batch1 --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline:llama-3.1-8b.fp8-dynamic batch1:llama-3.1-8b.awq --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
+  python benchmarks/peers/run.py --workloads batch1:llama-3.1-70b offline:llama-3.1-70b --tensor-parallel-size 4 \
+      --load-format dummy --out-dir $OUT                                          # four GPUs, no weight files
 
 A workload may name its shapes (`offline:qwen3-0.6b,llama-3.2-1b`); without, it runs its default
 ones (benchmarks/peers/workloads.py). Needs vLLM's site unpacked (benchmarks/peers/fetch/unpack_vllm.sh,
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.shared.common import gpu_slug, write_result  # noqa: E402
 from benchmarks.peers.engines import ENGINES, REPO_ROOT, engine_env, versions  # noqa: E402
-from benchmarks.peers.workloads import (DEFAULT_SHAPES, HTTP_CLIENTS, WORKLOADS, Job,  # noqa: E402
+from benchmarks.peers.workloads import (DEFAULT_SHAPES, DUMMY_SHAPES, HTTP_CLIENTS, WORKLOADS, Job,  # noqa: E402
                                         estimate_minutes, jobs_for, merge_jobs, split_shape)
 
 
@@ -68,13 +70,24 @@ def device_name() -> str:
         return "cpu"
 
 
-def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
+def ensure_checkpoint(shape: str, root: Path, log_dir: Path, dummy: bool = False) -> Path:
     """A random checkpoint of `shape` under root/shape (made on the GPU in a process of its own, once);
-    a quantized shape's (`<shape>.<format>`) is benchmarks/quant/quant_checkpoint.py's copy of the 16-bit one."""
+    a quantized shape's (`<shape>.<format>`) is benchmarks/quant/quant_checkpoint.py's copy of the 16-bit
+    one (its quantization_config written by compressed-tensors: the server's wheels on PYTHONPATH, as
+    benchmarks/gpu_session.sh or unpack_vllm.sh leave them in /tmp/site); `dummy`: config.json and the
+    tokenizer alone (--load-format dummy), under root/<shape>-config."""
+    base, fmt = split_shape(shape)
+    if dummy:
+        if fmt:
+            raise SystemExit(f"{shape}: --load-format dummy makes 16-bit weights; a quantized shape needs its files")
+        from benchmarks.shared.checkpoint import make_config_only_llama
+
+        return make_config_only_llama(root / f"{shape}-config", shape)
+    if shape in DUMMY_SHAPES:
+        raise SystemExit(f"{shape}: served with --load-format dummy only (no weight files are written for it)")
     path = root / shape
     if (path / ".complete").exists():
         return path
-    base, fmt = split_shape(shape)
     if fmt:
         code = ("import sys; from benchmarks.quant.quant_checkpoint import quantize_checkpoint; "
                 "quantize_checkpoint(sys.argv[3], sys.argv[1], sys.argv[2], device='cuda', dequantized=False)")
@@ -83,9 +96,12 @@ def ensure_checkpoint(shape: str, root: Path, log_dir: Path) -> Path:
         code = ("import sys; from benchmarks.shared.checkpoint import make_random_llama; "
                 "make_random_llama(sys.argv[1], sys.argv[2], device='cuda')")
         args = [shape]
-    with open(log_dir / f"checkpoint_{shape}.log", "w") as log:
-        subprocess.run([sys.executable, "-c", code, str(path), *args], cwd=REPO_ROOT, env=engine_env("flashpage"),
-                       stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+    log_path = log_dir / f"checkpoint_{shape}.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run([sys.executable, "-c", code, str(path), *args], cwd=REPO_ROOT,
+                              env=engine_env("flashpage"), stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    if done.returncode:
+        raise SystemExit(f"making the {shape} checkpoint failed (exit {done.returncode}):\n{log_tail(log_path)}")
     (path / ".complete").write_text("")
     return path
 
@@ -196,9 +212,12 @@ def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> 
             continue
         engines = {e: {k: v for k, v in g.items() if k != "rows"} for e, g in got.items()}
         result = dict(head, workload=workload, shape=job.shape, flags=job.flags.record(), engines=engines,
-                      model=f"random-initialised {job.shape} shape (benchmarks/shared/checkpoint.py), bfloat16, "
+                      model=(f"{job.shape} shape, random weights made by each engine (--load-format dummy), "
+                             if job.flags.load_format == "dummy" else
+                             f"random-initialised {job.shape} shape (benchmarks/shared/checkpoint.py), ") + "bfloat16, "
                             "the embedded model's tokenizer", rows=rows)
-        paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}"))
+        tp = f"_tp{job.flags.tensor_parallel_size}" if job.flags.tensor_parallel_size > 1 else ""
+        paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}{tp}"))
     return paths
 
 
@@ -218,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default="/tmp/peers-logs")
     ap.add_argument("--logs-tar", default=None, metavar="PATH", help="at the end, the log dir as one .tar.gz here")
     ap.add_argument("--checkpoints-only", action="store_true", help="make the selection's checkpoints, run nothing")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="both engines split each model over this many GPUs")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: both engines make random weights from config.json (no weight files written)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for one engine's offline process")
     ap.add_argument("--estimate", action="store_true", help="print the estimated H100 minutes and exit")
     args = ap.parse_args(argv)
@@ -233,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoints_only:
         for shape in dict.fromkeys(s for _, s in selection):
             t0 = time.perf_counter()
-            print(f"{ensure_checkpoint(shape, root, logs)} in {time.perf_counter() - t0:.0f} s", flush=True)
+            path = ensure_checkpoint(shape, root, logs, args.load_format == "dummy")
+            print(f"{path} in {time.perf_counter() - t0:.0f} s", flush=True)
         return 0
     try:
         return run_selection(args, selection, out_dir, root, logs)
@@ -254,9 +277,12 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
                 command="python -m benchmarks.peers.run " + " ".join(args.argv))
     failed = False
     for shape in dict.fromkeys(s for _, s in selection):  # shapes in the order given
-        model = ensure_checkpoint(shape, root, logs)
+        model = ensure_checkpoint(shape, root, logs, args.load_format == "dummy")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # the prompts' ids are below it
-        for job in merge_jobs([j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]):
+        jobs = [j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]
+        for job in jobs:
+            job.flags = replace(job.flags, tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
+        for job in merge_jobs(jobs):
             if job.kind == "serve":
                 from server.api.servers import default_api_server_count
 

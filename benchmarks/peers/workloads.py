@@ -44,10 +44,15 @@ LONG_FLAGS = replace(OFFLINE_FLAGS, max_model_len=32768 + 256)
 LONG_FLAGS_BY_WORKLOAD = {"long": LONG_FLAGS, "long-fp8": replace(LONG_FLAGS, kv_cache_dtype="fp8")}
 
 
+# shapes served only with --load-format dummy (random weights made on the GPUs: no 140 GB of files),
+# at the --tensor-parallel-size that holds them (issue 50's TP rows beside vLLM's)
+DUMMY_SHAPES = ("llama-3.1-70b",)
+
+
 def split_shape(shape: str) -> tuple[str, str | None]:
     """(the random checkpoint's shape, the quantized format or None): "llama-3.1-8b.awq" ->
     ("llama-3.1-8b", "awq"); ValueError for a name that is neither."""
-    if shape in SHAPES:
+    if shape in SHAPES or shape in DUMMY_SHAPES:
         return shape, None
     base, _, fmt = shape.rpartition(".")
     if base in SHAPES and fmt in QUANT_FORMATS:

@@ -5,6 +5,7 @@ runner end to end on flashpage's engine. The GPU runs themselves are benchmarks,
 
 import json
 import random
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -268,6 +269,7 @@ def test_quantized_shapes_are_the_16_bit_checkpoints_quantized_copy(tmp_path, mo
     def fake_run(cmd, **kw):  # the GPU's part: record what would run, make the directory it would write
         calls.append(cmd[3:])
         Path(cmd[3]).mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(run.subprocess, "run", fake_run)
     for shape in ("llama-3.1-8b.awq", "llama-3.1-8b.fp8-dynamic"):
@@ -275,3 +277,53 @@ def test_quantized_shapes_are_the_16_bit_checkpoints_quantized_copy(tmp_path, mo
     base = str(tmp_path / "llama-3.1-8b")
     assert calls == [[base, "llama-3.1-8b"], [str(tmp_path / "llama-3.1-8b.awq"), "awq", base],
                      [str(tmp_path / "llama-3.1-8b.fp8-dynamic"), "fp8-dynamic", base]]
+
+
+def test_tensor_parallel_and_dummy_weights_reach_both_engines(tmp_path, monkeypatch):
+    """--tensor-parallel-size and --load-format dummy (issue 50's TP rows): both CLIs and both offline
+    constructors get them in the same words, a dummy shape is a config-only directory (no weight
+    files, never written for llama-3.1-70b), and the result file names its TP size."""
+    from server.config import EngineConfig
+
+    flags = Flags(tensor_parallel_size=4, load_format="dummy")
+    for engine in engines.ENGINES:
+        cmd = serve_cmd(engine, "/ckpt", 8123, flags)
+        pairs = dict(zip(cmd, cmd[1:]))
+        assert pairs["--tensor-parallel-size"] == "4" and pairs["--load-format"] == "dummy", engine
+        assert "--tensor-parallel-size" not in serve_cmd(engine, "/ckpt", 8123, Flags())
+    cfg = config_from_args(build_parser().parse_args(serve_cmd("flashpage", "/ckpt", 8123, flags)[3:]))
+    assert (cfg.tensor_parallel_size, cfg.load_format) == (4, "dummy")
+    cfg = EngineConfig(**llm_kwargs("flashpage", "/ckpt", flags))
+    assert (cfg.tensor_parallel_size, cfg.load_format) == (4, "dummy")
+    kw = llm_kwargs("vllm", "/ckpt", flags)
+    assert (kw["tensor_parallel_size"], kw["load_format"]) == (4, "dummy")
+    assert "tensor_parallel_size" not in llm_kwargs("vllm", "/ckpt", Flags())
+
+    assert run.parse_selection(["batch1:llama-3.1-70b"]) == [("batch1", "llama-3.1-70b")]
+    path = run.ensure_checkpoint("llama-3.1-70b", tmp_path, tmp_path, dummy=True)
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 80
+    assert not list(path.glob("*.safetensors"))
+    with pytest.raises(SystemExit, match="dummy only"):
+        run.ensure_checkpoint("llama-3.1-70b", tmp_path, tmp_path)
+    with pytest.raises(SystemExit, match="quantized shape"):
+        run.ensure_checkpoint("llama-3.1-8b.awq", tmp_path, tmp_path, dummy=True)
+
+    job = workloads.Job("offline", "llama-3.1-70b", replace(workloads.OFFLINE_FLAGS, tensor_parallel_size=4,
+                                                               load_format="dummy"),
+                        tasks=[dict(name="batch1-512", workload="batch1")])
+    got = {"flashpage": {"rows": [dict(engine="flashpage", task="batch1-512", workload="batch1", tpot_ms=20.0)]}}
+    (written,) = run.write_results(job, got, tmp_path, dict(device="NVIDIA H100 80GB HBM3"))
+    assert written.name == "peers_batch1_llama-3.1-70b_tp4_h100.json"
+    assert "--load-format dummy" in json.loads(written.read_text())["model"]
+
+
+def test_a_checkpoint_that_cannot_be_made_says_why(tmp_path, monkeypatch):
+    def failing(cmd, stdout=None, **kw):
+        stdout.write("ModuleNotFoundError: No module named 'compressed_tensors'\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(run.subprocess, "run", failing)
+    (tmp_path / "llama-3.1-8b").mkdir()
+    (tmp_path / "llama-3.1-8b" / ".complete").write_text("")
+    with pytest.raises(SystemExit, match="compressed_tensors"):
+        run.ensure_checkpoint("llama-3.1-8b.fp8-dynamic", tmp_path, tmp_path)
