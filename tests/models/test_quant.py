@@ -197,9 +197,10 @@ def test_gpu_compute_paths_forced_on_the_cpu(calm_src, monkeypatch, tmp_path, fm
 
 def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_path):
     """The linears that read an RMSNorm's output (qkv_proj, gate_up_proj) carry the norm's bound on
-    their input, sqrt(K) * max|w|, and their one-row int4 GEMVs take the half2 loop; o_proj and
-    down_proj (no such bound) keep the fp32 loop. A one-token prefill through both (the interpreter
-    runs the loops) stays within weight-only error of the dequantized model."""
+    their input, sqrt(K) * max|w|, and their one-row int4 GEMVs take the plain half2 loop; o_proj and
+    down_proj (no such bound) take it with its per-step scaling (gemms.HALF2_PRESCALE, the default),
+    or the fp32 loop without. A one-token prefill through each (the interpreter runs the loops) stays
+    within weight-only error of the dequantized model."""
     import math
 
     import models.quant.gemms as gemms
@@ -215,12 +216,20 @@ def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_
         assert linear.input_bound == math.sqrt(linear.in_features) * norm.weight.abs().max().item()
     assert not hasattr(layer.self_attn.o_proj, "input_bound") and not hasattr(layer.mlp.down_proj, "input_bound")
     picks, gemv = [], gemms.wo_gemv
-    monkeypatch.setattr(gemms, "wo_gemv", lambda *a, **kw: picks.append((a[1].shape, kw["half2"])) or gemv(*a, **kw))
-    got = prefill_logits(ours, IDS[:1])
-    assert sorted(h for _, h in picks) == [False, False, True, True], picks
-    assert {s[0]: h for s, h in picks}[2 * LLAMA["intermediate_size"]] is True  # gate_up_proj's rows
+    monkeypatch.setattr(gemms, "wo_gemv", lambda *a, **kw: picks.append((a[1].shape[0], kw["half2"], kw["prescale"]))
+                        or gemv(*a, **kw))
     want = prefill_logits(load_model(path, torch.bfloat16, "cpu", "sdpa"), IDS[:1])  # dequantized at load
-    assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
+    assert gemms.HALF2_PRESCALE
+    rows = layer.self_attn.qkv_proj.out_features, 2 * LLAMA["intermediate_size"]  # (o_proj's, down_proj's: hidden)
+    for prescale in (True, False):
+        monkeypatch.setattr(gemms, "HALF2_PRESCALE", prescale)
+        picks.clear()
+        got = prefill_logits(ours, IDS[:1])
+        bounded = sorted(p for p in picks if p[0] in rows)
+        assert bounded == sorted((n, True, False) for n in rows), picks  # qkv_proj, gate_up_proj
+        others = [p[1:] for p in picks if p[0] not in rows]  # o_proj, down_proj: the fp32 loop unless prescaled
+        assert others == [(prescale, True)] * 2, picks
+        assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
 
 
 def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
