@@ -52,7 +52,9 @@ def test_preemption_under_tiny_cache_gives_same_tokens(tiny_ckpt, hf_tiny):
     assert eng.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("prefix_caching,chunked,budget", [(True, True, 24), (True, False, 2048), (False, True, 7)])
+# (budget 1: every prompt a token a step, its one-token chunks prefill chunks, not decodes)
+@pytest.mark.parametrize("prefix_caching,chunked,budget", [(True, True, 24), (True, False, 2048), (False, True, 7),
+                                                           (True, True, 1)])
 def test_prefix_caching_and_chunking_do_not_change_outputs(tiny_ckpt, prefix_caching, chunked, budget):
     shared = _prompts(512, [37], seed=2)[0]  # ends mid-block (16-token blocks)
     tails = _prompts(512, [1, 6, 19, 2], seed=3)
