@@ -1,4 +1,4 @@
-"""A shortened soak (benchmarks/serving/soak.py) in CI: 300 mixed requests (valid, malformed, dropped, hostile
+"""A shortened soak (benchmarks/serving/soak.py) in CI: 400 mixed requests (valid, malformed, dropped, hostile
 structured outputs and large asks, bursts beyond the queue limit) against its own server with a
 24-block KV cache: nothing lost, no 5xx on valid requests, every hostile request a 400 (and every
 valid constrained one matching its spec), no leaked blocks, and the server drains and exits 0 on
@@ -16,13 +16,13 @@ from benchmarks.serving.soak import MUST_BE_ZERO, main
 def test_short_soak(tiny_ckpt, tmp_path, api_servers):
     out = tmp_path / "soak.json"
     rc = main(["--model", str(tiny_ckpt), "--server-arg=--device", "--server-arg=cpu",
-               "--server-arg=--api-server-count", f"--server-arg={api_servers}", "--requests", "300",
-               "--time-limit", "45", "--max-tokens", "24", "--burst-every", "100", "--seed", "1", "--out", str(out),
+               "--server-arg=--api-server-count", f"--server-arg={api_servers}", "--requests", "400",
+               "--time-limit", "60", "--max-tokens", "24", "--burst-every", "150", "--burst-size", "96", "--seed", "1", "--out", str(out),
                "--hostile", "0.05" if api_servers == 1 else "0"])
     report = json.loads(out.read_text())
     assert rc == 0 and report["ok"], report
     assert all(report[key] == 0 for key in MUST_BE_ZERO)
-    assert report["sent"] == 300 and not report["stopped_by_time_limit"]
+    assert report["sent"] == 400 and not report["stopped_by_time_limit"]
     status = report["status"]
     # Valid requests are answered, or turned away while the queue is full (503 + Retry-After: a
     # loaded machine serves fewer in time, so the share varies; lost or failed ones are counted above).
@@ -31,7 +31,9 @@ def test_short_soak(tiny_ckpt, tmp_path, api_servers):
     assert status["dropped"].get("dropped", 0) > 0
     if api_servers == 1:  # 400s, and 200s matching their specs (hostile_wrong, above, counts the rest)
         assert set(status["hostile"]) <= {"200", "400", "503"} and status["hostile"].get("400", 0) > 3
-    assert status["burst"].get("503", 0) > 0  # bursts beyond --max-waiting-requests are turned away
+    # bursts beyond --max-waiting-requests (16) are turned away: two of 96 at once (with 48, two API
+    # processes once served both bursts without the queue passing 16: a CI run on 2026-11-28)
+    assert status["burst"].get("503", 0) > 0
     assert report["kv"]["kv_blocks_free"] == report["kv"]["kv_blocks_total"] == 24
     assert report["preemptions"] > 0  # the small cache was actually under pressure
     assert report["rss_start_mib"] and report["rss_end_mib"]
