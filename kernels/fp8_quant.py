@@ -250,13 +250,12 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30, static_scale: torc
         return q, scale
     common = dict(LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, PDL=pdl.active(gate_up.device))
     split = m <= SPLIT_MAX_ROWS and block > split_cols
+    chunks, chunk_warps = -(-inter // split_cols), 1 if _INTERPRET else 4
     if split and (static_scale is not None or group <= split_cols):  # whole chunks in one launch
-        chunk_warps = 1 if _INTERPRET else 4
-        _silu_quant_kernel[(m, -(-inter // split_cols))](gate_up, q, scale, static, inter, gate_up.stride(0),
-                                                         scale.stride(0), BLOCK=split_cols, GROUP=min(group, split_cols),
-                                                         STATIC=static_scale is not None, num_warps=chunk_warps, **common)
+        _silu_quant_kernel[(m, chunks)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0),
+                                        BLOCK=split_cols, GROUP=min(group, split_cols), STATIC=static_scale is not None,
+                                        num_warps=chunk_warps, **common)
     elif split and group >= block:  # one scale a row: the chunks' values and amax, then the row's scale and q
-        chunks, chunk_warps = -(-inter // split_cols), 1 if _INTERPRET else 4
         h = torch.empty((m, inter), dtype=gate_up.dtype, device=gate_up.device)
         amax = torch.empty((m, chunks), dtype=torch.float32, device=gate_up.device)
         _silu_amax_kernel[(m, chunks)](gate_up, h, amax, inter, gate_up.stride(0), chunks, BLOCK=split_cols,

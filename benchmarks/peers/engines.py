@@ -63,16 +63,11 @@ def _bool_flag(name: str, on: bool) -> str:
     return f"--{name}" if on else f"--no-{name}"
 
 
-def _shared_extras(flags: Flags) -> list[str]:
-    """The flags both CLIs spell alike, where they differ from the engines' defaults."""
-    out = []
-    if flags.kv_cache_dtype != "auto":
-        out += ["--kv-cache-dtype", flags.kv_cache_dtype]
-    if flags.tensor_parallel_size != 1:
-        out += ["--tensor-parallel-size", str(flags.tensor_parallel_size)]
-    if flags.load_format != "auto":
-        out += ["--load-format", flags.load_format]
-    return out
+def _shared_extras(flags: Flags) -> dict:
+    """The Flags fields both engines name alike (CLI flags and constructor arguments), where they
+    differ from the engines' defaults (Flags'), by name."""
+    return {name: getattr(flags, name) for name in ("kv_cache_dtype", "tensor_parallel_size", "load_format")
+            if getattr(flags, name) != getattr(Flags, name)}
 
 
 def serve_cmd(engine: str, model: str, port: int, flags: Flags) -> list[str]:
@@ -84,7 +79,7 @@ def serve_cmd(engine: str, model: str, port: int, flags: Flags) -> list[str]:
               "--gpu-memory-utilization", str(flags.gpu_memory_utilization), "--block-size", str(flags.block_size),
               _bool_flag("enable-prefix-caching", flags.enable_prefix_caching),
               _bool_flag("enable-chunked-prefill", flags.enable_chunked_prefill), "--seed", str(flags.seed)]
-    common += _shared_extras(flags)
+    common += [a for name, v in _shared_extras(flags).items() for a in (f"--{name.replace('_', '-')}", str(v))]
     if flags.api_server_count is not None:
         common += ["--api-server-count", str(flags.api_server_count)]
     if engine == "vllm":
@@ -107,9 +102,7 @@ def llm_kwargs(engine: str, model: str, flags: Flags) -> dict:
               gpu_memory_utilization=flags.gpu_memory_utilization, block_size=flags.block_size,
               enable_prefix_caching=flags.enable_prefix_caching, enable_chunked_prefill=flags.enable_chunked_prefill,
               seed=flags.seed, enforce_eager=False)
-    for name in ("kv_cache_dtype", "tensor_parallel_size", "load_format"):
-        if getattr(flags, name) != getattr(Flags, name):
-            kw[name] = getattr(flags, name)
+    kw.update(_shared_extras(flags))
     if engine == "vllm":
         kw.update(structured_outputs_config=dict(VLLM_STRUCTURED), disable_log_stats=True)
     elif engine == "flashpage":
