@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
-#                                   tp2|tp2ar|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
+#                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
 #                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
@@ -167,7 +167,7 @@ for step in "${@:-tests throughput prefix}"; do
           | tee "$OUT/quant_tests.log" | tail -25 || status=1 ;;
       # Issue 50: tensor parallelism. tp2 (two GPUs): the all-reduce alone (NCCL's and the one-shot
       # over symmetric memory, 8 KB to 4 MB), the Llama-3.1-8B shape's batch-1 TPOT at TP=1 and at
-      # TP=2 both ways (--disable-custom-all-reduce and --no-disable-custom-all-reduce), then the
+      # TP=2 both ways (--disable-custom-all-reduce and the default custom all-reduce), then the
       # custom all-reduce's GPU tests; tp2tests (two GPUs; its own call: tp2 fills one): the other TP
       # GPU tests; tp2quant (two GPUs, likewise): quantized checkpoints at two GPUs against one (issues
       # 47 + 50); tp2spec (two GPUs, its own call): speculation at two GPUs, its GPU tests (each method
@@ -180,8 +180,16 @@ for step in "${@:-tests throughput prefix}"; do
       tp2)
         timeout 560 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
           --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1 ;;
+      # armicro: the all-reduce alone, NCCL's against the custom one, at AR_TP ranks (default 2; AR_TP=2,4).
+      # tp4 takes TP4_AR=off|on|off,on (--custom-all-reduce) and TP4_LEVELS=1,16 (empty: none)
+      armicro)
+        # shellcheck disable=SC2086
+        timeout 240 python3 -m benchmarks.scaleout.all_reduce_micro --tp $(echo "${AR_TP:-2}" | tr , " ") --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/armicro.log" | grep -v Warning | tail -14 || status=1 ;;
       tp2ar)
-        timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
+        timeout 120 python3 -m pytest -q tests/kernels/test_one_shot_all_reduce.py -p no:cacheprovider 2>&1 \
+          | tee "$OUT/one_shot_kernel_tests.log" | tail -4 || status=1
+        timeout 400 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k all_reduce -p no:cacheprovider 2>&1 \
           | tee "$OUT/tp_custom_all_reduce_tests.log" | tail -8 || status=1 ;;
       tp2tests)
         timeout 540 python3 -m pytest -q tests/gpu/test_gpu_tp.py -k "not quantized and not all_reduce and not speculation" \
@@ -197,7 +205,9 @@ for step in "${@:-tests throughput prefix}"; do
           --probabilities 0.8 --sweep-clients --forced-clients --repeats 2 --out-dir "$OUT" 2>&1 \
           | tee "$OUT/tp_spec.log" | tail -12 || status=1 ;;
       tp4)
-        timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --load-levels 1 16 64 256 \
+        # shellcheck disable=SC2086
+        timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --custom-all-reduce $(echo "${TP4_AR:-off}" | tr , " ") \
+          --load-levels $(echo "${TP4_LEVELS-1,16,64,256}" | tr , " ") \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
       # Issue 46: the FP8 KV cache. fp8kv: its GPU tests and the kernels' fp8 tests (Triton's casts on
       # the hardware), then the decode kernel against the 16-bit one on the same shapes and a tile
@@ -247,8 +257,8 @@ for step in "${@:-tests throughput prefix}"; do
       # Issues 45 + 50: where a decode step's time goes on the Llama-3.1-8B shape (dummy weights), rank 0's
       # profile (benchmarks/profiling/profile_step.py): the served step, the step's device time through
       # its graph and eagerly, the kernels by category and by name. profile-step (one GPU): TP=1 at batch
-      # 1 and 256; tp2profile (two GPUs): TP=2 at batch 1, NCCL's all-reduces (PROFILE_ARGS adds flags:
-      # PROFILE_ARGS=--no-disable-custom-all-reduce for the one-shot). Each writes
+      # 1 and 256; tp2profile (two GPUs): TP=2 at batch 1, the custom all-reduce (PROFILE_ARGS adds flags:
+      # PROFILE_ARGS=--disable-custom-all-reduce for NCCL's). Each writes
       # profile_step_llama-3.1-8b_tp<N>_<gpu>.json into $OUT (benchmarks/results/experiments/ when kept).
       profile-step)
         # shellcheck disable=SC2086

@@ -336,3 +336,11 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if gelu:
         y = torch.nn.functional.gelu(y, approximate="tanh")
     return y.to(x.dtype)
+
+
+def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' parts summed elementwise in fp32 in rank order, rounded once to their dtype."""
+    total = torch.zeros_like(parts[0], dtype=torch.float32)
+    for part in parts:
+        total += part.float()
+    return total.to(parts[0].dtype)

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its attention heads and MLP, one process each (on the CPU: N processes over gloo)")
     p.add_argument("--disable-custom-all-reduce", action=argparse.BooleanOptionalAction,
                    default=d.disable_custom_all_reduce,
-                   help="tensor parallelism on CUDA: every all-reduce through NCCL (--no-disable-custom-all-reduce: "
-                        "a decode step's small all-reduces as a one-shot over symmetric memory, NVLink peer loads)")
+                   help="tensor parallelism on CUDA: every all-reduce through NCCL, not a decode step's small "
+                        "16-bit ones as a one-shot over symmetric memory (NVLink stores, no barrier; the default)")
     p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
                    help="auto: the checkpoint's weight files; dummy: random weights at the checkpoint's shape, "
                         "from its config.json alone (benchmarks without the weight files)")

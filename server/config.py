@@ -116,12 +116,11 @@ class EngineConfig:
     # heads and MLP and run every step together (server/worker/parallel/); 1 = the whole model here
     tensor_parallel_size: int = 1
     # The small all-reduces of tensor parallelism (a decode step's rows) over NCCL, not the one-shot
-    # all-reduce over symmetric memory (models/parallel/symm_all_reduce.py; vLLM's flag, whose default
-    # is False). True (NCCL): on two H100s (2026-11-27) the one-shot gave NCCL's tokens
-    # (tests/gpu/test_gpu_tp.py) but no speed: 9.3-10.1 us against NCCL's 10.6-11.4 for 8-128 KB,
-    # and the 8B shape's batch-1 TPOT 4.33 ms against 4.32 (bench_tp, tp_llama-3.1-8b_h100.json);
-    # --no-disable-custom-all-reduce turns it on
-    disable_custom_all_reduce: bool = True
+    # all-reduce over symmetric memory (kernels/one_shot_all_reduce.py; vLLM's flag and default).
+    # False: on H200s (2026-11-28) 4.0 us an 8 KB all-reduce against NCCL's 11.2 at two GPUs, 4.4
+    # against 14.3 at four, NCCL's tokens at two (tests/gpu/test_gpu_tp.py), the 70B shape's TP=4
+    # batch-1 TPOT 13.58 -> 12.25 ms (benchmarks/results/tp_llama-3.1-70b_h200.json)
+    disable_custom_all_reduce: bool = False
     load_format: str = "auto"  # auto: the checkpoint's weight files; dummy: random weights at its shape (benchmarks)
     # Quantized weights (models/quant): None = as the checkpoint's config.json says (16-bit, or its
     # quantization_config); "fp8" also quantizes a 16-bit checkpoint at load (--quantization)

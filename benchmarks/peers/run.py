@@ -242,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="dummy: both engines make random weights from config.json (no weight files written)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for one engine's offline process")
     ap.add_argument("--estimate", action="store_true", help="print the estimated H100 minutes and exit")
+    ap.add_argument("--from-rows", default=None, metavar="LOG_DIR",
+                    help="run nothing: write the selection's result files from the rows a run left in its log dir")
     args = ap.parse_args(argv)
     args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
     selection = parse_selection(args.workloads)
     print(f"estimated {estimate_minutes(selection)} min on an H100 for {len(selection)} workload-shapes", flush=True)
     if args.estimate:
         return 0
+    if args.from_rows:
+        return rebuild_from_rows(args, selection, Path(args.out_dir), Path(args.from_rows))
     # `timeout -s TERM` around a device call: stop the servers and engines, keep what was written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir, root, logs = Path(args.out_dir), Path(args.ckpt_root), Path(args.log_dir)
@@ -268,6 +272,50 @@ def main(argv: list[str] | None = None) -> int:
                 tar.add(logs, arcname="peers-logs")
 
 
+def merged_jobs(args, selection: list[tuple[str, str]], shape: str, vocab: int) -> list[Job]:
+    """The selection's jobs on `shape`, merged (one start of each engine per job), with the run's flags."""
+    jobs = [j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]
+    for job in jobs:
+        job.flags = replace(job.flags, tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
+    merged = merge_jobs(jobs)
+    for job in merged:
+        if job.kind == "serve":
+            from server.api.servers import default_api_server_count
+
+            job.flags = replace(job.flags, api_server_count=args.api_server_count or default_api_server_count(),
+                                vllm_args=tuple(shlex.split(args.vllm_args)),
+                                flashpage_args=tuple(shlex.split(args.flashpage_args)))
+    return merged
+
+
+def rebuild_from_rows(args, selection: list[tuple[str, str]], out_dir: Path, rows_dir: Path) -> int:
+    """--from-rows: the result files of a run whose own files did not come back (a device call brings
+    back at most 8), from the rows_*.json its log dir kept (--logs-tar): offline jobs only (a serving
+    job's rows are not kept there). Device and versions are the rows', the date their files' time."""
+    from benchmarks.shared.checkpoint import LLAMA_SHAPES
+
+    written = 0
+    for shape in dict.fromkeys(s for _, s in selection):
+        vocab = LLAMA_SHAPES[split_shape(shape)[0]]["vocab_size"]
+        for job in merged_jobs(args, selection, shape, vocab):
+            files = [rows_dir / f"rows_{job.shape}_{job.flags.max_model_len}_{e}.json" for e in args.engines]
+            files = [f for f in files if f.exists()]
+            if job.kind != "offline" or not files:
+                print(f"{job.kind} job on {job.shape}: no rows in {rows_dir}", flush=True)
+                continue
+            got = {json.loads(f.read_text())["engine"]: json.loads(f.read_text()) for f in files}
+            first = next(iter(got.values()))
+            argv = args.argv[:args.argv.index("--from-rows")] + args.argv[args.argv.index("--from-rows") + 2:]
+            head = dict(device=first["device"], torch=first["versions"]["torch"].split("+")[0],
+                        triton=first["versions"]["triton"],
+                        date=datetime.date.fromtimestamp(max(f.stat().st_mtime for f in files)).isoformat(),
+                        command="python -m benchmarks.peers.run " + " ".join(argv), rebuilt_from_rows=True)
+            for path in write_results(job, got, out_dir, head):
+                print("wrote", path, flush=True)
+                written += 1
+    return 0 if written else 1
+
+
 def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: Path, logs: Path) -> int:
     import torch
     import triton
@@ -279,16 +327,7 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
     for shape in dict.fromkeys(s for _, s in selection):  # shapes in the order given
         model = ensure_checkpoint(shape, root, logs, args.load_format == "dummy")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # the prompts' ids are below it
-        jobs = [j for w, s in selection if s == shape for j in jobs_for(w, s, vocab, args.clients)]
-        for job in jobs:
-            job.flags = replace(job.flags, tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
-        for job in merge_jobs(jobs):
-            if job.kind == "serve":
-                from server.api.servers import default_api_server_count
-
-                job.flags = replace(job.flags, api_server_count=args.api_server_count or default_api_server_count(),
-                                    vllm_args=tuple(shlex.split(args.vllm_args)),
-                                    flashpage_args=tuple(shlex.split(args.flashpage_args)))
+        for job in merged_jobs(args, selection, shape, vocab):
             got = run_job(job, args.engines, model, logs, args.timeout)
             failed |= any("error" in r for g in got.values() for r in g["rows"])
             for path in write_results(job, got, out_dir, head):

@@ -5,8 +5,8 @@ Names are matched in order, first rule wins (case-insensitive), so the specific 
 the general ones: an NCCL all-gather is an all-reduce/all-gather before "gather" makes it a copy, a
 fused norm-and-quantize kernel is a norm before "quant" makes it elementwise. A CUDA device's names
 are those of its kernels (Triton's are the function's, e.g. `_decode_kernel`; cuBLAS's `nvjet_*`,
-`sm90_xmma_gemm_*`, `gemv*`; NCCL's `ncclDevKernel_AllReduce_*`; torch's one-shot all-reduce over
-symmetric memory `one_shot_all_reduce_kernel`); on the CPU they are operators (`aten::mm`,
+`sm90_xmma_gemm_*`, `gemv*`; NCCL's `ncclDevKernel_AllReduce_*`; the custom all-reduce's
+`_one_shot_kernel`, kernels/one_shot_all_reduce.py); on the CPU they are operators (`aten::mm`,
 `c10d::allreduce_`), and torch's SDPA, which serves decodes there too, counts as prefill attention.
 
 Some Triton names say nothing of their job: `_merge_kernel` is the paged decode's split-KV merge,

@@ -4,7 +4,7 @@ name and by category (benchmarks/profiling/kernel_categories.py), from rank 0's 
 
     python -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 256          # one GPU
     python -m benchmarks.profiling.profile_step --tensor-parallel-size 2 --batch 1          # two GPUs
-    python -m benchmarks.profiling.profile_step --tensor-parallel-size 2 --no-disable-custom-all-reduce
+    python -m benchmarks.profiling.profile_step --tensor-parallel-size 2 --disable-custom-all-reduce  # NCCL's
     python -m benchmarks.profiling.profile_step --shape tiny-llama --device cpu --context 32  # CPU smoke
 
 An offline LLMEngine as served (CUDA graphs, asynchronous scheduling) holds the model: a Llama
@@ -34,11 +34,11 @@ between the graph's kernels; the categories where the kernels' time goes.
 Under --tensor-parallel-size N the profile is rank 0's (the engine's process; the other ranks run
 the same kernels). Behind the spin every rank has its step enqueued before rank 0 starts, so an
 all-reduce's time is its own plus what the other rank's kernels before it took longer than this
-one's. The all-reduces are NCCL's (the default) or, with --no-disable-custom-all-reduce, the
-one-shot over symmetric memory. On the CPU (--device cpu) the graph mode is absent, the "kernels"
+one's. The all-reduces are the one-shot over symmetric memory (the default) or, with
+--disable-custom-all-reduce, NCCL's. On the CPU (--device cpu) the graph mode is absent, the "kernels"
 are operators by self time and the times are wall times.
 
-Writes <out-dir>/profile_step_<shape>_tp<N>[_custom][_fp8][_pdl]_<gpu>.json: {device, torch, triton, date,
+Writes <out-dir>/profile_step_<shape>_tp<N>[_nccl][_fp8][_pdl]_<gpu>.json: {device, torch, triton, date,
 command, shape, dtype, tensor_parallel_size, disable_custom_all_reduce, context, rows: [{batch,
 step_ms, graph, eager}]}, each mode {device_ms, host_ms, kernel_ms, busy_ms, gap_ms, spin_ms,
 kernels_per_step, categories: {category: {us, count, share}}, kernels: [{name, category, us,
@@ -275,7 +275,7 @@ def run(args, argv: list[str] | None, root: Path) -> dict:
               "disable_custom_all_reduce": config.disable_custom_all_reduce, "context": args.context,
               "quantization": args.quantization, "enable_pdl": args.enable_pdl, "rows": []}
     prefix = f"profile_step_{args.shape}_tp{config.tensor_parallel_size}" + (
-        "_custom" if config.tensor_parallel_size > 1 and not config.disable_custom_all_reduce else "") + (
+        "_nccl" if config.tensor_parallel_size > 1 and config.disable_custom_all_reduce else "") + (
         f"_{args.quantization}" if args.quantization else "") + ("_pdl" if args.enable_pdl else "")
     engine = LLMEngine(config)
     rng = random.Random(0)

@@ -1,6 +1,6 @@
 """The all-reduce alone, as a decode graph pays it: NCCL's against the one-shot over symmetric memory
 (models/parallel/symm_all_reduce.py), per message size, at N ranks on cuda:0..N-1 (bench_tp's
-`--all-reduce-bytes`).
+`--all-reduce-bytes`; alone: `python -m benchmarks.scaleout.all_reduce_micro --tp 2 4 --out-dir $OUT`).
 
 Each rank captures GRAPH_OPS all-reduces of one bf16 message back to back in a CUDA graph per
 path (what a decode graph holds: no launch overhead), replays it REPLAYS times between CUDA events
@@ -97,3 +97,28 @@ def measure(size: int, sizes: list[int]) -> dict:
         raise RuntimeError(f"all-reduce microbenchmark: rank exit codes {[p.exitcode for p in ranks]}")
     return {"tp": size, "graph_ops": GRAPH_OPS, "replays": REPLAYS, "custom": custom, "rows": rows}
 
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    import argparse
+
+    from benchmarks.shared.common import gpu_run_info, write_result
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, nargs="+", default=[2])
+    p.add_argument("--bytes", type=int, nargs="+", default=[8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20])
+    p.add_argument("--out-dir", default=None, help="writes all_reduce_<gpu>.json there")
+    args = p.parse_args(argv)
+    runs = [measure(tp, args.bytes) for tp in args.tp]
+    for run in runs:
+        for r in run["rows"]:
+            print(f"all-reduce tp={run['tp']} {r['bytes']:>8} B: NCCL {r['nccl_us']:.2f} us, custom "
+                  + (f"{r['custom_us']:.2f} us ({r['nccl_over_custom']:.2f}x)" if "custom_us" in r else "-"), flush=True)
+    if args.out_dir:
+        write_result({**gpu_run_info("benchmarks.scaleout.all_reduce_micro", argv), "all_reduce": runs},
+                     args.out_dir, "all_reduce")
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,8 @@ broadcast of the ids rank 0 chose (the placeholders of the next step name them: 
 NCCL on CUDA (captured in the CUDA graphs like any other kernel), gloo on the CPU. Size 1, the
 default, is one process with the whole model, and every collective is a no-op.
 
-The custom all-reduce (`init_tensor_parallel(custom_all_reduce=True)`, the server's
---no-disable-custom-all-reduce): on CUDA, an all-reduce of a message that fits (bf16 or fp32, up to
+The custom all-reduce (`init_tensor_parallel(custom_all_reduce=True)`, the server's default; off
+with --disable-custom-all-reduce): on CUDA, an all-reduce of a message that fits (bf16 or fp16, up to
 2 MiB at two ranks: a decode step's rows) is a one-shot over symmetric memory instead of NCCL's
 (models/parallel/symm_all_reduce.py), also inside the CUDA graphs; larger ones, other dtypes, and
 a group where it cannot be set up (logged once at start-up) keep NCCL's. It returns a new tensor,

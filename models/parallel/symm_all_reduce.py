@@ -1,34 +1,33 @@
-"""The small all-reduce of tensor parallelism on one host's CUDA GPUs, over PyTorch's symmetric
-memory: vLLM's "custom all-reduce" (its SymmMemCommunicator calls the same torch ops).
+"""The small all-reduce of tensor parallelism on one host's CUDA GPUs: a one-shot over symmetric
+memory in one kernel of ours (kernels/one_shot_all_reduce.py), vLLM's "custom all-reduce".
 
 Why: a decode step's row-parallel sums are a few rows (8 KB a row at Llama-3.1-8B's hidden 4096),
-two a layer, and NCCL's all-reduce of such a message costs ~20-30 us of latency whatever its size.
-At two H100s the Llama-3.1-8B shape's batch-1 TPOT was 4.33 ms at TP=2 against a weight-read floor
-of 2.68 ms; its 64 all-reduces a token account for most of the difference.
+two a layer, and NCCL's all-reduce of such a message costs 10.6 us in a CUDA graph on two H100s
+(13.8 at four), whatever its size: 64 a token at the 8B shape, 0.68 ms of the 4.32 ms TPOT at TP=2
+against a weight-read floor of 2.68 ms. torch's own one-shot (torch.ops.symm_mem, two barriers over
+signal pads around the loads) measured 9.3 us: no faster in TPOT (tp_llama-3.1-8b_h100.json).
 
 How: every rank holds one buffer of symmetric memory (`torch.distributed._symmetric_memory.empty`;
 `rendezvous`, once at start-up, maps each rank's buffer into every other's address space over
-NVLink). `torch.ops.symm_mem.one_shot_all_reduce_out` is then one kernel: the ranks meet at a
-barrier on the buffers' signal pads, each loads every rank's buffer (peer-to-peer) and sums them in
-rank order (every rank gets the same bits; at two ranks, the one rounded bf16 add NCCL makes too),
-and a second barrier keeps the buffer from being overwritten while a peer still reads it. The input
-goes into the buffer first: inside the kernel where torch has `one_shot_all_reduce_copy_out` and the
-message is 16-byte aligned (Llama's hidden sizes are), else by a copy before it (an odd size is
-padded to 16 bytes; the padding's sum is dropped). It runs on the current stream, so the decode and
-prefill CUDA graphs capture it like any other kernel; the buffer is the same every call, so a
-replay needs nothing re-registered.
+NVLink), filled with the kernel's sentinel before it is shared. The kernel pushes this rank's part
+into every rank's buffer and sums what arrives in its own, with no barrier (the values' bits say
+whether they have arrived; its docstring has the protocol). It runs on the current stream, so the
+decode and prefill CUDA graphs capture it like any other kernel; its call count lives on the
+device, so a replay needs nothing re-registered. Every rank gets the same bits: each element summed
+in fp32 in rank order, rounded once (at two ranks, NCCL's sum).
 
 NVLink multicast (NVLS) stays off (server/worker/parallel/peers.py NCCL_ENV; the GPU machines
-require it): no multimem op is used, and the one-shot's peer-to-peer loads need none.
+require it): the kernel's peer-to-peer stores and local loads need none.
 
-What it serves (`fits`): bf16 and fp32 (the ops' dtypes; fp16 goes to NCCL), contiguous, on this
-rank's device, up to `max_bytes(size)`. A one-shot rank reads the whole message from each of the
-size - 1 others, where NCCL's ring moves about twice the message in total, so it wins while latency,
-not bandwidth, is the cost: vLLM's custom all-reduce uses its one-shot kernel at two GPUs for any
-message up to its buffer, at up to four below 512 KB, at up to eight below 256 KB. Here 2 MiB at
-two ranks: a decode step of up to 256 rows (--max-num-seqs' default) at hidden 4096, 128 at 8192;
-larger messages (long prefill chunks, bandwidth-bound) go to NCCL. The buffer is that size (it
-serves nothing larger): 2 MiB of each GPU. Deterministic mode keeps its own path (group.py).
+What it serves (`fits`): bf16 and fp16 (the sentinel is -0.0's 16 bits; fp32 goes to NCCL),
+contiguous, on this rank's device, up to `max_bytes(size)`. A one-shot rank sends the whole message
+to each of the size - 1 others, where NCCL's ring moves about twice the message in total, so it wins
+while latency, not bandwidth, is the cost: vLLM's custom all-reduce uses its one-shot kernel at two
+GPUs for any message up to its buffer, at up to four below 512 KB, at up to eight below 256 KB. Here
+2 MiB at two ranks: a decode step of up to 256 rows (--max-num-seqs' default) at hidden 4096, 128 at
+8192; larger messages (long prefill chunks, bandwidth-bound) go to NCCL. The buffer holds two
+parities of one slot per rank of that size: 8 MiB of each GPU at two ranks, 4 MiB at four or eight.
+Deterministic mode keeps its own path (group.py).
 """
 
 from __future__ import annotations
@@ -40,11 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.one_shot_all_reduce import SENTINEL, one_shot_all_reduce
+
 log = logging.getLogger("flashpage.parallel")
 
 MIB = 1 << 20
-DTYPES = (torch.bfloat16, torch.float32)  # the one-shot kernel's (AT_DISPATCH_FLOAT_AND_BFLOAT16)
-ALIGN = 16  # bytes: the kernel's widest vector access; the buffer's share and the in-kernel copy's rule
+DTYPES = (torch.bfloat16, torch.float16)  # the kernel's (its sentinel is -0.0 in both)
 
 
 def max_bytes(size: int) -> int:
@@ -58,46 +58,34 @@ def max_bytes(size: int) -> int:
     return MIB // 4 if size <= 8 else 0
 
 
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _ops():
-    return torch.ops.symm_mem
-
-
 @dataclass(frozen=True, eq=False)
 class SymmAllReduce:
-    """This rank's end of the one-shot all-reduce: its symmetric buffer, registered with the group."""
+    """This rank's end of the one-shot all-reduce: its symmetric buffer and the kernel's arguments."""
 
-    buffer: torch.Tensor  # uint8 [max bytes]: this rank's symmetric memory
-    group_name: str  # the process group it was registered with (the ops take its name)
-    copy_in_kernel: bool  # torch has one_shot_all_reduce_copy_out (the input copied in by the kernel)
+    buffer: torch.Tensor  # int16 [2, size, slot_elems]: this rank's symmetric memory (the kernel's layout)
+    buffers: torch.Tensor  # int64 [size] on the device: every rank's buffer address, in rank order
+    state: torch.Tensor  # int32 [2] on the device: the kernel's call count and finished programs
+    rank: int
+    max_programs: int  # the kernel's programs at most: the device's SM count
     handle: object = None  # rendezvous's handle (held for the buffer's lifetime)
+
+    @property
+    def slot_elems(self) -> int:
+        return self.buffer.shape[-1]
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether this all-reduce serves x (else NCCL's): the same answer on every rank, which
         holds the same shape and dtype."""
-        nbytes = x.numel() * x.element_size()
         return (x.dtype in DTYPES and x.device == self.buffer.device and x.is_contiguous()
-                and 0 < _round_up(nbytes, ALIGN) <= self.buffer.numel())
+                and 0 < x.numel() <= self.slot_elems)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, a new tensor (x is left as it was). Every rank calls it with
         its part, in the same order as its other collectives."""
-        n, item = x.numel(), x.element_size()
-        padded = _round_up(n * item, ALIGN) // item
-        # a view at the buffer's start: the pointer rendezvous registered (some torch versions find
-        # the registration by the exact pointer, not by any address inside the buffer)
-        symm = self.buffer.view(x.dtype)[:padded]
-        out = torch.empty(padded, dtype=x.dtype, device=x.device)
-        flat = x.view(-1)
-        if self.copy_in_kernel and padded == n and (x.storage_offset() * item) % ALIGN == 0:
-            _ops().one_shot_all_reduce_copy_out(symm, flat, "sum", self.group_name, out)
-        else:
-            symm[:n].copy_(flat)
-            _ops().one_shot_all_reduce_out(symm, "sum", self.group_name, out)
-        return out[:n].view(x.shape)
+        out = torch.empty_like(x)
+        one_shot_all_reduce(x.view(-1), out.view(-1), self.buffers, self.state, self.rank, self.slot_elems,
+                            self.max_programs)
+        return out
 
 
 def unsupported(size: int, device: torch.device) -> str | None:
@@ -108,8 +96,6 @@ def unsupported(size: int, device: torch.device) -> str | None:
     if not max_bytes(size):
         return f"{size} ranks (it serves 2 to 8)"
     try:
-        if not hasattr(_ops(), "one_shot_all_reduce_out"):
-            return f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out"
         import torch.distributed._symmetric_memory  # noqa: F401
     except (ImportError, RuntimeError) as e:
         return f"torch {torch.__version__} has no symmetric memory ({e})"
@@ -136,7 +122,7 @@ def start(rank: int, size: int, device: torch.device, group_name: str, agree: Ca
         return None
     comm = None
     try:
-        comm = _register(device, group_name, nbytes or max_bytes(size))
+        comm = _register(rank, size, device, group_name, nbytes or max_bytes(size))
     except Exception:  # noqa: BLE001 - any failure of the set-up leaves NCCL's path, which works
         log.warning("custom all-reduce: symmetric memory set-up failed on rank %d", rank, exc_info=True)
     if not agree(comm is not None):
@@ -144,13 +130,14 @@ def start(rank: int, size: int, device: torch.device, group_name: str, agree: Ca
             log.warning("custom all-reduce: off (its set-up failed on a rank); NCCL's all-reduces")
         return None
     if rank == 0:
-        log.info("custom all-reduce: one-shot over symmetric memory for messages up to %d KiB (%d ranks)%s",
-                 comm.buffer.numel() // 1024, size, "" if comm.copy_in_kernel else ", input copied in before it")
+        log.info("custom all-reduce: one-shot over symmetric memory for 16-bit messages up to %d KiB (%d ranks)",
+                 comm.slot_elems * 2 // 1024, size)
     return comm
 
 
-def _register(device: torch.device, group_name: str, nbytes: int) -> SymmAllReduce:
-    """Allocate this rank's buffer and register it with the group (a collective)."""
+def _register(rank: int, size: int, device: torch.device, group_name: str, nbytes: int) -> SymmAllReduce:
+    """Allocate this rank's buffer, fill it with the sentinel and register it with the group (a
+    collective: when it returns, every rank's buffer is filled and mapped)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     if torch.torch_version.TorchVersion(torch.__version__) < "2.11":
@@ -160,6 +147,14 @@ def _register(device: torch.device, group_name: str, nbytes: int) -> SymmAllRedu
             symm_mem.enable_symm_mem_for_group(group_name)
     if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) not in (None, "CUDA"):
         symm_mem.set_backend("CUDA")  # CUDA IPC's peer mappings (not NVSHMEM's or NCCL's windows)
-    buffer = symm_mem.empty(_round_up(nbytes, ALIGN), dtype=torch.uint8, device=device)
+    slot_elems = nbytes // 2
+    buffer = symm_mem.empty(2 * size * slot_elems, dtype=torch.int16, device=device)
+    buffer.fill_(SENTINEL)
+    torch.cuda.synchronize(device)  # filled before any peer can write into it (rendezvous waits for all)
     handle = symm_mem.rendezvous(buffer, group_name)
-    return SymmAllReduce(buffer, group_name, hasattr(_ops(), "one_shot_all_reduce_copy_out"), handle)
+    # the peers' buffers sit at the same offset into their allocations as this one into its own
+    offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
+    buffers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    state = torch.zeros(2, dtype=torch.int32, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return SymmAllReduce(buffer.view(2, size, slot_elems), buffers, state, rank, sms, handle)

@@ -26,8 +26,19 @@ def test_goals_are_the_issues():
     assert bench_tp.goals("llama-3.1-8b", eight[:1]) == []  # no TP=2 row: nothing to judge
 
 
+def test_the_goals_are_judged_on_h100s_only():
+    """The floor's 3.0 TB/s and the ratios are set on H100s: an H200 run's ratio is shown, not
+    judged, also where a file written before said `met` there."""
+    (g,) = bench_tp.goals("llama-3.1-70b", [_row(4, 12.25, 11.76)], "NVIDIA H200")
+    assert g["met"] is None and g["ratio"] == round(12.25 / 11.76, 3)
+    old = {"shape": "llama-3.1-70b", "device": "NVIDIA H200", "rows": [_row(4, 12.25, 11.76)],
+           "goals": [dict(g, met=True)]}
+    assert "(the goal is an H100's; this ran on NVIDIA H200)" in bench_tp.report(old)
+
+
 def test_the_readme_report_of_a_tp_file():
-    result = {"shape": "llama-3.1-70b", "rows": [_row(4, 14.2, 11.76, load=[(1, 70.0), (64, 2900.0)], offline=3100.0)]}
+    result = {"shape": "llama-3.1-70b", "device": "NVIDIA H100 80GB HBM3",
+              "rows": [_row(4, 14.2, 11.76, load=[(1, 70.0), (64, 2900.0)], offline=3100.0)]}
     result["goals"] = bench_tp.goals("llama-3.1-70b", result["rows"])
     text = bench_tp.report(result)
     assert "| 4 | - | 14.20 | 11.76 | 1.21 | 3,100 | 70 | 2,900 |" in text and "(met)" in text

@@ -327,3 +327,27 @@ def test_a_checkpoint_that_cannot_be_made_says_why(tmp_path, monkeypatch):
     (tmp_path / "llama-3.1-8b" / ".complete").write_text("")
     with pytest.raises(SystemExit, match="compressed_tensors"):
         run.ensure_checkpoint("llama-3.1-8b.fp8-dynamic", tmp_path, tmp_path)
+
+
+def test_result_files_rebuilt_from_the_rows_a_run_left_in_its_logs(tmp_path):
+    """--from-rows: a call whose result files did not come back (at most 8 files do) left its rows in
+    the log dir's archive; the files written from them carry those rows, both engines' versions, the
+    rows' device, the date of the rows' files, and say that they were rebuilt. A serving job has no
+    rows there, and nothing found is an error."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for engine, tpot in (("flashpage", 3.09), ("vllm", 3.94)):
+        row = dict(engine=engine, impl=engine, workload="batch1", task="batch1-512", kind="latency", tpot_ms=tpot)
+        (logs / f"rows_llama-3.2-1b.awq_4096_{engine}.json").write_text(json.dumps(dict(
+            engine=engine, versions={"torch": "2.11.0+cu130", "triton": "3.6.0", engine: "v"}, device="NVIDIA H200",
+            init_s=1.0, rows=[row])))
+    out = tmp_path / "out"
+    argv = ["--workloads", "batch1:llama-3.2-1b.awq", "http:llama-3.2-1b.awq", "--out-dir", str(out), "--from-rows", str(logs)]
+    assert run.main(argv) == 0
+    (path,) = out.iterdir()
+    got = json.loads(path.read_text())
+    assert path.name == "peers_batch1_llama-3.2-1b.awq_h200.json" and got["rebuilt_from_rows"]
+    assert [(r["engine"], r["tpot_ms"]) for r in got["rows"]] == [("flashpage", 3.09), ("vllm", 3.94)]
+    assert got["engines"]["vllm"]["versions"]["vllm"] == "v" and got["torch"] == "2.11.0"
+    assert got["flags"]["max_model_len"] == 4096 and "--from-rows" not in got["command"]
+    assert run.main(argv[:-1] + [str(tmp_path / "empty")]) == 1

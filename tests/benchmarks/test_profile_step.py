@@ -19,7 +19,7 @@ H100_NAMES = {
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-reduce/all-gather",
     "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-reduce/all-gather",
     "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-reduce/all-gather",
-    "void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 2, true>": "all-reduce/all-gather",
+    "_one_shot_kernel": "all-reduce/all-gather",
     "_decode_kernel": "attention decode",
     "_flash_prefill_kernel": "attention prefill",
     "_rope_kv_write_kernel": "rotary/KV write",

@@ -12,10 +12,10 @@ gives two GPUs' greedy tokens without it; --deterministic
 at two GPUs keeps a request's bits whatever shares its batch; and quantized checkpoints (FP8 per
 channel and in 128x128 blocks, GPTQ with act order, AWQ) at two GPUs, each rank holding its share of
 the quantized tensors (models/quant/shards.py), give one GPU's greedy tokens up to near-ties of the
-dequantized weights. The custom all-reduce (--no-disable-custom-all-reduce: a one-shot over
-symmetric memory, models/parallel/symm_all_reduce.py) gives NCCL's sum bit for bit at two ranks, on
-awkward sizes, eagerly and replayed from a CUDA graph, and an engine with it gives the NCCL
-engine's tokens.
+dequantized weights. The custom all-reduce (the default: a one-shot over symmetric memory,
+kernels/one_shot_all_reduce.py) gives NCCL's sum bit for bit at two ranks, on awkward sizes,
+eagerly and replayed from a CUDA graph, and an engine with it gives the tokens of one with
+--disable-custom-all-reduce.
 
 The one-GPU reference engine runs on cuda:0 throughout; the two-GPU engines have rank 0 in this
 process and rank 1 in a process of its own on cuda:1, one at a time (one group per process)."""
@@ -68,12 +68,13 @@ def two_gpus(ckpt):
     eng.close()
 
 
-# bf16 and fp32 messages for the one-shot: a decode row of the 8B shape, odd widths (padded to 16
-# bytes, copied in before the kernel), one element, several rows, the 2 MiB that fill its buffer;
-# and one past it (NCCL's, in the same graph)
+# 16-bit messages for the one-shot: a decode row of the 8B shape, odd widths, one element, several
+# rows, the 2 MiB that fill its slots (the kernel's persistent loop: more chunks than programs), fp16;
+# and two it does not serve (NCCL's, in the same graph): fp32, and one past its slots
 AR_CASES = [((1, 4096), torch.bfloat16), ((1, 4097), torch.bfloat16), ((3, 999), torch.bfloat16),
             ((1, 1), torch.bfloat16), ((7, 4096), torch.bfloat16), ((256, 4096), torch.bfloat16),
-            ((2, 4096), torch.float32), ((1, 1001), torch.float32), ((300, 4096), torch.bfloat16)]
+            ((2, 4096), torch.float16), ((1, 1001), torch.float16),
+            ((2, 4096), torch.float32), ((300, 4096), torch.bfloat16)]
 
 
 def _all_reduce_rank(rank: int, size: int, port: int, out) -> None:
@@ -130,12 +131,13 @@ def _all_reduce_rank(rank: int, size: int, port: int, out) -> None:
 
 
 def test_symmetric_all_reduce_is_nccls_sum_eagerly_and_in_a_cuda_graph():
-    """At two ranks the one-shot adds each element once, in rank order, in the message's dtype, as
-    NCCL's sum of two does: the same bits, whichever path copies the input in."""
+    """At two ranks the one-shot adds each element once, in rank order, rounded once to the message's
+    dtype, as NCCL's sum of two does: the same bits, eagerly and over graph replays (whose parities
+    alternate on the device: a replay that read a stale or uncleared slot would differ or hang)."""
     from tests.helpers import run_ranks
 
     served, eager, replays = run_ranks(_all_reduce_rank, 2, (), 1)["all-reduce"]
-    assert served == [True] * (len(AR_CASES) - 1) + [False], "the custom all-reduce is not set up (its log says why)"
+    assert served == [True] * (len(AR_CASES) - 2) + [False, False], "the custom all-reduce is not set up (its log says why)"
     assert eager == [0.0] * len(AR_CASES), f"eager sums differ from NCCL's by {eager}"
     assert replays == [[0.0] * len(AR_CASES)] * 3, f"graph replays differ from NCCL's by {replays}"
 
@@ -180,18 +182,20 @@ def test_rank_0s_choices_beside_the_collectives(one_gpu, two_gpus):
 
 
 def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
-    """--no-disable-custom-all-reduce: a decode step's all-reduces (and the short prefills') are the
-    one-shot's, inside the graphs. Its sums are NCCL's bits at two ranks (above), so the tokens are
-    the NCCL engine's, and so one GPU's up to bf16 near-ties."""
+    """The default (no --disable-custom-all-reduce): a decode step's all-reduces (and the short
+    prefills') are the one-shot's, inside the graphs. Its sums are NCCL's bits at two ranks (above),
+    so the tokens are those of an engine whose all-reduces are all NCCL's, and so one GPU's up to
+    bf16 near-ties."""
     from models import tensor_parallel
 
     prompts = _workload()
-    nccl = _logprobs(two_gpus, prompts)
+    assert tensor_parallel().custom is not None, "the custom all-reduce is not set up (the log says why)"
+    custom = _logprobs(two_gpus, prompts)
     two_gpus.close()  # (its group: one per process)
-    eng = _engine(ckpt, 2, disable_custom_all_reduce=False)
+    eng = _engine(ckpt, 2, disable_custom_all_reduce=True)
     try:
-        assert tensor_parallel().custom is not None, "the custom all-reduce is not set up (the log says why)"
-        custom = _logprobs(eng, prompts)
+        assert tensor_parallel().custom is None
+        nccl = _logprobs(eng, prompts)
     finally:
         eng.close()
     assert custom[0] == nccl[0]

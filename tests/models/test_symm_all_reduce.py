@@ -1,12 +1,11 @@
 """models/parallel/symm_all_reduce.py without a GPU: which messages the one-shot serves and which
-keep NCCL's path (`TensorParallel.all_reduce`'s choice, deterministic mode's own path), what the
-one-shot hands the symmetric-memory ops (a view at the registered buffer's start, padded to 16
-bytes, the input copied in by the kernel or before it) with the ops faked as two ranks holding
-the same part, and the start-up's fallbacks: the reasons every rank shares return before any
-collective, and a rank that lacks peer access or fails the set-up turns it off on every rank (the
-agreements each rank makes, in the same order, so that the collectives meet).
+keep NCCL's path (`TensorParallel.all_reduce`'s choice, deterministic mode's own path), what a call
+hands the kernel (its ranks emulated in this process, as tests/kernels/test_one_shot_all_reduce.py
+does), and the start-up's fallbacks: the reasons every rank shares return before any collective,
+and a rank that lacks peer access or fails the set-up turns it off on every rank (the agreements
+each rank makes, in the same order, so that the collectives meet).
 
-The ops themselves need CUDA symmetric memory: tests/gpu/test_gpu_tp.py checks them against NCCL's
+Symmetric memory itself needs CUDA: tests/gpu/test_gpu_tp.py checks the one-shot against NCCL's
 sum on two GPUs, eagerly and in a CUDA graph. The flag's parse and default: tests/server/test_cli.py."""
 
 import logging
@@ -15,81 +14,60 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.one_shot_all_reduce import SENTINEL
+from kernels.reference import all_reduce_ref
 from models.parallel import group, symm_all_reduce
 from models.parallel.group import TensorParallel
 from models.parallel.symm_all_reduce import MIB, SymmAllReduce, max_bytes, start, unsupported
 
 
-class FakeOps:
-    """torch.ops.symm_mem as two ranks holding the same part see it: the sum is twice the buffer."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer, self.calls = buffer, []
-
-    def _check(self, symm, group_name, out):
-        assert symm.data_ptr() == self.buffer.data_ptr() and group_name == "0"  # the registered pointer
-        assert (symm.numel() * symm.element_size()) % 16 == 0 and out.shape == symm.shape
-
-    def one_shot_all_reduce_out(self, symm, op, group_name, out):
-        self._check(symm, group_name, out)
-        self.calls.append("copied before")
-        return out.copy_(symm * 2)
-
-    def one_shot_all_reduce_copy_out(self, symm, local, op, group_name, out):
-        self._check(symm, group_name, out)
-        self.calls.append("copied in the kernel")
-        symm[: local.numel()].copy_(local)
-        return out.copy_(symm * 2)
+def _emulated(rank: int, slot_elems: int = MIB) -> SymmAllReduce:
+    """Rank `rank` of two, its buffers on the CPU (the other rank's is a plain tensor here)."""
+    buffers = [torch.full((2, 2, slot_elems), SENTINEL, dtype=torch.int16) for _ in range(2)]
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    return SymmAllReduce(buffers[rank], addresses, torch.zeros(2, dtype=torch.int32), rank, 4, handle=buffers)
 
 
 @pytest.fixture
-def comm(monkeypatch):
-    buffer = torch.empty(max_bytes(2), dtype=torch.uint8)  # on the CPU: `fits` asks for the buffer's device
-    ops = FakeOps(buffer)
-    monkeypatch.setattr(symm_all_reduce, "_ops", lambda: ops)
-    return SymmAllReduce(buffer, "0", copy_in_kernel=True), ops
+def comm():
+    return _emulated(0)
+
+
+def _other_rank_sent(c: SymmAllReduce, part: torch.Tensor) -> None:
+    """Rank 1's part in rank 0's buffer, where rank 1's kernel would have sent it for this call."""
+    parity = int(c.state[0]) % 2
+    c.buffer[parity, 1, : part.numel()] = part.reshape(-1).view(torch.int16)
 
 
 def test_sizes_by_world_size():
     assert [max_bytes(n) for n in (1, 2, 3, 4, 6, 8, 16)] == [0, 2 * MIB, MIB // 2, MIB // 2, MIB // 4, MIB // 4, 0]
 
 
-def test_fits_small_bf16_and_fp32_messages_up_to_the_buffer(comm):
-    c, _ = comm
-    bf16 = torch.bfloat16
-    assert c.fits(torch.zeros(1, 4096, dtype=bf16)) and c.fits(torch.zeros(1, 4096))  # batch 1: 8 KB, 16 KB
+def test_fits_small_16_bit_messages_up_to_a_slot(comm):
+    c, bf16 = comm, torch.bfloat16
+    assert c.slot_elems == MIB  # 2 MiB of 16-bit elements
+    assert c.fits(torch.zeros(1, 4096, dtype=bf16)) and c.fits(torch.zeros(1, 4096, dtype=torch.float16))
     assert c.fits(torch.zeros(256, 4096, dtype=bf16))  # 2 MiB exactly
-    assert c.fits(torch.zeros(1, 4097, dtype=bf16)) and c.fits(torch.zeros(1, 1, dtype=bf16))  # padded to 16 bytes
-    assert not c.fits(torch.zeros(257, 4096, dtype=bf16))  # past the buffer: NCCL's
-    assert c.fits(torch.zeros(MIB - 1, dtype=bf16))  # 2 bytes short of the buffer: its padding still fits
-    assert not c.fits(torch.zeros(1, 4096, dtype=torch.float16))  # not the kernel's dtypes
+    assert c.fits(torch.zeros(1, 4097, dtype=bf16)) and c.fits(torch.zeros(1, 1, dtype=bf16))  # any length
+    assert not c.fits(torch.zeros(257, 4096, dtype=bf16))  # past the slot: NCCL's
+    assert not c.fits(torch.zeros(1, 4096))  # fp32: not the kernel's (its sentinel is 16 bits)
     assert not c.fits(torch.zeros(4096, 2, dtype=bf16).t())  # not contiguous
     assert not c.fits(torch.zeros(0, 4096, dtype=bf16))
     assert not c.fits(torch.zeros(1, 4096, dtype=bf16, device="meta"))  # another device than its buffer
 
 
-@pytest.mark.parametrize("shape,how", [((1, 4096), "copied in the kernel"), ((3, 4096), "copied in the kernel"),
-                                       ((1, 4097), "copied before"), ((3, 5), "copied before"),
-                                       ((1, 1), "copied before")])
-def test_one_shot_sums_every_shape_into_a_new_tensor(comm, shape, how):
-    c, ops = comm
-    x = torch.randn(shape).to(torch.bfloat16)
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 4096), (1, 4097), (3, 5), (1, 1)])
+def test_one_shot_sums_every_shape_into_a_new_tensor(comm, shape):
+    c = comm
+    x, other = torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16)
     before = x.clone()
+    _other_rank_sent(c, other)
     got = c(x)
-    assert ops.calls == [how]
-    assert got.shape == x.shape and got.dtype == x.dtype and torch.equal(got, 2 * before)
+    assert got.shape == x.shape and got.dtype == x.dtype and torch.equal(got, all_reduce_ref([before, other]))
     assert torch.equal(x, before)  # the input is left as it was
-
-
-def test_an_input_off_the_alignment_or_a_torch_without_the_copy_op_copies_first(comm):
-    c, ops = comm
-    x = torch.randn(2, 4096).to(torch.bfloat16)
-    row = x[1]  # contiguous, offset 4096 elements: 8 KB, aligned
-    assert torch.equal(c(row), 2 * row) and ops.calls[-1] == "copied in the kernel"
-    odd = torch.randn(4103).to(torch.bfloat16)[3:4099]  # offset 3 elements: 6 bytes, not 16
-    assert torch.equal(c(odd), 2 * odd) and ops.calls[-1] == "copied before"
-    old = SymmAllReduce(c.buffer, "0", copy_in_kernel=False)
-    assert torch.equal(old(x), 2 * x) and ops.calls[-1] == "copied before"
+    assert c.state.tolist() == [1, 0] and bool((c.buffer == SENTINEL).all())  # its slots read and cleared
+    sent = c.handle[1][0, 0, : x.numel()]  # what it sent rank 1
+    assert torch.equal(sent, before.view(-1).view(torch.int16))
 
 
 def _nccl(monkeypatch) -> list:
@@ -104,30 +82,31 @@ def _nccl(monkeypatch) -> list:
 
 
 def test_all_reduce_chooses_the_one_shot_for_what_fits_and_nccl_for_the_rest(comm, monkeypatch):
-    c, ops = comm
+    c = comm
     nccl = _nccl(monkeypatch)
     tp = TensorParallel(0, 2, custom=c)
     small = torch.randn(1, 4096).to(torch.bfloat16)
-    assert torch.equal(tp.all_reduce(small.clone()), 2 * small) and len(ops.calls) == 1 and not nccl
+    _other_rank_sent(c, small)
+    assert torch.equal(tp.all_reduce(small.clone()), 2 * small) and c.state[0] == 1 and not nccl
     big = torch.randn(300, 4096).to(torch.bfloat16)  # 2.3 MiB
-    half = torch.randn(1, 4096).to(torch.float16)
-    for x in (big, half):
+    single = torch.randn(1, 4096)  # fp32
+    for x in (big, single):
         y = x.clone()
         assert tp.all_reduce(y) is y and torch.equal(y, 2 * x)  # NCCL's: in place
-    assert nccl == [(300, 4096), (1, 4096)] and len(ops.calls) == 1
+    assert nccl == [(300, 4096), (1, 4096)] and c.state[0] == 1
     assert torch.equal(TensorParallel(0, 2).all_reduce(small.clone()), 2 * small) and len(nccl) == 3  # none set up
     assert TensorParallel(0, 2, custom=c) == TensorParallel(0, 2)  # the group's identity is its rank and size
 
 
 def test_deterministic_mode_keeps_its_gather_and_ordered_sum(comm, monkeypatch):
-    c, ops = comm
+    c = comm
     nccl = _nccl(monkeypatch)
     parts = torch.tensor([[1.0, 2.0]]), torch.tensor([[10.0, 20.0]])
     monkeypatch.setattr(group, "_all_gather", lambda x: torch.stack(parts).to(x.dtype))
     got = TensorParallel(0, 2, custom=c).all_reduce(parts[0].to(torch.bfloat16), invariant=True)
-    assert got.tolist() == [[11.0, 22.0]] and not ops.calls and not nccl
+    assert got.tolist() == [[11.0, 22.0]] and c.state[0] == 0 and not nccl
     one = torch.ones(1, 8, dtype=torch.bfloat16)
-    assert TensorParallel(0, 1, custom=c).all_reduce(one) is one and not ops.calls  # one rank: nothing to sum
+    assert TensorParallel(0, 1, custom=c).all_reduce(one) is one and c.state[0] == 0  # one rank: nothing to sum
 
 
 def _never(*args):
@@ -162,8 +141,8 @@ def _agree(answers: list, others: bool = True):
 
 def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, caplog):
     dev = torch.device("cuda", 0)
-    made = SymmAllReduce(torch.empty(16, dtype=torch.uint8), "0", True)
-    monkeypatch.setattr(symm_all_reduce, "_register", lambda device, name, nbytes: made)
+    made = _emulated(0, slot_elems=8)
+    monkeypatch.setattr(symm_all_reduce, "_register", lambda rank, size, device, name, nbytes: made)
     answers = []
     assert start(0, 2, dev, "0", _agree(answers), lambda: [0, 1]) is made and answers == [True, True]
 
@@ -175,7 +154,7 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
 
     cuda_here["ok"] = True
 
-    def fail(device, name, nbytes):
+    def fail(rank, size, device, name, nbytes):
         raise RuntimeError("CUDA IPC unavailable")
 
     monkeypatch.setattr(symm_all_reduce, "_register", fail)
@@ -185,7 +164,7 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
     assert answers == [True, False]  # the failing rank still joins the second agreement
     assert "set-up failed on rank 0" in caplog.text and "CUDA IPC unavailable" in caplog.text
     answers = []  # every rank reaches its peers, but the set-up failed elsewhere: this rank's own is dropped
-    monkeypatch.setattr(symm_all_reduce, "_register", lambda device, name, nbytes: made)
+    monkeypatch.setattr(symm_all_reduce, "_register", lambda rank, size, device, name, nbytes: made)
     others = iter([True, False])  # the other ranks' answers to the two agreements
     agree = _agree(answers)
     assert start(0, 2, dev, "0", lambda ok: agree(ok) and next(others), lambda: [0, 1]) is None
@@ -200,7 +179,7 @@ def test_init_sets_it_up_with_the_flag_at_two_ranks_or_more(monkeypatch):
     try:
         assert group.init_tensor_parallel(0, 2, store, cpu).custom is None
         assert group.init_tensor_parallel(0, 1, store, cpu, custom_all_reduce=True).custom is None
-        made = SymmAllReduce(torch.empty(16, dtype=torch.uint8), "0", True)
+        made = _emulated(0, slot_elems=8)
         monkeypatch.setattr(group, "start_custom_all_reduce", lambda tp, device: made)
         tp = group.init_tensor_parallel(1, 2, store, cpu, custom_all_reduce=True)
         assert tp.custom is made and group.tensor_parallel() is tp  # what models built from now on hold

@@ -163,17 +163,17 @@ def test_speculative_config_reads_vllm_keys():
     assert s.draft_tensor_parallel_size == 1  # the draft whole on rank 0 (the only value taken)
 
 
-def test_custom_all_reduce_is_off_until_tried_on_gpus_and_the_no_flag_turns_it_on():
-    """--disable-custom-all-reduce (vLLM's flag; models/parallel/symm_all_reduce.py): NCCL's
-    all-reduces by default while the one-shot is on trial (server/config.py), and what the flag
-    says reaches EngineConfig, which every tensor-parallel rank's Start carries."""
+def test_custom_all_reduce_is_on_by_default_and_the_flag_turns_it_off():
+    """--disable-custom-all-reduce (vLLM's flag and default; models/parallel/symm_all_reduce.py): the
+    one-shot for what it serves unless the flag says NCCL's, and what the flag says reaches
+    EngineConfig, which every tensor-parallel rank's Start carries."""
     from server.cli import config_from_args
 
     def parse(*argv):
         return config_from_args(build_parser().parse_args(list(argv))).disable_custom_all_reduce
 
-    assert parse() is True and parse("--disable-custom-all-reduce") is True
-    assert parse("--no-disable-custom-all-reduce") is False
+    assert parse() is False and parse("--no-disable-custom-all-reduce") is False
+    assert parse("--disable-custom-all-reduce") is True
 
 
 def test_auto_tool_choice_needs_a_parser(capsys):

@@ -11,8 +11,8 @@ replay: one message down every socket, which each rank runs as it arrives, while
 own forward; their collectives meet inside the forwards.
 
 Every process of the group, this one included, has NCCL_ENV before NCCL starts: the GPU machines
-require NVLink multicast (NVLS) off, whatever NCCL or torch's symmetric memory would pick. With
---no-disable-custom-all-reduce every rank also sets up the one-shot all-reduce over symmetric
+require NVLink multicast (NVLS) off, whatever NCCL or torch's symmetric memory would pick. Unless
+--disable-custom-all-reduce, every rank also sets up the one-shot all-reduce over symmetric
 memory as it joins (models/parallel/symm_all_reduce.py: each rank's `Start` carries the config).
 
 A rank that dies while the group runs (a crash, the OOM killer) would leave this one waiting in a
