@@ -36,7 +36,7 @@ from models.linear import Linear
 from models.parallel.group import shard_spec
 from models.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, load_shard,
                                     parallel_logits, qkv_parts, split_parts)
-from models.quant import add_rmsnorm_for, merge_parts, silu_mul_for
+from models.quant import add_rmsnorm_for, merge_parts, silu_mul_for, takes_16_bit
 from models.spec import ModelSpec
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what these families' checkpoints use
@@ -105,7 +105,8 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.attn = backend
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's part of o_proj's output (RowParallelLinear.forward)."""
         qkv = self.qkv_proj(x)  # x may be the FP8 form of the input a quantized qkv_proj asked for
         n, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -117,7 +118,7 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope)
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(out.reshape(n, -1), reduce=reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -132,12 +133,13 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for {config.model_type} (silu only)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's part of down_proj's output (RowParallelLinear.forward)."""
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:  # the down projection's FP8 input made in the same launch where it takes one
-            return self.down_proj(silu_mul_for(self.down_proj, gate_up))
+            return self.down_proj(silu_mul_for(self.down_proj, gate_up), reduce=reduce)
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -157,12 +159,21 @@ class LlamaDecoderLayer(nn.Module):
         """x: the residual stream; h = input_layernorm(x). Returns the new residual stream and
         next_norm of it (the next layer's input norm, or the final norm), in the form next_linear
         (the next layer's qkv_proj, or None before the LM head) reads."""
-        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta), self.post_attention_layernorm,
-                         self.mlp.gate_up_proj)
-        return _add_norm(x, self.mlp(h), next_norm, next_linear)
+        x, h = _add_norm(x, self.self_attn(h, rope, kv_cache, meta, reduce=False), self.self_attn.o_proj,
+                         self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return _add_norm(x, self.mlp(h, reduce=False), self.mlp.down_proj, next_norm, next_linear)
 
 
-def _add_norm(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm, consumer: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_norm(x: torch.Tensor, part: torch.Tensor, proj: RowParallelLinear, norm: RMSNorm,
+              consumer: Linear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + proj's output (`part`: this rank's, not yet summed over the ranks) and its norm, in the form
+    `consumer` reads. Under tensor parallelism with the custom all-reduce and a 16-bit consumer, the
+    sum, the add and the norm are one launch (RowParallelLinear.reduce_add_rmsnorm)."""
+    if takes_16_bit(consumer):  # (the custom all-reduce is CUDA's: None elsewhere)
+        fused = proj.reduce_add_rmsnorm(part, x, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    y = proj.reduce(part)
     if x.is_cuda:  # x + y written into x; the norm quantized to FP8 there if the consumer's weights are
         return add_rmsnorm_for(consumer, x, y, norm.weight, norm.eps)
     x = x + y

@@ -25,6 +25,7 @@ tensor (with the vocabulary's padding rows zeroed).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,9 @@ class ColumnParallelLinear(Linear):
         self.tp_shards = {"weight": shard, "bias": shard}
 
 
+FUSED_ADD_RMSNORM_ENV = "FLASHPAGE_FUSED_ADD_RMSNORM"
+
+
 class RowParallelLinear(Linear):
     """A projection whose input columns are split by rank (`in_features` is the whole layer's): each
     rank's partial product, summed over the ranks by an all-reduce; the bias is added once."""
@@ -128,10 +132,29 @@ class RowParallelLinear(Linear):
         super().__init__(share, out_features, bias=bias, invariant=invariant)
         self.tp_shards = {"weight": Shard(((self.tp.rank * share, share),), 1, in_features),
                           "bias": Shard(((0, out_features),), 0, out_features, zero=self.tp.rank > 0)}
+        # reduce_add_rmsnorm's one launch: off until it has run on GPUs (FUSED_ADD_RMSNORM_ENV=1 turns it
+        # on in the processes built after it is set: the tensor-parallel ranks inherit it)
+        self.fuse_add_rmsnorm = os.environ.get(FUSED_ADD_RMSNORM_ENV, "0") == "1"
 
-    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gelu: bool = False, reduce: bool = True) -> torch.Tensor:
+        """The whole product (summed over the ranks), or with reduce=False this rank's part of it,
+        for `reduce` or `reduce_add_rmsnorm` to finish."""
         assert not gelu  # an activation applies to the sum, not to a rank's part of it
-        return self.tp.all_reduce(super().forward(x), self.invariant)
+        part = super().forward(x)
+        return self.reduce(part) if reduce else part
+
+    def reduce(self, part: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' parts (forward's)."""
+        return self.tp.all_reduce(part, self.invariant)
+
+    def reduce_add_rmsnorm(self, part: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x += reduce(part), then (x, RMSNorm(x)), in the custom all-reduce's one launch where it
+        serves them (the bits of reduce and add_rmsnorm); None where it does not: the caller does both."""
+        custom = self.tp.custom if self.tp.size > 1 and not self.invariant and self.fuse_add_rmsnorm else None
+        if custom is None or not custom.fits_add_rmsnorm(part, x):
+            return None
+        return custom.add_rmsnorm(part, x, weight, eps)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.one_shot_all_reduce import SENTINEL, one_shot_all_reduce
+from kernels.one_shot_all_reduce import SENTINEL, one_shot_add_rmsnorm, one_shot_all_reduce
+from kernels.rms_norm import MAX_ROW
 
 log = logging.getLogger("flashpage.parallel")
 
@@ -78,6 +79,19 @@ class SymmAllReduce:
         holds the same shape and dtype."""
         return (x.dtype in DTYPES and x.device == self.buffer.device and x.is_contiguous()
                 and 0 < x.numel() <= self.slot_elems)
+
+    def fits_add_rmsnorm(self, part: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether add_rmsnorm serves this row-parallel output and residual stream (the same answer
+        on every rank)."""
+        return (self.fits(part) and part.dim() == 2 and x.shape == part.shape and x.dtype == part.dtype
+                and x.stride(1) == 1 and part.shape[1] <= MAX_ROW)
+
+    def add_rmsnorm(self, part: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x += the sum of part over the ranks (in place), then (x, RMSNorm(x)): in one launch, the
+        bits of add_rmsnorm(x, self(part), ...). Every rank calls it where it would call self."""
+        return one_shot_add_rmsnorm(part, x, weight, eps, self.buffers, self.state, self.rank, self.slot_elems,
+                                    self.max_programs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, a new tensor (x is left as it was). Every rank calls it with

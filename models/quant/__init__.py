@@ -105,6 +105,15 @@ def weights_info(model: nn.Module) -> WeightsInfo:
     return WeightsInfo(scheme.name if scheme else None, sum(t.numel() * t.element_size() for t in tensors))
 
 
+def _activation_format(consumer: nn.Module | None) -> ActivationFormat | None:
+    return consumer.quant.activation_format(consumer) if consumer is not None and consumer.quant is not None else None
+
+
+def takes_16_bit(consumer: nn.Module | None) -> bool:
+    """Whether `consumer` (a linear, or None before the LM head) reads a 16-bit input (not FP8)."""
+    return _activation_format(consumer) is None
+
+
 def add_rmsnorm_for(consumer: nn.Module | None, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor | QuantizedInput]:
     """x += y, then (x, RMSNorm(x)) in the form `consumer` (the next linear, or None) reads: quantized
@@ -112,7 +121,7 @@ def add_rmsnorm_for(consumer: nn.Module | None, x: torch.Tensor, y: torch.Tensor
     from kernels.fp8_quant import add_rmsnorm_fp8
     from kernels.rms_norm import add_rmsnorm
 
-    fmt = consumer.quant.activation_format(consumer) if consumer is not None and consumer.quant is not None else None
+    fmt = _activation_format(consumer)
     if fmt is None:
         return add_rmsnorm(x, y, weight, eps)
     x, q, scale = add_rmsnorm_fp8(x, y, weight, eps, fmt.group, fmt.static_scale)
@@ -133,5 +142,5 @@ def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Q
 
 
 __all__ = ["METHODS", "PER_CHANNEL", "QuantScheme", "QuantizedInput", "ActivationFormat", "WeightsInfo", "detect",
-           "attach", "convert", "finish", "bound_norm_inputs", "weights_info", "merge_parts", "add_rmsnorm_for",
+           "attach", "convert", "finish", "bound_norm_inputs", "weights_info", "merge_parts", "add_rmsnorm_for", "takes_16_bit",
            "silu_mul_for", "compute_mode"]

@@ -203,6 +203,26 @@ def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
     _compare(ckpt, prompts, custom, _logprobs(one_gpu, prompts))
 
 
+def test_fused_all_reduce_add_rmsnorm_gives_the_unfused_bits(ckpt, two_gpus, monkeypatch):
+    """FLASHPAGE_FUSED_ADD_RMSNORM=1 (models/parallel/layers.py): each row-parallel projection's sum,
+    the residual add and the norm after it in one launch (kernels/one_shot_all_reduce.py), whose
+    bits are the all-reduce's then add_rmsnorm's: every token and log-probability the same as the
+    default engine's."""
+    from models.parallel.layers import FUSED_ADD_RMSNORM_ENV
+
+    prompts = _workload()[::2]
+    two_gpus.close()  # (one group per process)
+    got = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv(FUSED_ADD_RMSNORM_ENV, fused)  # (read as the model is built, on every rank)
+        eng = _engine(ckpt, 2)
+        try:
+            got[fused] = _logprobs(eng, prompts)
+        finally:
+            eng.close()
+    assert got["1"] == got["0"]
+
+
 @pytest.fixture(scope="module")
 def heads(ckpt, tmp_path_factory):
     """Drafts for the target: itself (whole on rank 0, so that runs are accepted) and a random

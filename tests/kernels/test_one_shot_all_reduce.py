@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.one_shot_all_reduce import SENTINEL, one_shot_all_reduce
+from kernels.one_shot_all_reduce import SENTINEL, one_shot_add_rmsnorm, one_shot_all_reduce
 from kernels.reference import all_reduce_ref
+from kernels.rms_norm import add_rmsnorm
 
 from tests.helpers import bits  # noqa: E402
 
@@ -33,14 +34,20 @@ class Ranks:
         self.calls = 0
 
     def all_reduce(self, parts: list[torch.Tensor], max_programs: int = 64) -> list[torch.Tensor]:
+        def run(r: int, part: torch.Tensor) -> torch.Tensor:
+            return one_shot_all_reduce(part, torch.empty_like(part), self.addresses, self.states[r], r, self.slot,
+                                       max_programs)
+        return self.call(parts, run)
+
+    def call(self, parts: list[torch.Tensor], run) -> list:
+        """run(r, parts[r]) for each rank in turn (its kernel), each finding the later ranks' parts."""
         parity, n = self.calls % 2, parts[0].numel()
         sent = [_as_sent(p) for p in parts]
         outs = []
         for r in range(self.world):
             for later in range(r + 1, self.world):  # what their kernels would have sent by now
                 self.buffers[r][parity, later, :n] = sent[later]
-            out = torch.empty_like(parts[r])
-            outs.append(one_shot_all_reduce(parts[r], out, self.addresses, self.states[r], r, self.slot, max_programs))
+            outs.append(run(r, parts[r]))
         for r in range(self.world):
             for later in range(r + 1, self.world):  # their second copy, sent after rank r cleared its buffer
                 assert torch.equal(self.buffers[r][parity, later, :n], sent[later])
@@ -54,7 +61,7 @@ class Ranks:
 
 def _as_sent(x: torch.Tensor) -> torch.Tensor:
     """x's bits as a rank sends them: -0.0 as +0.0."""
-    b = x.view(torch.int16).clone()
+    b = x.reshape(-1).view(torch.int16).clone()
     b[b == SENTINEL] = 0
     return b
 
@@ -116,3 +123,31 @@ def test_refuses_what_its_contract_does_not_cover():
     with pytest.raises(AssertionError, match="9 elements"):
         x = torch.zeros(9, dtype=torch.bfloat16, device=DEVICE)
         one_shot_all_reduce(x, torch.empty_like(x), ranks.addresses, ranks.states[0], 0, 8, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world,rows,hidden,max_programs", [(2, 1, 4096, 64), (2, 3, 1000, 64), (4, 5, 64, 2),
+                                                             (3, 2, 96, 1)])
+def test_fused_add_rmsnorm_is_the_all_reduce_then_add_rmsnorm(world, rows, hidden, max_programs, dtype):
+    """one_shot_add_rmsnorm: the residual stream plus the sum of the ranks' parts, written into x, and
+    its RMSNorm, bit for bit what add_rmsnorm makes of the all-reduce's output, on every rank; the
+    buffers left clean, the call counted (then a plain all-reduce of the other parity follows)."""
+    ranks = Ranks(world, slot=5000)
+    g = torch.Generator().manual_seed(rows)
+    parts = [(torch.randn(rows, hidden, generator=g) * 2).to(dtype).to(DEVICE) for _ in range(world)]
+    parts[0][0, :2] = -0.0
+    residual = (torch.randn(rows, hidden, generator=g) * 4).to(dtype).to(DEVICE)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(DEVICE)
+    want_x, want_h = add_rmsnorm(residual.clone(), all_reduce_ref(parts), weight, 1e-5)
+    xs = [residual.clone() for _ in range(world)]
+
+    def run(r, part):
+        return one_shot_add_rmsnorm(part, xs[r], weight, 1e-5, ranks.addresses, ranks.states[r], r, ranks.slot,
+                                    max_programs)
+
+    for r, (x, h) in enumerate(ranks.call(parts, run)):
+        assert x is xs[r] and torch.equal(bits(x), bits(want_x)), f"rank {r}: the residual"
+        assert torch.equal(bits(h), bits(want_h)), f"rank {r}: the norm"
+    assert ranks.clean() and all(s.tolist() == [1, 0] for s in ranks.states)
+    again = _parts(world, 7, dtype, seed=5)
+    assert all(_same(out, all_reduce_ref(again)) for out in ranks.all_reduce(again)) and ranks.clean()

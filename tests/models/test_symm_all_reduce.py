@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.one_shot_all_reduce import SENTINEL
+from kernels.one_shot_all_reduce import SENTINEL, one_shot_all_reduce
 from kernels.reference import all_reduce_ref
 from models.parallel import group, symm_all_reduce
 from models.parallel.group import TensorParallel
@@ -185,3 +185,37 @@ def test_init_sets_it_up_with_the_flag_at_two_ranks_or_more(monkeypatch):
         assert tp.custom is made and group.tensor_parallel() is tp  # what models built from now on hold
     finally:
         group._current = TensorParallel()
+
+
+def test_a_decoder_layers_add_norm_fuses_the_sum_where_the_next_linear_reads_16_bits(monkeypatch):
+    """models/llama.py's _add_norm over a row-parallel projection's part: with the custom all-reduce,
+    the sum, the residual add and the norm are one_shot_add_rmsnorm's one launch (the bits of the
+    all-reduce then add_rmsnorm); where the next linear reads FP8 (its norm quantized in the add's
+    launch), the plain all-reduce, then that."""
+    from kernels.rms_norm import add_rmsnorm
+    from models import llama
+    from models.parallel.layers import FUSED_ADD_RMSNORM_ENV, RowParallelLinear
+
+    c = _emulated(0)
+    with group.built_as(TensorParallel(0, 2, custom=c)):
+        assert not RowParallelLinear(8, 16, bias=False).fuse_add_rmsnorm  # off until it has run on GPUs
+        monkeypatch.setenv(FUSED_ADD_RMSNORM_ENV, "1")
+        proj = RowParallelLinear(8, 16, bias=False)
+    norm = llama.RMSNorm(16, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    part, other, x = (torch.randn(3, 16).to(torch.bfloat16) for _ in range(3))
+    want_x, want_h = add_rmsnorm(x.clone(), all_reduce_ref([part, other]), norm.weight, 1e-5)
+    monkeypatch.setattr(symm_all_reduce, "one_shot_all_reduce", _never)
+    _other_rank_sent(c, other)
+    got_x, got_h = llama._add_norm(x, part, proj, norm, None)  # before the LM head: 16 bits
+    assert got_x is x and torch.equal(x, want_x) and torch.equal(got_h, want_h) and c.state[0] == 1
+
+    monkeypatch.setattr(symm_all_reduce, "one_shot_all_reduce", one_shot_all_reduce)
+    monkeypatch.setattr(symm_all_reduce, "one_shot_add_rmsnorm", _never)
+    fp8_reader = SimpleNamespace(quant=SimpleNamespace(activation_format=lambda linear: "fp8 per token"))
+    _other_rank_sent(c, other)
+    x = want_x.clone()
+    got_x, _ = llama._add_norm(x, part, proj, norm, fp8_reader)
+    assert torch.equal(got_x, (want_x.float() + all_reduce_ref([part, other]).float()).to(torch.bfloat16))
+    assert c.state[0] == 2 and bool((c.buffer == SENTINEL).all())
