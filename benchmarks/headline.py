@@ -27,6 +27,8 @@ VLLM_FAILURE = ("vLLM failed in that run; its error (the last line vLLM printed)
 LONG_PROMPTS = {"prompt-8k": "8k", "prompt-32k": "32k"}
 
 
+# the custom all-reduce is kernels/one_shot_all_reduce.py from this date; before, torch's symm_mem one-shot
+CUSTOM_ALL_REDUCE_SINCE = "2026-11-28"
 POLICIES = "spec_draft_model_eagle3_policies_h100.json"  # bench_spec --methods draft_model eagle3 --policies ...
 
 
@@ -225,6 +227,8 @@ def capabilities(results: Path) -> str:
             if one is None:
                 break
             how = {None: "", False: ", NCCL all-reduce", True: ", custom all-reduce"}[r.get("custom_all_reduce")]
+            if r.get("custom_all_reduce") and tp["date"] < CUSTOM_ALL_REDUCE_SINCE:
+                how += " (torch's one-shot, since replaced)"
             add(f"tensor parallel, {r['tp']} GPUs{how}", "batch 1, TPOT ms", "tp_llama-3.1-8b_h100.json", tp,
                 one["tpot_ms"], r["tpot_ms"], ".2f", "≤ 0.6× the time (2 GPUs)", as_fraction=True)
     tp4 = _load(results, "tp_llama-3.1-70b_h100.json")
