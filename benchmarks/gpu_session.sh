@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|spec-policies|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
+#                                   prefill-chunks|decode-variants|spec-policies|spec-fp8draft|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -238,6 +238,16 @@ for step in "${@:-tests throughput prefix}"; do
       # spec-policies: issue 48's back-off rules side by side (per_sequence, batch), the draft model and
       # EAGLE-3 at 1 / 8 / 256 clients (8 and 256 at two acceptances, 256 also forced on); the file
       # (spec_draft_model_eagle3_policies_<gpu>.json) is rewritten after each client count
+      # spec-fp8draft: issue 48: the Llama-3.2-1B-shaped draft quantized to FP8 at load (the speculative
+      # config's `quantization`: half its bytes a proposal step) after the 16-bit draft, in one call,
+      # batch 1 and 8 clients at the oracle's 0.8
+      spec-fp8draft)
+        for q in "" fp8; do
+          # shellcheck disable=SC2086
+          timeout 265 python3 -m benchmarks.engine.bench_spec --methods draft_model ${q:+--draft-quantization $q} \
+            --clients 1 8 --probabilities 0.8 --sweep-clients --forced-clients --repeats 2 --deadline 200 \
+            --out-dir "$OUT" 2>&1 | tee -a "$OUT/spec_fp8draft.log" | grep -v '^{' | tail -10 || status=1
+        done ;;
       spec-policies)
         timeout "${SPEC_S:-560}" python3 -m benchmarks.engine.bench_spec --methods draft_model eagle3 \
           --policies per_sequence batch --clients 1 8 256 --probabilities 0.5 0.8 --sweep-clients 8 256 \

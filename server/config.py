@@ -198,6 +198,9 @@ class SpeculativeConfig:
     # under --tensor-parallel-size: the draft's (model or EAGLE-3 head) runs whole on rank 0
     # (server/worker/spec/parallel.py); vLLM's key, 1 the only value taken
     draft_tensor_parallel_size: int = 1
+    # draft_model: the draft's --quantization (vLLM's key): "fp8" quantizes a 16-bit draft at load
+    # (half its bytes a proposal step); a quantized draft checkpoint's own format is read without it
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -261,4 +264,9 @@ class SpeculativeConfig:
         if draft_tp != 1 or isinstance(draft_tp, bool):
             raise ValueError(f"draft_tensor_parallel_size must be 1, got {draft_tp!r}: flashpage runs the draft whole "
                              "on the first GPU of a tensor-parallel group (a sharded draft is not supported)")
-        return cls(method, k, model, lo, hi, batch, float(floor), backoff, float(cost))
+        quantization = d.get("quantization")
+        if quantization is not None and method != "draft_model":
+            raise ValueError(f"quantization belongs to the draft_model method (its draft's weights), not {method}")
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {quantization!r}")
+        return cls(method, k, model, lo, hi, batch, float(floor), backoff, float(cost), quantization=quantization)

@@ -39,7 +39,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model", "eagle3"],
                     help="proposers to run (eagle3 in a second engine; the file: spec_<gpu>.json for the default, "
                          "spec_<methods>_<gpu>.json otherwise)")
+    ap.add_argument("--draft-quantization", default=None, choices=["fp8"],
+                    help="the draft model quantized at load (the speculative config's `quantization`)")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="the random EAGLE-3 head's (the published heads')")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--probabilities", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9])
@@ -176,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     # SPEC_DISABLE_BY_BATCH_SIZE, is set back on the speculator below)
     most = min(max([SPEC_DISABLE_BY_BATCH_SIZE, *args.forced_clients]), 64)
     first = [m for m in ("ngram", "draft_model") if m in args.methods]
-    phases = [("plain", {"method": "draft_model", "model": str(draft)} if draft else
+    draft_json = {"method": "draft_model", "model": str(draft)} | (
+        {"quantization": args.draft_quantization} if args.draft_quantization else {})
+    phases = [("plain", draft_json if draft else
                {"method": "ngram"} if first else None, first)]
     if head is not None:  # the target hands the head its states at every step: an engine of its own
         phases.append(("eagle3", {"method": "eagle3", "model": str(head)}, ["eagle3"]))
@@ -187,8 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     suffix += "_floors" if args.floors else ""  # an A/B of back-off floors: a file of its own
     suffix += "_policies" if args.policies else ""  # and of back-off rules
     suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    suffix += f"_draft-{args.draft_quantization}" if args.draft_quantization and draft else ""
     result = dict(gpu_run_info("benchmarks.engine.bench_spec", argv), target=args.target_shape,
-                  draft=args.draft_shape if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
+                  draft=args.draft_shape if draft else None,
+                  draft_quantization=args.draft_quantization if draft else None, eagle3_draft_vocab=args.draft_vocab if head else None,
                   k=k, tensor_parallel_size=args.tensor_parallel_size, prompt_len=args.prompt_len,
                   max_tokens=args.max_tokens, repeats=args.repeats,
                   disable_by_batch_size=default_batch, build_s=round(build_s, 1), load_s=[], rows=[])

@@ -138,6 +138,8 @@ def test_the_descriptor_limit_is_raised_to_fit_the_cap(monkeypatch):
     ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": 2}', ["from 0 to 1"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "backoff": "never"}', ["backoff must be one of"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "round_cost": -1}', ["round_cost must be a number"]),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"}', ["quantization belongs to the draft_model"]),
+    ('{"model": "d", "num_speculative_tokens": 2, "quantization": "int8"}', ["quantization must be one of", "'fp8'"]),
 ])
 def test_a_speculative_config_that_cannot_run_exits_2_saying_why(value, words, capsys):
     test_impossible_settings_exit_2_naming_the_flag_and_its_range(["--speculative-config", value], words, capsys)
@@ -161,6 +163,8 @@ def test_speculative_config_reads_vllm_keys():
     assert (s.backoff, s.round_cost) == ("per_sequence", 0.5)
     s = parse('{"model": "/models/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}')
     assert s.draft_tensor_parallel_size == 1  # the draft whole on rank 0 (the only value taken)
+    assert s.quantization is None
+    assert parse('{"model": "d", "num_speculative_tokens": 4, "quantization": "fp8"}').quantization == "fp8"
 
 
 def test_custom_all_reduce_is_on_by_default_and_the_flag_turns_it_off():

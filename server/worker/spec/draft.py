@@ -195,7 +195,8 @@ def check_draft(draft: CausalLM, target: CausalLM, max_model_len: int) -> None:
 def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.device, attention: str,
                max_model_len: int, block_size: int, max_tokens: int) -> DraftRunner | None:
     """The draft of a draft_model speculative config (None for any other method), loaded as the
-    target is (its dtype, attention backend and device)."""
+    target is (its dtype, attention backend and device), quantized as the config's `quantization`
+    says (a quantized draft checkpoint as its config.json says)."""
     from models import is_eagle3_head, load_model, load_tokenizer, resolve_model_path
 
     spec = config.speculative_config
@@ -204,7 +205,7 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
     path = resolve_model_path(spec.model)
     if is_eagle3_head(path):
         raise ValueError(f"{path} is an EAGLE-3 head, not a draft model: pass \"method\": \"eagle3\"")
-    draft = load_model(path, dtype, device, attention)
+    draft = load_model(path, dtype, device, attention, quantization=spec.quantization)
     check_draft(draft, target, max_model_len)
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         # a draft that ships a tokenizer must ship the target's: the same ids for the same text
@@ -212,7 +213,8 @@ def load_draft(config, target: CausalLM, dtype: torch.dtype, device: torch.devic
             raise ValueError(f"the draft model {path} has another tokenizer than the target: a draft must share "
                              "the target's vocabulary")
     s = draft.spec
-    log.info("draft model %s: %d layers, %d proposals a step", path, s.num_layers, spec.num_speculative_tokens)
+    log.info("draft model %s: %d layers, %s weights, %d proposals a step", path, s.num_layers,
+             draft.quant_scheme.name if getattr(draft, "quant_scheme", None) else "16-bit", spec.num_speculative_tokens)
     cache = CacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, block_size, dtype)
     return DraftRunner(draft, cache, device, config.max_num_seqs, max_tokens, max_model_len,
                        spec.num_speculative_tokens)
