@@ -11,7 +11,8 @@ import time
 
 from server.api.chat_template import read_chat_template
 from server.api.fast_encoder import BACKENDS
-from server.api.guards import SIZE, Bound, ServerLimits, add_arguments, api_key, parse_bytes
+from server.api.guards import ServerLimits
+from server.api.limit_flags import SIZE, Bound, add_arguments, api_key, parse_bytes
 from server.api.reasoning import REASONING_PARSERS
 from server.api.tools import TOOL_PARSERS
 from server.api.servers import MAX_API_SERVERS, default_api_server_count
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=tools.reasoning,
                    help="split the model's <think>...</think> reasoning into reasoning_content (chat) and "
                         "reasoning items (Responses)")
-    add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/guards.py)
+    add_arguments(p)  # request and connection limits, queue, deadline, shutdown grace, API key (server/api/limit_flags.py)
     return p
 
 

@@ -1,5 +1,5 @@
 """Issue 23, case 8: a setting the server cannot run with stops it at start, before anything loads,
-with a message naming the flag and its allowed range (server/cli.py; `Bound` in server/api/guards.py).
+with a message naming the flag and its allowed range (server/cli.py; `Bound` in server/api/limit_flags.py).
 Before: --max-num-seqs 0 and --max-num-batched-tokens 0 started a healthy server that hung every
 request, --block-size 0 crashed with ZeroDivisionError, --num-blocks 0 and --max-model-len 0 meant
 "the default"."""
