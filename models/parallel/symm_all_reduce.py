@@ -25,8 +25,12 @@ to each of the size - 1 others, where NCCL's ring moves about twice the message 
 while latency, not bandwidth, is the cost: vLLM's custom all-reduce uses its one-shot kernel at two
 GPUs for any message up to its buffer, at up to four below 512 KB, at up to eight below 256 KB. Here
 2 MiB at two ranks: a decode step of up to 256 rows (--max-num-seqs' default) at hidden 4096, 128 at
-8192; larger messages (long prefill chunks, bandwidth-bound) go to NCCL. The buffer holds two
-parities of one slot per rank of that size: 8 MiB of each GPU at two ranks, 4 MiB at four or eight.
+8192 (2 MiB: 15.6 us against NCCL's 31.3 on two H200s). At three or four, 1 MiB: 64 rows at hidden
+8192 (four H200s, in a CUDA graph: 1 MiB 19.1 us against NCCL's 22.3, 2 MiB 36.1 against 31.5;
+benchmarks/results/tp_llama-3.1-70b_h200.json). At up to eight, vLLM's 256 KiB (not measured
+here). Larger messages (long prefill chunks, bandwidth-bound) go to NCCL. The buffer holds two
+parities of one slot per rank of that size: 8 MiB of each GPU at two or four ranks, 6 MiB at
+three, 4 MiB at eight.
 Deterministic mode keeps its own path (group.py).
 """
 
@@ -55,7 +59,7 @@ def max_bytes(size: int) -> int:
     if size == 2:
         return 2 * MIB
     if size <= 4:
-        return MIB // 2
+        return MIB
     return MIB // 4 if size <= 8 else 0
 
 

@@ -40,7 +40,7 @@ def _other_rank_sent(c: SymmAllReduce, part: torch.Tensor) -> None:
 
 
 def test_sizes_by_world_size():
-    assert [max_bytes(n) for n in (1, 2, 3, 4, 6, 8, 16)] == [0, 2 * MIB, MIB // 2, MIB // 2, MIB // 4, MIB // 4, 0]
+    assert [max_bytes(n) for n in (1, 2, 3, 4, 6, 8, 16)] == [0, 2 * MIB, MIB, MIB, MIB // 4, MIB // 4, 0]
 
 
 def test_fits_small_16_bit_messages_up_to_a_slot(comm):
