@@ -334,17 +334,15 @@ def test_quantization_flag_must_agree_with_the_checkpoint(src, quantized):
     assert detect(quantized["awq"][0], "awq").method == "awq"
 
 
-def test_speculative_decoding_with_a_quantized_target(quantized):
-    """An AWQ target verifying the proposals of a draft model that is itself quantized (the same AWQ
-    checkpoint, so nearly every proposal stands): the greedy tokens of decoding without
-    speculation, no block lost. (The n-gram method verifies through the same target step.)"""
+def _speculating(path, spec_json: str, lengths: tuple[int, ...], seed: int):
+    """Greedy tokens of `path` over random prompts of `lengths` with the speculative config and
+    without it (each run leaving no block behind), and the speculating engine."""
     from server.config import EngineConfig, SpeculativeConfig
     from server.engine import LLMEngine
     from server.sampling_params import SamplingParams
 
-    path, _ = quantized["awq"]
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(spec=None):
@@ -353,9 +351,18 @@ def test_speculative_decoding_with_a_quantized_target(quantized):
         assert engine.block_manager.check_all_free()
         return outs, engine
 
-    spec = SpeculativeConfig.parse(f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 3}}')
-    got, engine = run(spec)
-    assert got == run()[0]
+    got, engine = run(SpeculativeConfig.parse(spec_json))
+    return got, run()[0], engine
+
+
+def test_speculative_decoding_with_a_quantized_target(quantized):
+    """An AWQ target verifying the proposals of a draft model that is itself quantized (the same AWQ
+    checkpoint, so nearly every proposal stands): the greedy tokens of decoding without
+    speculation, no block lost. (The n-gram method verifies through the same target step.)"""
+    path, _ = quantized["awq"]
+    got, want, engine = _speculating(path, f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 3}}',
+                                     (3, 17, 40), seed=5)
+    assert got == want
     assert engine.speculator.proposer.runner.model.quant_scheme.method == "awq"
     c = engine.speculator.counters
     assert c.drafts > 0 and c.accepted_tokens >= 0.9 * c.draft_tokens  # the draft is the target
@@ -367,23 +374,9 @@ def test_a_16_bit_draft_quantized_at_load_by_the_speculative_configs_key(quant_s
     keeps the 16-bit target's greedy tokens, no block lost. The draft is the target's own checkpoint,
     its weights rounded to FP8: a random model's near-ties make FP8 change the best token often (39%
     of its proposals stood here, where an unrelated draft's would stand by chance, 1 in 512)."""
-    from server.config import EngineConfig, SpeculativeConfig
-    from server.engine import LLMEngine
-    from server.sampling_params import SamplingParams
-
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 23)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def run(spec=None):
-        engine = LLMEngine(EngineConfig(model=str(quant_src), device="cpu", num_blocks=64, speculative_config=spec))
-        outs = [o.token_ids for o in engine.generate(prompts, params)]
-        assert engine.block_manager.check_all_free()
-        return outs, engine
-
-    spec = SpeculativeConfig.parse(f'{{"model": "{quant_src}", "num_speculative_tokens": 3, "quantization": "fp8"}}')
-    got, engine = run(spec)
-    assert got == run()[0]
+    got, want, engine = _speculating(
+        quant_src, f'{{"model": "{quant_src}", "num_speculative_tokens": 3, "quantization": "fp8"}}', (4, 23), seed=6)
+    assert got == want
     draft = engine.speculator.proposer.runner.model
     assert draft.quant_scheme.method == "fp8" and getattr(engine.runner.model, "quant_scheme", None) is None
     c = engine.speculator.counters
