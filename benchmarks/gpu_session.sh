@@ -56,6 +56,7 @@ status=0
 # The fp8 GPU tests (fp8kv, fp8kv-tests): the engine's alone first, so that a limit cannot cut their
 # report (on 2026-11-27 a cold machine's compiles ran one list past 330 s with a failure in it), then
 # the kernels' selected by -k $2 within $1 s
+commas() { echo "${1//,/ }"; }  # a lane's list variable (one word in its steps: 2,4) as separate words
 fp8_tests() {
   # (FP8_GPU_K: a -k selection; --tb=short -x: a failure's report before a limit can cut it)
   timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py ${FP8_GPU_K:+-x --tb=short -k "$FP8_GPU_K"} \
@@ -181,10 +182,10 @@ for step in "${@:-tests throughput prefix}"; do
         timeout 560 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
           --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1 ;;
       # armicro: the all-reduce alone, NCCL's against the custom one, at AR_TP ranks (default 2; AR_TP=2,4).
-      # tp4 takes TP4_AR=off|on|off,on (--custom-all-reduce) and TP4_LEVELS=1,16 (empty: none)
+      # tp4 takes TP4_AR=on|off|off,on (--custom-all-reduce; on, the server's default) and TP4_LEVELS=1,16 (empty: none)
       armicro)
         # shellcheck disable=SC2086
-        timeout 240 python3 -m benchmarks.scaleout.all_reduce_micro --tp $(echo "${AR_TP:-2}" | tr , " ") --out-dir "$OUT" 2>&1 \
+        timeout 240 python3 -m benchmarks.scaleout.all_reduce_micro --tp $(commas "${AR_TP:-2}") --out-dir "$OUT" 2>&1 \
           | tee "$OUT/armicro.log" | grep -v Warning | tail -14 || status=1 ;;
       tp2ar)
         timeout 120 python3 -m pytest -q tests/kernels/test_one_shot_all_reduce.py -p no:cacheprovider 2>&1 \
@@ -206,8 +207,8 @@ for step in "${@:-tests throughput prefix}"; do
           | tee "$OUT/tp_spec.log" | tail -12 || status=1 ;;
       tp4)
         # shellcheck disable=SC2086
-        timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --custom-all-reduce $(echo "${TP4_AR:-off}" | tr , " ") \
-          --load-levels $(echo "${TP4_LEVELS-1,16,64,256}" | tr , " ") \
+        timeout 540 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-70b --tp-sizes 4 --custom-all-reduce $(commas "${TP4_AR:-on}") \
+          --load-levels $(commas "${TP4_LEVELS-1,16,64,256}") \
           --level-duration 25 --offline-requests 512 --out-dir "$OUT" 2>&1 | tee "$OUT/tp4.log" || status=1 ;;
       # Issue 46: the FP8 KV cache. fp8kv: its GPU tests and the kernels' fp8 tests (Triton's casts on
       # the hardware), then the decode kernel against the 16-bit one on the same shapes and a tile

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.rms_norm import MAX_ROW, rms_row
+from kernels.rms_norm import MAX_ROW, rms_row, row_warps
 from kernels.rounding import round_to
 from kernels.silu_mul import silu_mul_values
 
@@ -199,7 +199,7 @@ def _outputs(x: torch.Tensor, group: int, static_scale: torch.Tensor | None, k: 
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
     static = static_scale if static_scale is not None else scale  # never read when dynamic
-    warps = 1 if _INTERPRET else max(1, min(16, block // 512))
+    warps = row_warps(block)
     return q, scale, static, block, group, warps
 
 

@@ -44,16 +44,13 @@ resident at once (the ranks need not launch the same number).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.rms_norm import MAX_ROW, rms_row
+from kernels.rms_norm import MAX_ROW, rms_row, row_warps
 from kernels.rounding import round_to
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SENTINEL = -32768  # 0x8000 as int16: -0.0 in float16 and in bfloat16
 _SENTINEL = tl.constexpr(SENTINEL)  # (a kernel reads only constexpr globals)
 BLOCK = 1024  # elements a program takes at a time: 8 per thread at 4 warps (16-byte accesses)
@@ -170,5 +167,5 @@ def one_shot_add_rmsnorm(part: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     block = triton.next_power_of_2(n)
     _one_shot_add_rmsnorm_kernel[(min(rows, max_programs),)](
         part, x, weight, h, buffers, state, rows, n, eps, x.stride(0), h.stride(0), rank, slot_elems,
-        WORLD=buffers.numel(), BLOCK=block, num_warps=1 if _INTERPRET else max(4, min(16, block // 512)))
+        WORLD=buffers.numel(), BLOCK=block, num_warps=row_warps(block))
     return x, h

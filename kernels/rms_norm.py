@@ -91,7 +91,9 @@ def _rmsnorm_kernel(x_ptr, w_ptr, h_ptr, n, eps, heads, stride_xt, stride_xh, st
     _rms_store(s, mask, cols, n, eps, w_ptr, h_ptr + tok * stride_ht + head * stride_hh)
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
+    """Warps for a kernel that takes one row of `block` (a power of two) elements a program: one
+    per 512 elements, 1 to 16 (1 under the interpreter). Also fp8_quant's and one_shot_all_reduce's."""
     return 1 if _INTERPRET else max(1, min(16, block // 512))
 
 
@@ -110,7 +112,7 @@ def add_rmsnorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: flo
     if n_rows:
         block = triton.next_power_of_2(hidden)
         _add_rmsnorm_kernel[(n_rows,)](x, y, weight, out, hidden, eps, x.stride(0), y.stride(0), out.stride(0),
-                                       BLOCK=block, PDL=pdl.active(x.device), num_warps=_warps(block))
+                                       BLOCK=block, PDL=pdl.active(x.device), num_warps=row_warps(block))
     return x, out
 
 
@@ -130,5 +132,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     if rows:
         block = triton.next_power_of_2(n)
         _rmsnorm_kernel[(rows,)](x3, weight, o3, n, eps, x3.shape[1], x3.stride(0), x3.stride(1),
-                                 o3.stride(0), o3.stride(1), BLOCK=block, num_warps=_warps(block))
+                                 o3.stride(0), o3.stride(1), BLOCK=block, num_warps=row_warps(block))
     return out

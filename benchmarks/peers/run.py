@@ -143,11 +143,16 @@ def log_tail(path: Path, n: int = 30) -> str:
         return ""
 
 
+def rows_path(log_dir: Path, job: Job, engine: str) -> Path:
+    """Where one engine's offline process writes its rows for `job` (kept in the log dir)."""
+    return log_dir / f"rows_{job.shape}_{job.flags.max_model_len}_{engine}.json"
+
+
 def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: float) -> dict:
     """One engine's offline tasks in its own process; {"rows", "versions", "device", "init_s"} (or an error row)."""
     tag = f"{job.shape}_{job.flags.max_model_len}_{engine}"
     spec = out_dir / f"job_{tag}.json"
-    out = out_dir / f"rows_{tag}.json"
+    out = rows_path(out_dir, job, engine)
     spec.write_text(json.dumps(dict(engine=engine, model=str(model), flags=job.flags.record(), tasks=job.tasks)))
     log = out_dir / f"offline_{tag}.log"
     with open(log, "w") as f:
@@ -294,21 +299,24 @@ def rebuild_from_rows(args, selection: list[tuple[str, str]], out_dir: Path, row
     job's rows are not kept there). Device and versions are the rows', the date their files' time."""
     from benchmarks.shared.checkpoint import LLAMA_SHAPES
 
+    # the command as run, without the option that made this one a rebuild
+    argv = [a for a in args.argv if not a.startswith("--from-rows=")]
+    if "--from-rows" in argv:
+        del argv[argv.index("--from-rows"):argv.index("--from-rows") + 2]
     written = 0
     for shape in dict.fromkeys(s for _, s in selection):
         vocab = LLAMA_SHAPES[split_shape(shape)[0]]["vocab_size"]
         for job in merged_jobs(args, selection, shape, vocab):
-            files = [rows_dir / f"rows_{job.shape}_{job.flags.max_model_len}_{e}.json" for e in args.engines]
-            files = [f for f in files if f.exists()]
+            files = {e: rows_path(rows_dir, job, e) for e in args.engines}
+            files = {e: f for e, f in files.items() if f.exists()}
             if job.kind != "offline" or not files:
                 print(f"{job.kind} job on {job.shape}: no rows in {rows_dir}", flush=True)
                 continue
-            got = {json.loads(f.read_text())["engine"]: json.loads(f.read_text()) for f in files}
+            got = {e: json.loads(f.read_text()) for e, f in files.items()}
             first = next(iter(got.values()))
-            argv = args.argv[:args.argv.index("--from-rows")] + args.argv[args.argv.index("--from-rows") + 2:]
             head = dict(device=first["device"], torch=first["versions"]["torch"].split("+")[0],
                         triton=first["versions"]["triton"],
-                        date=datetime.date.fromtimestamp(max(f.stat().st_mtime for f in files)).isoformat(),
+                        date=datetime.date.fromtimestamp(max(f.stat().st_mtime for f in files.values())).isoformat(),
                         command="python -m benchmarks.peers.run " + " ".join(argv), rebuilt_from_rows=True)
             for path in write_results(job, got, out_dir, head):
                 print("wrote", path, flush=True)

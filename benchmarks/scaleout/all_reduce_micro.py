@@ -98,6 +98,11 @@ def measure(size: int, sizes: list[int]) -> dict:
     return {"tp": size, "graph_ops": GRAPH_OPS, "replays": REPLAYS, "custom": custom, "rows": rows}
 
 
+def describe(tp: int, row: dict) -> str:
+    """One measured size as a line of a log: both paths' microseconds and NCCL's over the custom's."""
+    custom = f"{row['custom_us']:.2f} us ({row['nccl_over_custom']:.2f}x)" if "custom_us" in row else "-"
+    return f"all-reduce tp={tp} {row['bytes']:>8} B: NCCL {row['nccl_us']:.2f} us, custom {custom}"
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
     import argparse
@@ -112,8 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     runs = [measure(tp, args.bytes) for tp in args.tp]
     for run in runs:
         for r in run["rows"]:
-            print(f"all-reduce tp={run['tp']} {r['bytes']:>8} B: NCCL {r['nccl_us']:.2f} us, custom "
-                  + (f"{r['custom_us']:.2f} us ({r['nccl_over_custom']:.2f}x)" if "custom_us" in r else "-"), flush=True)
+            print(describe(run["tp"], r), flush=True)
     if args.out_dir:
         write_result({**gpu_run_info("benchmarks.scaleout.all_reduce_micro", argv), "all_reduce": runs},
                      args.out_dir, "all_reduce")

@@ -142,7 +142,7 @@ def goals(shape: str, rows: list[dict], device: str = "NVIDIA H100") -> list[dic
     """The issue's goal for each row at its size (one per all-reduce setting). The goals are set on
     H100s (the floor's 3.0 TB/s is an H100's): on another device `met` is None, the ratio only shown."""
     kind, tp, base, bound = GOALS.get(shape, (None, None, None, None))
-    h100 = "H100" in device
+    h100 = _goal_device(device)
     at = [r for r in rows if r["tp"] == tp]
     out = []
     for row in at:
@@ -158,9 +158,14 @@ def goals(shape: str, rows: list[dict], device: str = "NVIDIA H100") -> list[dic
     return out
 
 
+def _goal_device(device: str) -> bool:
+    """Whether the issue's goals are judged on `device`: the H100s they were set on."""
+    return "H100" in device
+
+
 def _verdict(goal: dict, device: str) -> str:
     """met / not met on an H100; elsewhere (files written before `met` said None there too) neither."""
-    if "H100" not in device or goal["met"] is None:
+    if not _goal_device(device) or goal["met"] is None:
         return f"the goal is an H100's; this ran on {device or 'another device'}"
     return "met" if goal["met"] else "not met"
 
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**head, "shape": args.shape, "parameter_bytes": weights,
               "hbm_tbps": args.hbm_tbps, "max_model_len": args.max_model_len, "rows": []}
     if args.device.startswith("cuda") and args.all_reduce_bytes:
-        from benchmarks.scaleout.all_reduce_micro import measure
+        from benchmarks.scaleout.all_reduce_micro import describe, measure
 
         result["all_reduce"] = []
         for tp in sorted({t for t in args.tp_sizes if t > 1}):
@@ -238,9 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  all-reduce tp={tp}: {e}", flush=True)
             result["all_reduce"].append(micro)
             for r in micro["rows"]:
-                print(f"  all-reduce tp={tp} {r['bytes']:>8} B: NCCL {r['nccl_us']:.1f} us, custom "
-                      + (f"{r['custom_us']:.1f} us ({r['nccl_over_custom']:.2f}x)" if "custom_us" in r else "-"),
-                      flush=True)
+                print("  " + describe(tp, r), flush=True)
     runs = [(tp, None if tp == 1 else custom == "on") for tp in args.tp_sizes
             for custom in (args.custom_all_reduce if tp > 1 else ["off"])]
     for tp, custom in runs:

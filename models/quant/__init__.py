@@ -135,7 +135,7 @@ def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Q
     from kernels.fp8_quant import silu_mul_fp8
     from kernels.silu_mul import silu_mul
 
-    fmt = consumer.quant.activation_format(consumer) if consumer.quant is not None else None
+    fmt = _activation_format(consumer)
     if fmt is None:
         return silu_mul(gate_up)
     return QuantizedInput(*silu_mul_fp8(gate_up, fmt.group, fmt.static_scale))
