@@ -106,6 +106,13 @@ class SymmAllReduce:
         return out
 
 
+# Group names this process has set symmetric memory up for. A second set-up under one name in one
+# process (a second engine after the first closed: the tests build them so) never completed on two
+# H200s (torch 2.11.0, 2026-11-28): rank 1's rendezvous lost its store and rank 0 waited for good. So
+# start() refuses it, on every rank, and that group's all-reduces are NCCL's.
+_SET_UP: set[str] = set()
+
+
 def unsupported(size: int, device: torch.device) -> str | None:
     """Why the one-shot cannot serve a group of `size` ranks on `device`, where every rank's answer
     is the same (None: it may; peer access is checked with the group, in `start`)."""
@@ -134,10 +141,14 @@ def start(rank: int, size: int, device: torch.device, group_name: str, agree: Ca
                 "NCCL" if device.type == "cuda" else "gloo")
         return None
     peers = [d for d in devices() if d != device.index]
-    if not agree(all(torch.cuda.can_device_access_peer(device, d) for d in peers)):
+    fresh = group_name not in _SET_UP  # (rank 0's process is the one that lives on; the others are new)
+    if not agree(fresh and all(torch.cuda.can_device_access_peer(device, d) for d in peers)):
         if rank == 0:
-            log.warning("custom all-reduce: off (the group's GPUs are not all peer-accessible); NCCL's all-reduces")
+            log.warning("custom all-reduce: off (%s); NCCL's all-reduces",
+                        "the group's GPUs are not all peer-accessible" if fresh else
+                        f"this process set symmetric memory up for a group named {group_name!r} before")
         return None
+    _SET_UP.add(group_name)
     comm = None
     try:
         comm = _register(rank, size, device, group_name, nbytes or max_bytes(size))

@@ -26,6 +26,7 @@ import json
 import pytest
 import torch
 
+from models import tensor_parallel
 from server.config import EngineConfig
 from server.engine import LLMEngine
 from server.sampling_params import SamplingParams, StructuredOutput
@@ -186,7 +187,6 @@ def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
     prefills') are the one-shot's, inside the graphs. Its sums are NCCL's bits at two ranks (above),
     so the tokens are those of an engine whose all-reduces are all NCCL's, and so one GPU's up to
     bf16 near-ties."""
-    from models import tensor_parallel
 
     prompts = _workload()
     assert tensor_parallel().custom is not None, "the custom all-reduce is not set up (the log says why)"
@@ -203,23 +203,32 @@ def test_custom_all_reduce_gives_nccls_tokens(ckpt, one_gpu, two_gpus):
     _compare(ckpt, prompts, custom, _logprobs(one_gpu, prompts))
 
 
-def test_fused_all_reduce_add_rmsnorm_gives_the_unfused_bits(ckpt, two_gpus, monkeypatch):
+def _fused_rank(rank: int, size: int, port: int, path: str, fused: str, out) -> None:
+    """A spawned process (run_ranks' one rank; its port unused): a two-GPU engine, the process's first
+    (symm_all_reduce sets a group up once a process), with FUSED_ADD_RMSNORM_ENV as `fused`."""
+    import os
+
+    from models.parallel.layers import FUSED_ADD_RMSNORM_ENV
+
+    os.environ[FUSED_ADD_RMSNORM_ENV] = fused  # (read as the model is built, on every rank)
+    eng = _engine(path, 2)
+    try:
+        assert tensor_parallel().custom is not None, "the custom all-reduce is not set up (the log says why)"
+        out.put(("logprobs", _logprobs(eng, _workload()[::2])))
+    finally:
+        eng.close()
+
+
+def test_fused_all_reduce_add_rmsnorm_gives_the_unfused_bits(request, ckpt):
     """FLASHPAGE_FUSED_ADD_RMSNORM=1 (models/parallel/layers.py): each row-parallel projection's sum,
     the residual add and the norm after it in one launch (kernels/one_shot_all_reduce.py), whose
     bits are the all-reduce's then add_rmsnorm's: every token and log-probability the same as the
-    default engine's."""
-    from models.parallel.layers import FUSED_ADD_RMSNORM_ENV
+    default engine's. Each engine in a new process: this one may have set its group up already."""
+    from tests.helpers import run_ranks
 
-    prompts = _workload()[::2]
-    two_gpus.close()  # (one group per process)
-    got = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv(FUSED_ADD_RMSNORM_ENV, fused)  # (read as the model is built, on every rank)
-        eng = _engine(ckpt, 2)
-        try:
-            got[fused] = _logprobs(eng, prompts)
-        finally:
-            eng.close()
+    if tensor_parallel().size > 1:  # (the module's engine holds cuda:1's rank for good otherwise)
+        request.getfixturevalue("two_gpus").close()
+    got = {fused: run_ranks(_fused_rank, 1, (str(ckpt), fused), 1)["logprobs"][0] for fused in ("0", "1")}
     assert got["1"] == got["0"]
 
 
@@ -243,7 +252,6 @@ def test_speculation_at_two_gpus_gives_two_gpus_tokens(request, ckpt, heads, met
     near-ties. (Closes the module's two-GPU engine where it runs: one group per process.)"""
     from collections import Counter
 
-    from models import tensor_parallel
     from server.config import SpeculativeConfig
 
     prompts = [p + p[: len(p) // 2] for p in _prompts(10, 4, 200, seed=31)]  # repeats: n-grams to find

@@ -127,6 +127,7 @@ def test_start_returns_before_any_collective_where_every_rank_shares_the_reason(
 def cuda_here(monkeypatch):
     """start() past its shared checks, as on a GPU whose peers `access` says it reaches."""
     access = {"ok": True}
+    monkeypatch.setattr(symm_all_reduce, "_SET_UP", set())  # (this process has set no group up)
     monkeypatch.setattr(symm_all_reduce, "unsupported", lambda size, device: None)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: access["ok"])
     return access
@@ -146,6 +147,7 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
     answers = []
     assert start(0, 2, dev, "0", _agree(answers), lambda: [0, 1]) is made and answers == [True, True]
 
+    symm_all_reduce._SET_UP.clear()  # (each start below as a new process's)
     answers = []  # this rank reaches its peer, another does not: all off, before any set-up
     assert start(0, 2, dev, "0", _agree(answers, others=False), lambda: [0, 1]) is None and answers == [True]
     cuda_here["ok"] = False
@@ -153,6 +155,7 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
     assert start(1, 2, dev, "0", _agree(answers), lambda: [0, 1]) is None and answers == [False]
 
     cuda_here["ok"] = True
+    symm_all_reduce._SET_UP.clear()
 
     def fail(rank, size, device, name, nbytes):
         raise RuntimeError("CUDA IPC unavailable")
@@ -167,8 +170,24 @@ def test_start_agrees_on_peer_access_then_on_the_set_up(cuda_here, monkeypatch, 
     monkeypatch.setattr(symm_all_reduce, "_register", lambda rank, size, device, name, nbytes: made)
     others = iter([True, False])  # the other ranks' answers to the two agreements
     agree = _agree(answers)
+    symm_all_reduce._SET_UP.clear()
     assert start(0, 2, dev, "0", lambda ok: agree(ok) and next(others), lambda: [0, 1]) is None
     assert answers == [True, True]
+
+
+def test_start_refuses_a_second_set_up_of_a_group_name_in_one_process(cuda_here, monkeypatch, caplog):
+    """A second engine in one process (its rank 0) after the first closed: every rank agrees to stay
+    on NCCL before any rendezvous (which never completed on the GPUs); another name still sets up."""
+    dev = torch.device("cuda", 0)
+    made = _emulated(0, slot_elems=8)
+    monkeypatch.setattr(symm_all_reduce, "_register", lambda rank, size, device, name, nbytes: made)
+    assert start(0, 2, dev, "0", _agree([]), lambda: [0, 1]) is made
+    answers = []
+    with caplog.at_level(logging.WARNING, "flashpage.parallel"):
+        assert start(0, 2, dev, "0", _agree(answers), lambda: [0, 1]) is None
+    assert answers == [False]  # (the other ranks, new processes, learn it from this agreement)
+    assert "set symmetric memory up for a group named '0' before" in caplog.text
+    assert start(0, 2, dev, "1", _agree([]), lambda: [0, 1]) is made
 
 
 def test_init_sets_it_up_with_the_flag_at_two_ranks_or_more(monkeypatch):
