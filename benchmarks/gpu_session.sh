@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|spec-policies|spec-fp8draft|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
+#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -177,9 +177,12 @@ for step in "${@:-tests throughput prefix}"; do
       # Llama-3.1-70B shape at TP=4 (dummy weights): batch-1 TPOT against its floor, the load test's
       # levels, offline throughput.
       # tp2: the micro-benchmark and three servers (each start took 44-67 s) fill a call alone; the
-      # custom all-reduce's GPU tests are tp2ar, a call of their own on the same warm machine
+      # custom all-reduce's GPU tests are tp2ar, a call of their own on the same warm machine. It takes
+      # TP2_SIZES (default 1,2) and TP2_AR (--custom-all-reduce, default off,on)
       tp2)
-        timeout 560 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes 1 2 --custom-all-reduce off on \
+        # shellcheck disable=SC2086
+        timeout 560 python3 -m benchmarks.scaleout.bench_tp --shape llama-3.1-8b --tp-sizes $(commas "${TP2_SIZES:-1,2}") \
+          --custom-all-reduce $(commas "${TP2_AR:-off,on}") \
           --out-dir "$OUT" 2>&1 | tee "$OUT/tp2.log" || status=1 ;;
       # armicro: the all-reduce alone, NCCL's against the custom one, at AR_TP ranks (default 2; AR_TP=2,4).
       # tp4 takes TP4_AR=on|off|off,on (--custom-all-reduce; on, the server's default) and TP4_LEVELS=1,16 (empty: none)
@@ -233,6 +236,11 @@ for step in "${@:-tests throughput prefix}"; do
       # decode-variants: every decode shape, 16-bit and fp8, as the engine launches them (fused write),
       # and with NEW_KV_TAIL (issues 45/46: batch-1 TPOT at 32k runs the fused launch);
       # the file (fp8_kv_variants_<gpu>.json) is rewritten after each shape
+      # decode-latency: the decode launch at batch 1 and 4 as the engine runs it (32 layers in a graph),
+      # the default config against every split count and tile (benchmarks/kernels/bench_decode_latency.py)
+      decode-latency)
+        timeout 540 python3 -m benchmarks.kernels.bench_decode_latency --budget "${LATENCY_S:-380}" --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/decode_latency.log" | grep -v Warning | tail -40 || status=1 ;;
       decode-variants)
         timeout "${VARIANTS_S:-560}" python3 -m benchmarks.kernels.bench_fp8_kv --sections decode \
           --fused-write --new-kv-tail --tag variants --out-dir "$OUT" 2>&1 | tee "$OUT/fp8_variants.log" | tail -26 || status=1 ;;

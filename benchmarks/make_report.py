@@ -40,6 +40,7 @@ SECTIONS: list[tuple[str, list[Kind]]] = [
         Kind("prefill_", "benchmarks.kernels.bench_prefill", "Flash prefill kernel"),
         Kind("prefill_chunks_", "benchmarks.kernels.bench_prefill_chunks", "A long prompt's prefill in chunks"),
         Kind("decode_", "benchmarks.kernels.bench_decode", "Paged decode kernel"),
+        Kind("decode_latency_", "benchmarks.kernels.bench_decode_latency", "Paged decode at batch 1 and 4: launch time"),
         Kind("invariant_kernels_", "benchmarks.kernels.bench_invariant_kernels", "Batch-invariant kernels"),
         Kind("fp8_kv_", "benchmarks.kernels.bench_fp8_kv", "FP8 KV cache: decode kernel and engine"),
     ]),
