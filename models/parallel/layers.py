@@ -132,8 +132,12 @@ class RowParallelLinear(Linear):
         super().__init__(share, out_features, bias=bias, invariant=invariant)
         self.tp_shards = {"weight": Shard(((self.tp.rank * share, share),), 1, in_features),
                           "bias": Shard(((0, out_features),), 0, out_features, zero=self.tp.rank > 0)}
-        # reduce_add_rmsnorm's one launch: off until it has run on GPUs (FUSED_ADD_RMSNORM_ENV=1 turns it
-        # on in the processes built after it is set: the tensor-parallel ranks inherit it)
+        # reduce_add_rmsnorm's one launch, FUSED_ADD_RMSNORM_ENV=1 (read in the processes built after it is
+        # set: the tensor-parallel ranks inherit it). Off by default: on two H200s (2026-11-28) its kernel
+        # gave the unfused bits (tests/kernels/test_one_shot_all_reduce.py) and an engine with it NCCL's
+        # tokens (test_gpu_tp.py's custom all-reduce test, run with it set), and the 8B TP=2 step went
+        # 3.405 -> 3.347 ms (profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp2_
+        # fused-on_h200.json); it has not run at four ranks, nor in bench_tp's TPOT beside the default
         self.fuse_add_rmsnorm = os.environ.get(FUSED_ADD_RMSNORM_ENV, "0") == "1"
 
     def forward(self, x: torch.Tensor, gelu: bool = False, reduce: bool = True) -> torch.Tensor:
