@@ -54,7 +54,7 @@ from triton import knobs
 
 from kernels import decode_launch, pdl
 from kernels.fp8 import check_scales, is_fp8
-from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, split_count, stage_variants  # noqa: F401 (re-exported)
+from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, stage_variants  # noqa: F401 (choose_config re-exported)
 # This file: the contract and the public entry points. The Triton programs are in
 # kernels/decode_kernels.py, the launch machinery in kernels/decode_launch.py (imports point
 # paged_decode -> decode_launch -> decode_kernels). _launch and _PLANS stay importable from here
