@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"budget spent: {name} b{b} ctx {n} and later cases skipped")
             break
         case = _layers(h, kvh, d, b, n, max(WIDTHS))
-        row = {"shape": name, "heads": h, "kv_heads": kvh, "head_dim": d, "batch": b, "context": n,
+        row = {"impl": "flashpage", "shape": name, "heads": h, "kv_heads": kvh, "head_dim": d, "batch": b, "context": n,
                "default": {}, "configs": []}
         for w in WIDTHS:
             if w >= n:
