@@ -237,7 +237,8 @@ for step in "${@:-tests throughput prefix}"; do
       # and with NEW_KV_TAIL (issues 45/46: batch-1 TPOT at 32k runs the fused launch);
       # the file (fp8_kv_variants_<gpu>.json) is rewritten after each shape
       # decode-latency: the decode launch at batch 1 and 4 as the engine runs it (32 layers in a graph),
-      # the default config against every split count and tile (benchmarks/kernels/bench_decode_latency.py)
+      # the default config against every split count and tile, and 32 splits with the launch option
+      # HALF_MERGE (benchmarks/kernels/bench_decode_latency.py; whether the tables should pick it)
       decode-latency)
         timeout 540 python3 -m benchmarks.kernels.bench_decode_latency --budget "${LATENCY_S:-380}" --out-dir "$OUT" 2>&1 \
           | tee "$OUT/decode_latency.log" | grep -v Warning | tail -40 || status=1 ;;

@@ -86,6 +86,18 @@ FP8_SPLIT_CAP = 32
 # with it: 16-bit 61-91% of copy bandwidth -> 79-98% where the K/V are >= 256 MB (one 64k-token
 # sequence at 32/8 heads x 128: 68% -> 87%, the plain launch's 87%), fp8 43-63% -> 60-76%.
 
+# Launch config key HALF_MERGE (off unless a config says True; not yet picked by the tables): where
+# the fused merge of half the splits takes more query heads a round than the whole tile's (32 splits
+# of a group of 4 at head 128), a context that half the splits cover in at most 2 tiles each takes
+# half of them and that merge; a longer one spreads over all of them, and the merge reads only the
+# splits that hold tiles. Why: on an H200 (bench_decode_latency, 2026-11-28) 32 splits at batch 1
+# beat the one-round cap's 16 by 20-40% at 32k tokens (Llama-3.1-8B's 32/8 heads x 128: 39.5 us
+# against 49.4) but lost 1-6 us at 512-2048 tokens, where the 32-split merge takes a second round.
+# Its interpreter tests pass and it compiles for sm_90 (triton 3.6 and 3.9, the key loop's
+# instructions unchanged); it has not run on a GPU, so choose_gpu_config does not pick it. Off, the
+# launches compile to the PTX they did before it existed (both tritons, 64 configs: head 64 and 128,
+# 3 and 5 stages, 1 to 32 splits, fp8 and 16 bits, with and without the fused write; 2026-11-28).
+
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
                       head_dim: int = 64) -> dict:

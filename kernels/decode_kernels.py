@@ -54,7 +54,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, NEW_KV: tl.constexpr, MERGE_HEADS: tl.constexpr,
-    KV_FP8: tl.constexpr, NEW_KV_TAIL: tl.constexpr, PDL: tl.constexpr,
+    MERGE_HALF: tl.constexpr, KV_FP8: tl.constexpr, NEW_KV_TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.launch_dependents(PDL)  # (kernels/pdl.py: o_proj's GEMV may start its weight stream)
     seq = tl.program_id(0)
@@ -72,6 +72,14 @@ def _decode_kernel(
         n_loop = ctx
     n_tiles = tl.cdiv(n_loop, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    active = num_splits  # the splits the fused merge reads; the last of them adds this step's token
+    if MERGE_HALF > MERGE_HEADS:  # the launch option HALF_MERGE (decode_config)
+        # A context that half the splits cover in at most 2 tiles each takes half of them (the rest
+        # stay empty): their merge is a tile of half the splits, in fewer rounds; longer contexts
+        # spread over all of them. The merge reads the splits that hold tiles alone (>= 1).
+        if n_tiles <= SPLITS_PAD:
+            tiles_per_split = tl.maximum(tiles_per_split, tl.cdiv(n_tiles, SPLITS_PAD // 2))
+        active = tl.maximum(tl.cdiv(n_tiles, tl.maximum(tiles_per_split, 1)), 1)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
     lim = tl.minimum(n_loop, t_end * BLOCK_N)  # this split's tokens are [t_start*BLOCK_N, lim)
@@ -141,7 +149,7 @@ def _decode_kernel(
         else:
             s_last = tl.sum(q.to(tl.float32) * k_last.to(tl.float32)[None, :], axis=1)
             s_last = s_last * (row_scale if KV_FP8 else scale_log2)
-        s_last = tl.where((split == num_splits - 1) & (ctx > 0), s_last, float("-inf"))
+        s_last = tl.where((split == active - 1) & (ctx > 0), s_last, float("-inf"))
 
     # PREFETCH 2: the next tile's K/V and the page ids of the one after are loaded one iteration
     # ahead (register double buffering), so loads are in flight while a tile is computed.
@@ -241,11 +249,18 @@ def _decode_kernel(
             if done == num_splits - 1:
                 # MERGE_HEADS query heads per round trip: this merge is the kernel's tail, and each
                 # round is a dependent load latency (registers bound a round: decode_config.merge_heads).
-                for g in tl.static_range(0, GROUP, MERGE_HEADS):
-                    head = kvh * GROUP + g
-                    _merge_heads(po_ptr, plse_ptr, (seq.to(tl.int64) * num_heads + head) * num_splits, num_splits,
-                                 out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, stride_oh, GROUP - g,
-                                 HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_HEADS)
+                # HALF_MERGE: a tile of half the splits and MERGE_HALF heads a round where the splits
+                # in use fit it.
+                if MERGE_HALF > MERGE_HEADS:
+                    if active <= SPLITS_PAD // 2:
+                        _merge_group(po_ptr, plse_ptr, out_ptr, seq, kvh, num_heads, num_splits, active, stride_os,
+                                     stride_oh, GROUP, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD // 2, MERGE_HALF)
+                    else:
+                        _merge_group(po_ptr, plse_ptr, out_ptr, seq, kvh, num_heads, num_splits, active, stride_os,
+                                     stride_oh, GROUP, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_HEADS)
+                else:
+                    _merge_group(po_ptr, plse_ptr, out_ptr, seq, kvh, num_heads, num_splits, num_splits, stride_os,
+                                 stride_oh, GROUP, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_HEADS)
                 tl.store(cnt_ptr + pair, 0)  # reset for the next launch (self-cleaning counters)
     else:
         orow = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh
@@ -274,16 +289,30 @@ def _merge_row(po_ptr, plse_ptr, row0, num_splits, orow_ptr,
 
 
 @triton.jit
-def _merge_heads(po_ptr, plse_ptr, row0, num_splits, orow_ptr, stride_oh, heads_left,
+def _merge_group(po_ptr, plse_ptr, out_ptr, seq, kvh, num_heads, num_splits, active, stride_os, stride_oh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 HEADS: tl.constexpr):
+    """The fused merge of one (sequence, kv head)'s query heads: HEADS a round (_merge_heads), over the
+    first `active` of their num_splits partials (<= SPLITS_PAD)."""
+    for g in tl.static_range(0, GROUP, HEADS):
+        head = kvh * GROUP + g
+        _merge_heads(po_ptr, plse_ptr, (seq.to(tl.int64) * num_heads + head) * num_splits, num_splits, active,
+                     out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh, stride_oh, GROUP - g,
+                     HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEADS)
+
+
+@triton.jit
+def _merge_heads(po_ptr, plse_ptr, row0, num_splits, active, orow_ptr, stride_oh, heads_left,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr):
-    """_merge_row for min(HEADS, heads_left) consecutive heads at once, as one [HEADS, splits, d]
-    tile (a head's partials follow the previous head's). HEADS a power of two."""
+    """_merge_row of the first `active` splits (<= SPLITS_PAD) of min(HEADS, heads_left) consecutive
+    heads at once, as one [HEADS, splits, d] tile (a head's num_splits partials follow the previous
+    head's). HEADS a power of two."""
     offs_h = tl.arange(0, HEADS)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     h_ok = offs_h < heads_left
     d_ok = offs_d < HEAD_DIM
-    ok = h_ok[:, None] & (offs_s < num_splits)[None, :]
+    ok = h_ok[:, None] & (offs_s < active)[None, :]
     prow = row0 + offs_h[:, None] * num_splits + offs_s[None, :]  # [HEADS, SPLITS_PAD]
     lse = tl.load(plse_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, axis=1)

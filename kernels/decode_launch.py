@@ -82,6 +82,9 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
         cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
     kn, vn, slots = _new_kv_args(new_kv, q, context_lens)
+    merge = merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1
+    # launch option HALF_MERGE (decode_config): the kernel takes it where half the splits' merge does more heads a round
+    half = merge_heads(group, splits_pad // 2, head_dim_pad, cfg["num_warps"]) if fused and cfg.get("HALF_MERGE") else merge
     tail = (
         num_splits, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -96,7 +99,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         DOT_F32=_INTERPRET and q.dtype == torch.bfloat16 and scales is None, PREFETCH=int(cfg.get("PREFETCH", 0)),
         LANES=lanes,
         FUSED_MERGE=bool(fused), SPLITS_PAD=splits_pad, NEW_KV=new_kv is not None,
-        MERGE_HEADS=merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1,
+        MERGE_HEADS=merge, MERGE_HALF=half,
         KV_FP8=scales is not None,
         NEW_KV_TAIL=new_kv is not None and bool(cfg.get("NEW_KV_TAIL", True)),  # (decode_config: why)
         PDL=pdl.active(q.device),  # (last: the plan's constexprs follow the signature's order)

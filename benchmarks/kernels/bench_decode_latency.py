@@ -9,7 +9,8 @@ Llama-3.1-8B step (benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_
 each with its own cache, inside one CUDA graph, with a 64 MB read between layers so that every
 launch starts from an L2 without its data (as after the layer's GEMMs), and takes the decode
 kernel's own device time from torch.profiler: per (shape, batch, context), the default config
-(decode_config.choose_config at each block-table width) and every split count x tile config.
+(decode_config.choose_config at each block-table width), every split count x tile config, and each
+tile at 32 splits with decode_config's launch option HALF_MERGE (not yet in the tables).
 
   python -m benchmarks.kernels.bench_decode_latency [--out-dir benchmarks/results] [--quick]
 Writes decode_latency_<gpu>.json.
@@ -39,9 +40,15 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 TILES = {128: ((64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5)), 64: ((32, 4, 3), (32, 4, 5), (64, 4, 3), (16, 4, 5))}
 
 
-def _cfg(tile: tuple, splits: int) -> dict:
+def _cfg(tile: tuple, splits: int, half: bool = False) -> dict:
     block_n, warps, stages = tile
-    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": 0, "num_splits": splits}
+    cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": 0, "num_splits": splits}
+    return cfg | {"HALF_MERGE": True} if half else cfg
+
+
+def _configs(d: int) -> list[dict]:
+    """Every tile at every split count, and at 32 splits with the launch option HALF_MERGE too."""
+    return [_cfg(t, s) for t in TILES[d] for s in SPLITS] + [_cfg(t, 32, half=True) for t in TILES[d]]
 
 
 def _layers(heads: int, kvh: int, d: int, batch: int, context: int, width: int, count: int = LAYERS):
@@ -105,10 +112,11 @@ def time_us(case, cfg: dict | None, replays: int = 20) -> float:
     return statistics.median(us)
 
 
-def _split_us(row: dict, tile: tuple, splits: int) -> float | None:
+def _split_us(row: dict, tile: tuple, splits: int, half: bool = False) -> float | None:
     for c in row["configs"]:
         cfg = c["config"]
-        if (cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], cfg["num_splits"]) == (*tile, splits):
+        if ((cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], cfg["num_splits"]) == (*tile, splits)
+                and cfg.get("HALF_MERGE", False) == half):
             return c["us"]
     return None
 
@@ -119,20 +127,22 @@ def report(result: dict) -> str:
     lines = [f"Device time of one decode launch (the fused K/V write; {result['layers']} layers' launches in a "
              "CUDA graph, a 64 MB read before each), median, us. `default`: decode_config.choose_config at a "
              "block-table width of 4k / 128k tokens (at 8k+ tokens only the 128k width holds the context).", "",
-             "| shape (one rank) | batch | context | default 4k | default 128k | 16 splits | 32 splits | best | best config |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| shape (one rank) | batch | context | default 4k | default 128k | 16 splits | 32 splits | 32, HALF_MERGE "
+             "| best | best config |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         dflt = {w: f"{v['us']:.1f} ({v['config']['num_splits']})" for w, v in r["default"].items()}
         cfg = next(iter(r["default"].values()))["config"]
         tile = (cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-        at = [_split_us(r, tile, n) for n in (16, 32)]
+        at = [_split_us(r, tile, 16), _split_us(r, tile, 32), _split_us(r, tile, 32, half=True)]
         b = r["best"]["config"]
         lines.append(f"| {r['shape']} ({r['heads']}/{r['kv_heads']} x {r['head_dim']}) | {r['batch']} | {r['context']} | "
                      f"{dflt.get('4096', '-')} | {dflt.get('131072', '-')} | "
                      + " | ".join("-" if u is None else f"{u:.1f}" for u in at)
-                     + f" | {r['best']['us']:.1f} | {b['num_splits']} splits, {b['BLOCK_N']}-key tiles, "
-                       f"{b['num_stages']} stages |")
-    lines += ["", "(default cells: us (split count); 16 / 32 splits: the default's tile at that split count)"]
+                     + f" | {r['best']['us']:.1f} | {b['num_splits']} splits{' (HALF_MERGE)' if b.get('HALF_MERGE') else ''}, "
+                       f"{b['BLOCK_N']}-key tiles, {b['num_stages']} stages |")
+    lines += ["", "(default cells: us (split count); 16 / 32 splits: the default's tile at that split count; "
+              "HALF_MERGE: decode_config's launch option, - where the run predates it)"]
     return "\n".join(lines)
 
 
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = SHAPES[:1] if args.quick else SHAPES
     batches = BATCHES[:1] if args.quick else BATCHES
     sms = _num_sms(torch.device("cuda"))
-    pool_map(_compile, [(h, kvh, d, _cfg(t, s)) for _, h, kvh, d in shapes for t in TILES[d] for s in SPLITS])
+    pool_map(_compile, [(h, kvh, d, cfg) for _, h, kvh, d in shapes for cfg in _configs(d)])
     result = gpu_run_info("benchmarks.kernels.bench_decode_latency", argv)
     result.update(layers=LAYERS, block_size=BLOCK_SIZE, rows=[])
     rows, path = result["rows"], None
@@ -164,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             if w >= n:
                 cfg = choose_config(b, kvh, h // kvh, w, sms, head_dim=d)
                 row["default"][str(w)] = {"config": cfg, "us": round(time_us(case, cfg), 2)}
-        for tile, s in itertools.product(TILES[d], SPLITS):
-            cfg = _cfg(tile, s)
+        for cfg in _configs(d):
             row["configs"].append({"config": cfg, "us": round(time_us(case, cfg), 2)})
         best = min(row["configs"], key=lambda c: c["us"])
         row["best"] = best

@@ -89,6 +89,9 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, new_kv: bool = False, ta
 
     splits = int(cfg["num_splits"])
     split, splits_pad = splits > 1, max(2, triton.next_power_of_2(splits))
+    merge = merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"]) if split else 1
+    half = merge_heads(HEADS // KV_HEADS, splits_pad // 2, head_dim, cfg["num_warps"]) if split and cfg.get("HALF_MERGE") \
+        else merge  # (decode_launch's rule)
     kv = "fp8e4nv" if fp8 else "bf16"
     types = dict(q_ptr="*bf16", k_ptr="*" + kv, v_ptr="*" + kv, bt_ptr="*i32", ctx_ptr="*i32", kn_ptr="*bf16",
                  vn_ptr="*bf16", slot_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32" if split else "*bf16",
@@ -99,8 +102,7 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, new_kv: bool = False, ta
     const = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, GROUP=HEADS // KV_HEADS, GROUP_PAD=16,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_F32=False,
                  PREFETCH=cfg.get("PREFETCH", 0), LANES=False, FUSED_MERGE=split, SPLITS_PAD=splits_pad,
-                 NEW_KV=new_kv, MERGE_HEADS=merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"])
-                 if split else 1, KV_FP8=fp8, NEW_KV_TAIL=new_kv and tail, PDL=False)
+                 NEW_KV=new_kv, MERGE_HEADS=merge, MERGE_HALF=half, KV_FP8=fp8, NEW_KV_TAIL=new_kv and tail, PDL=False)
     return compile_sm90(_decode_kernel, types, const,
                         lambda n: types[n].startswith("*") or n not in ("num_splits", "stride_bts", "scale_log2"),
                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

@@ -312,6 +312,16 @@ def test_merge_heads_per_round() -> None:
     assert merge_heads(1, 64, 64, 4) == 1
 
 
+def test_half_merge_takes_half_the_splits_for_short_contexts() -> None:
+    """Launch option HALF_MERGE at 32 splits of a group whose half-tile merge takes more heads a round
+    (decode_config): a context of up to 2 tiles a split over half the splits (1, 33, 100 and 1024
+    tokens of 32-token tiles: the half merge), a longer one over all (1025 and 1090: the whole
+    tile's), in the engine's launch (this step's K/V written, added after the loop by the last split
+    in use)."""
+    assert merge_heads(4, 16, 64, 1) == 2 > merge_heads(4, 32, 64, 1)  # (the interpreter's 1 warp)
+    _check_fused_kv_write((4, 1), torch.bfloat16, 64, [1, 33, 100, 1024, 1025, 1090], (32,), {"HALF_MERGE": True})
+
+
 @pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 128), (8, 128), (2, 64), (4, 64), (8, 64)])
 def test_gqa_gpu_config(group: int, head_dim: int) -> None:
     """The GPU's GQA configs (from shapes only): splits within bounds and, where the cap allows,
