@@ -38,7 +38,9 @@ log-sum-exp: by default inside the same launch, by the last split of each (seque
 finish (an arrival counter, reset by that program); FLASHPAGE_DECODE_MERGE=launch uses a second
 kernel instead. num_splits is chosen from shapes only (no host sync; safe under CUDA-graph capture
 while context_lens change between replays): each split's token range is computed in-kernel from the
-actual context_len, and a split left with no tokens writes lse = -inf and a zero partial.
+actual context_len, and a split left with no tokens writes lse = -inf and a zero partial. (Launch
+option HALF_MERGE, decode_config: a short context takes half the splits, whose fused merge then
+reads theirs alone, in fewer rounds; the same result up to fp32 summation order.)
 With num_splits == 1 the one launch writes ``out`` directly.
 The counters live in one int32 buffer per (device, stream); launches that share a buffer must not
 run concurrently (e.g. one captured graph replayed on two streams at once).
