@@ -12,6 +12,10 @@ kernel's own device time from torch.profiler: per (shape, batch, context), the d
 (decode_config.choose_config at each block-table width), every split count x tile config, and each
 tile at 32 splits with decode_config's launch option HALF_MERGE (not yet in the tables).
 
+Measured so (H200, benchmarks/results/decode_latency_h200.json) the default launch took 7.2-8.0 us
+at 512 tokens for the 8B shape and its TP shares, against 11.1-11.3 in the engines' step profiles:
+the launch alone does not hold the difference (what the step around it adds is not measured here).
+
   python -m benchmarks.kernels.bench_decode_latency [--out-dir benchmarks/results] [--quick]
 Writes decode_latency_<gpu>.json.
 """
