@@ -92,7 +92,8 @@ FP8_SPLIT_CAP = 32
 # half of them and that merge; a longer one spreads over all of them, and the merge reads only the
 # splits that hold tiles. Why: on an H200 (bench_decode_latency, 2026-11-28) 32 splits at batch 1
 # beat the one-round cap's 16 by 20-40% at 32k tokens (Llama-3.1-8B's 32/8 heads x 128: 39.5 us
-# against 49.4) but lost 1-6 us at 512-2048 tokens, where the 32-split merge takes a second round.
+# against 49.4) but lost 0.9-6.6 us at 512 tokens and up to 4.9 at 2048, where the 32-split merge
+# takes a second round.
 # Its interpreter tests pass and it compiles for sm_90 (triton 3.6 and 3.9, the key loop's
 # instructions unchanged); it has not run on a GPU, so choose_gpu_config does not pick it. Off, the
 # launches compile to the PTX they did before it existed (both tritons, 64 configs: head 64 and 128,
