@@ -250,7 +250,8 @@ def _decode_kernel(
                 # MERGE_HEADS query heads per round trip: this merge is the kernel's tail, and each
                 # round is a dependent load latency (registers bound a round: decode_config.merge_heads).
                 # HALF_MERGE: a tile of half the splits and MERGE_HALF heads a round where the splits
-                # in use fit it.
+                # in use fit it. (A constexpr test around a runtime one: off, the launch compiles to
+                # the code it did before the option existed.)
                 if MERGE_HALF > MERGE_HEADS:
                     if active <= SPLITS_PAD // 2:
                         _merge_group(po_ptr, plse_ptr, out_ptr, seq, kvh, num_heads, num_splits, active, stride_os,
