@@ -45,6 +45,16 @@ def merge_heads(group: int, splits_pad: int, head_dim_pad: int, num_warps: int) 
     return min(triton.next_power_of_2(group), 1 << (fit.bit_length() - 1))
 
 
+def merge_constexprs(group: int, splits_pad: int, head_dim_pad: int, cfg: dict, fused: bool) -> tuple[int, int]:
+    """The kernel's MERGE_HEADS and MERGE_HALF for a launch: heads a round of the fused merge, and of
+    the merge of half the splits where the config asks for HALF_MERGE (the kernel takes that path
+    where it is more; else MERGE_HEADS, and the kernel compiles as without the option). 1, 1 unfused."""
+    if not fused:
+        return 1, 1
+    merge = merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"])
+    return merge, merge_heads(group, splits_pad // 2, head_dim_pad, cfg["num_warps"]) if cfg.get("HALF_MERGE") else merge
+
+
 def choose_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
                   head_dim: int = 64, kv_bytes: int = 2) -> dict:
     """Tile / warps / stages / split count, from shapes only (never from tensor values). kv_bytes:

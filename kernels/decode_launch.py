@@ -17,7 +17,7 @@ import triton
 from triton.runtime import driver
 
 from kernels import pdl
-from kernels.decode_config import MAX_SPLITS, merge_heads
+from kernels.decode_config import MAX_SPLITS, merge_constexprs
 from kernels.decode_kernels import _decode_kernel, _merge_kernel
 from kernels.scratch import scratch
 
@@ -82,9 +82,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, new_kv, scale, out,
         stream = 0 if _INTERPRET else driver.active.get_current_stream(q.device.index)
         cnt = _counters(q.device, stream, num_seqs * num_kv_heads)
     kn, vn, slots = _new_kv_args(new_kv, q, context_lens)
-    merge = merge_heads(group, splits_pad, head_dim_pad, cfg["num_warps"]) if fused else 1
-    # launch option HALF_MERGE (decode_config): the kernel takes it where half the splits' merge does more heads a round
-    half = merge_heads(group, splits_pad // 2, head_dim_pad, cfg["num_warps"]) if fused and cfg.get("HALF_MERGE") else merge
+    merge, half = merge_constexprs(group, splits_pad, head_dim_pad, cfg, bool(fused))
     tail = (
         num_splits, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

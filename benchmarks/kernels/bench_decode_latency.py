@@ -23,6 +23,7 @@ Writes decode_latency_<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import time
@@ -89,14 +90,19 @@ def _compile(job) -> None:
     torch.cuda.synchronize()
 
 
+@functools.cache
+def _flush() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 64 MB that the graph reads before each launch, and the scalar its sum goes to."""
+    return torch.zeros(16 << 20, dtype=torch.float32, device="cuda"), torch.empty((), dtype=torch.float32, device="cuda")
+
+
 def time_us(case, cfg: dict | None, replays: int = 20) -> float:
     """Median device time of one decode launch: LAYERS launches in a CUDA graph, each after a 64 MB
     read, under torch.profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    flush = torch.zeros(16 << 20, dtype=torch.float32, device="cuda")  # 64 MB
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    flush, sink = _flush()
     _run(case, cfg)  # compile / plan outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

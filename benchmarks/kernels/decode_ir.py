@@ -84,14 +84,12 @@ def compile_launch(head_dim: int, fp8: bool, cfg: dict, new_kv: bool = False, ta
     row stride, which the kernel does not specialise)."""
     import triton
 
-    from kernels.decode_config import merge_heads
+    from kernels.decode_config import merge_constexprs
     from kernels.decode_kernels import _decode_kernel
 
     splits = int(cfg["num_splits"])
     split, splits_pad = splits > 1, max(2, triton.next_power_of_2(splits))
-    merge = merge_heads(HEADS // KV_HEADS, splits_pad, head_dim, cfg["num_warps"]) if split else 1
-    half = merge_heads(HEADS // KV_HEADS, splits_pad // 2, head_dim, cfg["num_warps"]) if split and cfg.get("HALF_MERGE") \
-        else merge  # (decode_launch's rule)
+    merge, half = merge_constexprs(HEADS // KV_HEADS, splits_pad, head_dim, cfg, split)
     kv = "fp8e4nv" if fp8 else "bf16"
     types = dict(q_ptr="*bf16", k_ptr="*" + kv, v_ptr="*" + kv, bt_ptr="*i32", ctx_ptr="*i32", kn_ptr="*bf16",
                  vn_ptr="*bf16", slot_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32" if split else "*bf16",
