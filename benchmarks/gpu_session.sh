@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
+#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|profile-draft|profile-spec|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -292,6 +292,23 @@ for step in "${@:-tests throughput prefix}"; do
           timeout 200 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --batch 1 --quantization fp8 \
             $extra --out-dir "$OUT" 2>&1 | tee -a "$OUT/profile_fp8.log" | grep -v -e '^USDT' -e 'Warning' | tail -40 \
             || status=1
+        done ;;
+      # profile-draft: issue 48: the Llama-3.2-1B-shaped draft's decode step at batch 1, 16-bit and FP8
+      # weights (what each of a draft round's forwards costs, and where)
+      profile-draft)
+        for q in "" fp8; do
+          # shellcheck disable=SC2086
+          timeout 150 python3 -m benchmarks.profiling.profile_step --shape llama-3.2-1b --batch 1 ${q:+--quantization $q} \
+            --out-dir "$OUT" 2>&1 | tee -a "$OUT/profile_draft.log" | grep -v -e '^USDT' -e 'Warning' | tail -30 \
+            || status=1
+        done ;;
+      # profile-spec: issue 48: where a batch-1 speculative cycle's time goes (benchmarks/profiling/
+      # profile_spec.py): the 1B-shaped draft, 16-bit and FP8, and n-gram, at the oracle's 0.8
+      profile-spec)
+        for variant in "--method draft_model" "--method draft_model --draft-quantization fp8" "--method ngram"; do
+          # shellcheck disable=SC2086
+          timeout 200 python3 -m benchmarks.profiling.profile_spec $variant --out-dir "$OUT" 2>&1 \
+            | tee -a "$OUT/profile_spec.log" | grep -v -e '^USDT' -e 'Warning' -e 'Writing' | tail -2 || status=1
         done ;;
       tp2profile)
         # shellcheck disable=SC2086

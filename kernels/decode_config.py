@@ -96,18 +96,43 @@ FP8_SPLIT_CAP = 32
 # with it: 16-bit 61-91% of copy bandwidth -> 79-98% where the K/V are >= 256 MB (one 64k-token
 # sequence at 32/8 heads x 128: 68% -> 87%, the plain launch's 87%), fp8 43-63% -> 60-76%.
 
-# Launch config key HALF_MERGE (off unless a config says True; not yet picked by the tables): where
-# the fused merge of half the splits takes more query heads a round than the whole tile's (32 splits
-# of a group of 4 at head 128), a context that half the splits cover in at most 2 tiles each takes
-# half of them and that merge; a longer one spreads over all of them, and the merge reads only the
-# splits that hold tiles. Why: on an H200 (bench_decode_latency, 2026-11-28) 32 splits at batch 1
-# beat the one-round cap's 16 by 20-40% at 32k tokens (Llama-3.1-8B's 32/8 heads x 128: 39.5 us
-# against 49.4) but lost 0.9-6.6 us at 512 tokens and up to 4.9 at 2048, where the 32-split merge
-# takes a second round.
-# Its interpreter tests pass and it compiles for sm_90 (triton 3.6 and 3.9, the key loop's
-# instructions unchanged); it has not run on a GPU, so choose_gpu_config does not pick it. Off, the
-# launches compile to the PTX they did before it existed (both tritons, 64 configs: head 64 and 128,
-# 3 and 5 stages, 1 to 32 splits, fp8 and 16 bits, with and without the fused write; 2026-11-28).
+# Launch config key HALF_MERGE: where the fused merge of half the splits takes more query heads a
+# round than the whole tile's (32 splits of a group of 4 at head 128), a context that half the
+# splits cover in at most 2 tiles each takes half of them and that merge; a longer one spreads over
+# all of them, and the merge reads only the splits that hold tiles. choose_gpu_config picks it at
+# HALF_MERGE_SPLITS (twice the one-round cap) where the half tile's merge takes the whole group in
+# one round and the grid stays small (`wide_splits`: 2 programs an SM at head 128, 1 at head 64).
+# Measured on an H200 (bench_decode_latency, 2026-11-28; benchmarks/results/decode_latency_h200.json),
+# 32 layers of the engine's fused-write launch, microseconds a launch against the 16 splits of before:
+# Llama-3.1-8B (32/8 heads x 128) 7.42 / 9.38 / 18.62 / 41.15 against 7.49 / 9.57 / 17.57 / 49.46 at
+# 512 / 2k / 8k / 32k tokens; its TP=2 rank (16/4) 7.07 / 8.58 / 15.36 / 31.42 against 7.20 / 8.83 /
+# 16.77 / 48.35; Qwen2.5-0.5B (14/2 x 64) 5.38 / 7.47 / 11.20 / 25.82 against 5.31 / 7.14 / 14.21 /
+# 42.30. Not picked: its batch 4 (5.66 / 8.61 / 13.12 / 30.82 against 5.41 / 7.36 / 14.50 / 42.99),
+# a group of 8 at head 128 (Llama-3.1-70B's TP=4 rank, 16/2: its half tile merges in 2 rounds; 8.13 /
+# 9.70 / 22.42 / 38.11 against 7.97 / 9.47 / 17.47 / 49.25), and larger grids (Llama-3.1-8B at batch 4:
+# 12.9-49.4 against 9.2-40.4 at 512-8k tokens). Not measured on an H100 (132 SMs too).
+# Off, the launches compile to the PTX they did before it existed (both tritons, 64 configs: head
+# 64 and 128, 3 and 5 stages, 1 to 32 splits, fp8 and 16 bits, with and without the fused write).
+HALF_MERGE_SPLITS = 32
+
+
+def half_merge_splits(group: int, head_dim: int) -> int | None:
+    """The split count at which choose_gpu_config may pick HALF_MERGE for this group and head size
+    (a 16-bit cache on a GPU), or None where it never does: what the warm-up compiles it at."""
+    if _INTERPRET or group == 1:
+        return None
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    return HALF_MERGE_SPLITS if 2 * merge_split_cap(group, d_pad) == HALF_MERGE_SPLITS else None
+
+
+def wide_splits(pairs: int, group: int, head_dim: int, max_ctx: int, block_n: int, programs: int) -> int | None:
+    """HALF_MERGE_SPLITS where choose_gpu_config takes them with HALF_MERGE (see above): the group
+    qualifies, the grid holds at most `programs` programs, and the block table's width gives each
+    split at least 4 tiles (split_count's rule); else None."""
+    wide = half_merge_splits(group, head_dim)
+    if wide is None or pairs * wide > programs:
+        return None
+    return wide if split_count(pairs, max_ctx, block_n, programs) >= wide else None
 
 
 def choose_fp8_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int, sm_count: int,
@@ -147,20 +172,27 @@ def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int
     # from takes stages of its own. Two buffers cost occupancy, so they pay only on small grids.
     # Splits stop where the fused merge would take a second round (each round a dependent load
     # at the kernel's tail, ~2 us), 16 at least: past that, fewer deeper-pipelined programs were
-    # faster (one sequence of 64K tokens, 32/8 heads x 128: 110 us at 16 splits, 115 at 49).
+    # faster (one sequence of 64K tokens, 32/8 heads x 128: 110 us at 16 splits, 115 at 49; H100).
+    # Except twice that with HALF_MERGE where a small grid leaves SMs idle (wide_splits, above).
     d_pad = max(16, triton.next_power_of_2(head_dim))
     cap = max(16, merge_split_cap(group, d_pad))
     if d_pad > 64:
         # BLOCK_N 64: 128 registers with 3 stages (4 programs per SM), ~140 and 72 KB of shared
         # memory with 5 (3 per SM). Splits fill 3 per SM, measured ~1% faster than 4.
-        splits = min(cap, split_count(pairs, max_ctx, 64, 3 * sm_count))
+        splits = wide_splits(pairs, group, head_dim, max_ctx, 64, 2 * sm_count) or min(
+            cap, split_count(pairs, max_ctx, 64, 3 * sm_count))
         deep = pairs * splits < 2 * sm_count
-        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+        return cfg | {"HALF_MERGE": True} if splits > cap else cfg
     # head_dim <= 64, BLOCK_N 32: 64-80 registers and 20 KB with 5 stages (~7 programs per SM),
     # fewer with 3 (8 per SM): two buffers pay while the grid fits one wave.
-    splits = min(cap, split_count(pairs, max_ctx, 32, 4 * sm_count))
+    # (HALF_MERGE's grid: one program an SM here; at 2, Qwen2.5-0.5B at batch 4, it lost 0.3-1.4 us
+    # at 512-2k tokens on an H200)
+    splits = wide_splits(pairs, group, head_dim, max_ctx, 32, sm_count) or min(
+        cap, split_count(pairs, max_ctx, 32, 4 * sm_count))
     deep = pairs * splits <= 6 * sm_count
-    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+    return cfg | {"HALF_MERGE": True} if splits > cap else cfg
 
 
 def stage_variants(group: int) -> tuple[int, ...]:

@@ -39,8 +39,9 @@ finish (an arrival counter, reset by that program); FLASHPAGE_DECODE_MERGE=launc
 kernel instead. num_splits is chosen from shapes only (no host sync; safe under CUDA-graph capture
 while context_lens change between replays): each split's token range is computed in-kernel from the
 actual context_len, and a split left with no tokens writes lse = -inf and a zero partial. (Launch
-option HALF_MERGE, decode_config: a short context takes half the splits, whose fused merge then
-reads theirs alone, in fewer rounds; the same result up to fp32 summation order.)
+option HALF_MERGE, which decode_config picks for small grids: a short context takes half the
+splits, whose fused merge then reads theirs alone, in fewer rounds; the same result up to fp32
+summation order.)
 With num_splits == 1 the one launch writes ``out`` directly.
 The counters live in one int32 buffer per (device, stream); launches that share a buffer must not
 run concurrently (e.g. one captured graph replayed on two streams at once).
@@ -56,7 +57,8 @@ from triton import knobs
 
 from kernels import decode_launch, pdl
 from kernels.fp8 import check_scales, is_fp8
-from kernels.decode_config import MAX_SPLITS, _num_sms, choose_config, stage_variants  # noqa: F401 (choose_config re-exported)
+from kernels.decode_config import (MAX_SPLITS, _num_sms, choose_config,  # noqa: F401 (choose_config re-exported)
+                                   half_merge_splits, stage_variants)
 # This file: the contract and the public entry points. The Triton programs are in
 # kernels/decode_kernels.py, the launch machinery in kernels/decode_launch.py (imports point
 # paged_decode -> decode_launch -> decode_kernels). _launch and _PLANS stay importable from here
@@ -163,12 +165,15 @@ def warmup_split_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
     ctx = torch.full((1,), width * block_size, dtype=torch.int32, device=k_cache.device)
     kv = torch.zeros(1, *k_cache.shape[2:], dtype=dtype, device=k_cache.device)
     slot = torch.full((1,), -1, dtype=torch.int32, device=k_cache.device)  # nothing is written
-    for stages in stage_variants(num_heads // k_cache.shape[2]):
-        cfg = {"num_stages": stages}
+    group = num_heads // k_cache.shape[2]
+    wide = None if is_fp8(k_cache.dtype) else half_merge_splits(group, k_cache.shape[3])  # (16-bit tables only)
+    for stages in stage_variants(group):
         splits = 2
         while splits <= MAX_SPLITS:
-            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, _config=cfg, **sc)
-            paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv,
-                         slot_mapping=slot, _config=cfg, **sc)
+            for half in (False, True) if splits == wide else (False,):
+                cfg = {"num_stages": stages, "HALF_MERGE": half}
+                paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, _config=cfg, **sc)
+                paged_decode(q, k_cache, v_cache, tables, ctx, 1.0, num_splits=splits, k_new=kv, v_new=kv,
+                             slot_mapping=slot, _config=cfg, **sc)
             splits *= 2
 

@@ -10,7 +10,7 @@ each with its own cache, inside one CUDA graph, with a 64 MB read between layers
 launch starts from an L2 without its data (as after the layer's GEMMs), and takes the decode
 kernel's own device time from torch.profiler: per (shape, batch, context), the default config
 (decode_config.choose_config at each block-table width), every split count x tile config, and each
-tile at 32 splits with decode_config's launch option HALF_MERGE (not yet in the tables).
+tile at 32 splits with decode_config's launch option HALF_MERGE (which the tables pick for small grids).
 
 Measured so (H200, benchmarks/results/decode_latency_h200.json) the default launch took 7.2-8.0 us
 at 512 tokens for the 8B shape and its TP shares, against 11.1-11.3 in the engines' step profiles:
@@ -47,8 +47,10 @@ TILES = {128: ((64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5)), 64: ((32, 4, 3),
 
 def _cfg(tile: tuple, splits: int, half: bool = False) -> dict:
     block_n, warps, stages = tile
-    cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": 0, "num_splits": splits}
-    return cfg | {"HALF_MERGE": True} if half else cfg
+    # (HALF_MERGE said either way: paged_decode's _config overrides the tables' config key by key, and
+    # the tables pick HALF_MERGE for some of these cases)
+    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "PREFETCH": 0, "num_splits": splits,
+            "HALF_MERGE": half}
 
 
 def _configs(d: int) -> list[dict]:
@@ -153,6 +155,8 @@ def report(result: dict) -> str:
                        f"{b['BLOCK_N']}-key tiles, {b['num_stages']} stages |")
     lines += ["", "(default cells: us (split count); 16 / 32 splits: the default's tile at that split count; "
               "HALF_MERGE: decode_config's launch option, - where the run predates it)"]
+    if result.get("note"):
+        lines += ["", result["note"]]
     return "\n".join(lines)
 
 

@@ -60,6 +60,10 @@ class AttentionMetadata:
     # (cu_seqlens, prefix_lens, (tile_seq, tile_start)) of the decode rows as one-row chunks: the
     # deterministic triton path runs them through the prefill chunks' kernel
     decode_chunks: tuple | None = None
+    # (block_tables [T, max_blocks], context_lens [T]) int32: each prefill token as a decode row,
+    # its chunk's page table and its own position + 1 (triton: a step of short chunks alone, e.g.
+    # speculative verifications, attends through the paged decode kernel, split over the keys)
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -115,7 +119,9 @@ class AttentionBackend(Protocol):
                          tile_start: np.ndarray) -> None:
         """Write that work map (host int32 arrays of graph_tiles() slots) for these chunks."""
 
-    def graph_metadata(self, rows: StepRows, num_tokens: int,
-                       tiles: tuple[torch.Tensor, torch.Tensor] | None) -> AttentionMetadata:
+    def graph_metadata(self, rows: StepRows, num_tokens: int, tiles: tuple[torch.Tensor, torch.Tensor] | None,
+                       max_chunk_len: int | None = None) -> AttentionMetadata:
         """Metadata over a captured prefill graph's static rows: nothing in it may be read from
-        the host at replay, so it covers any batch of up to `num_tokens` tokens."""
+        the host at replay, so it covers any batch of up to `num_tokens` tokens. `max_chunk_len`:
+        the longest chunk any replay holds, where the graph's owner knows it (a speculative
+        verification's k + 1); None: any."""

@@ -130,5 +130,5 @@ class TorchAttention:
     def fill_graph_tiles(self, num_tokens, lens, prefix, tile_seq, tile_start) -> None:
         pass
 
-    def graph_metadata(self, rows: StepRows, num_tokens: int, tiles) -> AttentionMetadata:
+    def graph_metadata(self, rows: StepRows, num_tokens: int, tiles, max_chunk_len=None) -> AttentionMetadata:
         raise NotImplementedError(f"{self.name} prefill reads chunk lengths on the host: it cannot be captured")

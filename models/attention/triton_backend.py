@@ -9,6 +9,13 @@ kernel, then the decode kernel for the step's decode rows. The flash prefill ker
 step it lists exactly the chunks' tiles (prefill_arrays), so no program idles; in a captured
 prefill graph, whose grid never changes, it fills a fixed number of slots, the rest idle.
 
+A step whose chunks are all short (TOKEN_ROWS_MAX tokens at most: speculative verifications, their
+k + 1 tokens over a long cached prefix) attends through the paged decode kernel instead, each token
+a decode row over its chunk's page table up to its own position (`token_rows`), after the K/V write:
+the prefill kernel runs one program a (query tile, head) along the whole prefix: 22 us a layer for a
+5-token chunk over 256-512 cached tokens on an H200 (Llama-3.1-8B shape), where the decode kernel,
+split over the keys, took 10.5 us for its 5 rows (benchmarks/profiling/profile_spec.py).
+
 Deterministic mode (``deterministic=True``, the server's --deterministic): every row, prompt chunk or
 decode, goes through kernels/invariant_attention.py, which reads every key from the cache after
 this step's K/V are written, so that a position's output does not depend on the batch, the chunking
@@ -29,6 +36,22 @@ from kernels.paged_decode import paged_decode, warmup_split_variants
 from kernels.rope import rope_kv_write
 from kvcache import cache_scales
 from models.attention.base import AttentionMetadata, Rope, StepRows, base_metadata
+
+
+TOKEN_ROWS_MAX = 8  # the longest chunk a step may hold for its tokens to attend as decode rows
+
+
+def token_rows(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, block_tables: torch.Tensor,
+               num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_tables [num_tokens, max_blocks], context_lens [num_tokens]) int32 of each prefill token
+    as a decode row: its chunk's page table, and its position + 1. Device ops only (captured in a
+    prefill graph): a token past cu_seqlens[-1] (a graph's padding) takes the last chunk's table and
+    context 1 (it writes no K/V, and its output is not read)."""
+    idx = torch.arange(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
+    chunk = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp_(max=block_tables.shape[0] - 1)
+    ctx = prefix_lens[chunk] + idx - cu_seqlens[chunk] + 1
+    ctx = torch.where(idx < cu_seqlens[-1], ctx, torch.ones_like(ctx))
+    return block_tables.index_select(0, chunk), ctx.to(torch.int32)
 
 
 class TritonAttention:
@@ -61,6 +84,9 @@ class TritonAttention:
             meta.has_prefix = any(rows.chunk_prefix)
             if "tile_seq" in rows.extra:
                 meta.prefill_tiles = rows.extra["tile_seq"], rows.extra["tile_start"]
+            if meta.max_seqlen <= TOKEN_ROWS_MAX and not self.deterministic:
+                meta.token_rows = token_rows(rows.cu_seqlens, rows.prefix_lens, rows.prefill_block_tables,
+                                             rows.num_prefill_tokens)
         if self.deterministic:
             self._decode_chunks(meta)
         return meta
@@ -96,10 +122,13 @@ class TritonAttention:
                           k_scale=ks, v_scale=vs)
         else:
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
-        flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],
-                      v_cache=cache[1], block_tables=meta.prefill_block_tables, prefix_lens=meta.prefix_lens,
-                      out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
+        if meta.token_rows is not None:  # short chunks: each token a decode row (see the module's docstring)
+            paged_decode(q[:p], k_cache, v_cache, *meta.token_rows, scale, out=out[:p], k_scale=ks, v_scale=vs)
+        else:
+            cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
+            flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],
+                          v_cache=cache[1], block_tables=meta.prefill_block_tables, prefix_lens=meta.prefix_lens,
+                          out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
         if q.shape[0] > p:
             paged_decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out[p:],
                          k_scale=ks, v_scale=vs)
@@ -158,9 +187,12 @@ class TritonAttention:
                          tile_start: np.ndarray) -> None:
         tile_seq[:], tile_start[:] = tile_map(lens, prefix, self._block_m[num_tokens], len(tile_seq))
 
-    def graph_metadata(self, rows: StepRows, num_tokens: int, tiles) -> AttentionMetadata:
+    def graph_metadata(self, rows: StepRows, num_tokens: int, tiles, max_chunk_len: int | None = None
+                       ) -> AttentionMetadata:
         meta = base_metadata(rows)
         meta.max_seqlen, meta.has_prefix, meta.prefill_tiles = num_tokens, True, tiles
+        if max_chunk_len is not None and max_chunk_len <= TOKEN_ROWS_MAX and not self.deterministic:
+            meta.token_rows = token_rows(rows.cu_seqlens, rows.prefix_lens, rows.prefill_block_tables, num_tokens)
         if self.deterministic:
             self._decode_chunks(meta)
         return meta

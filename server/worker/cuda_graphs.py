@@ -226,15 +226,17 @@ def prefill_ladder(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_tokens: int, max_blocks: int,
                  device: torch.device, max_chunks: int = PREFILL_GRAPH_SEQS, max_rows: int | None = None,
-                 sampled_ids: torch.Tensor | None = None) -> None:
+                 sampled_ids: torch.Tensor | None = None, max_chunk_len: int | None = None) -> None:
         """`max_chunks` chunks a step, and logits for `max_rows` of its tokens (default one a
         chunk; a speculative step's verification samples every token: server/worker/spec/), its
-        input ids' placeholders resolved from `sampled_ids` (models/base.py)."""
+        input ids' placeholders resolved from `sampled_ids` (models/base.py); `max_chunk_len`: the
+        longest chunk a step will hold, where known (a verification's k + 1: the attention backend
+        may take another kernel for short chunks)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.attention = model.attention
         self.sizes = prefill_ladder(max_tokens)
         self.max_chunks, self.max_rows = max_chunks, max_rows or max_chunks
-        self.sampled_ids = sampled_ids
+        self.sampled_ids, self.max_chunk_len = sampled_ids, max_chunk_len
         # The backend's per-step work map (tile_seq | tile_start sections), if it keeps one.
         self.num_tiles = {t: self.attention.graph_tiles(t, max_chunks, device) for t in self.sizes}
         t_max, n_max, s, r = self.sizes[-1], max(self.num_tiles.values()), max_chunks, self.max_rows
@@ -264,7 +266,7 @@ class PrefillGraphs:
         ids, pos, slots, cu, prefix, ends, tseq, tstart, bt = self._views(self.staging.dev)
         n, r = self.num_tiles[t], self.rows_for(t)
         rows = StepRows(slots[:t], t, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=bt)
-        meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None)
+        meta = self.attention.graph_metadata(rows, t, (tseq[:n], tstart[:n]) if n else None, self.max_chunk_len)
         hidden = self.model.forward(ids[:t], pos[:t], self.kv_caches, meta, sampled_ids=self.sampled_ids)
         logits = self.model.lm_head(hidden[ends[:r]])
         argmax_rows(logits, self.model.vocab_size, out=self.ids[:r])
@@ -302,7 +304,8 @@ class PrefillGraphs:
         """Do these chunks (sampling `rows` rows, where more than one a chunk) fit a graph?"""
         # (rows <= tokens <= the graph's size: within its rows_for whenever within max_rows)
         return (len(prefills) <= self.max_chunks and sum(p.num_tokens for p in prefills) <= self.sizes[-1]
-                and rows <= self.max_rows)
+                and rows <= self.max_rows
+                and (self.max_chunk_len is None or all(p.num_tokens <= self.max_chunk_len for p in prefills)))
 
     def run(self, prefills: list[ScheduledChunk], block_size: int) -> torch.Tensor | None:
         """Fill the static inputs for these chunks, replay; raw logits of the chunks that sample

@@ -160,7 +160,8 @@ def test_split_count_from_shapes_only() -> None:
 
 
 def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: int, lens: list[int],
-                          splits: tuple, config: dict | None = None, fp8: str | None = None) -> None:
+                          splits: tuple, config: dict | None = None, fp8: str | None = None,
+                          extra_cols: int = 3) -> None:
     """k_new/v_new/slot_mapping: this step's K/V (the last token of each sequence) are written by
     the kernel and attended to from registers. Their slots hold NaN before the call, so reading
     one from the cache would poison the output; the last row (slot -1) writes nothing. With `fp8`
@@ -168,7 +169,8 @@ def _check_fused_kv_write(heads: tuple[int, int], dtype: torch.dtype, head_dim: 
     bytes and attends to the quantized values, as the reference over the cache it wrote does."""
     num_heads, num_kv_heads = heads
     n = len(lens)
-    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, head_dim=head_dim, extra_table_cols=3)
+    seed, q, kc, vc, bt, ctx = _make(lens, num_heads, num_kv_heads, 16, dtype, head_dim=head_dim,
+                                     extra_table_cols=extra_cols)
     g = torch.Generator().manual_seed(seed)
     big = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     k_new, v_new = big[:, 1], big[:, 2]  # strided views, as from the fused qkv projection
@@ -331,11 +333,74 @@ def test_gqa_gpu_config(group: int, head_dim: int) -> None:
             cfg = choose_gpu_config(batch, 8, group, ctx, 132, head_dim)
             ns = cfg["num_splits"]
             assert 1 <= ns <= MAX_SPLITS and cfg["num_stages"] in (3, 5), cfg
-            if merge_split_cap(group, head_dim) >= 16:
-                assert merge_heads(group, 1 << (ns - 1).bit_length(), head_dim, cfg["num_warps"]) >= group, cfg
+            if merge_split_cap(group, head_dim) >= 16:  # (HALF_MERGE: the half tile's merge, for short contexts)
+                tile = 1 << (ns - 1).bit_length() >> bool(cfg.get("HALF_MERGE"))
+                assert merge_heads(group, tile, head_dim, cfg["num_warps"]) >= group, cfg
     assert choose_gpu_config(1, 8, group, 65536, 132, head_dim)["num_stages"] == 5
     assert choose_gpu_config(256, 8, group, 1024, 132, head_dim) == dict(
         choose_gpu_config(256, 8, group, 1024, 132, head_dim), num_stages=3, num_splits=1)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU tables' own config (the interpreter's is fixed)")
+@pytest.mark.parametrize("context", [1, 33, 1000, 2100, 9000])
+def test_gpu_tables_own_config_over_a_wide_block_table(context: int) -> None:
+    """The engine's launch as the GPU tables configure it for few sequences over a block table as wide
+    as a long --max-model-len: two sequences of a TP=2 Llama-3.1-8B rank's heads (16/4 x 128), where
+    the tables pick 32 splits with HALF_MERGE (half of them for short contexts, all for long ones)."""
+    from kernels.decode_config import _num_sms, choose_config
+
+    cols = 9000 // 16 + 8
+    if _num_sms(torch.device(DEVICE)) >= 128:
+        assert choose_config(2, 4, 4, (cols + 1) * 16, _num_sms(torch.device(DEVICE)), 128).get("HALF_MERGE")
+    _check_fused_kv_write((16, 4), torch.bfloat16, 128, [context, 17], (None,), None, extra_cols=cols)
+
+
+def test_half_merge_picked_for_small_grids_only(monkeypatch) -> None:
+    """The tables take 32 splits with HALF_MERGE where the grid stays within 2 programs an SM, the half
+    tile's merge takes the group in one round and the block table is wide enough (decode_config's
+    measured cases), and never otherwise."""
+    import kernels.decode_config as dc
+
+    monkeypatch.setattr(dc, "_INTERPRET", False)
+    wide = {"num_splits": 32, "HALF_MERGE": True}
+    for kv, group, d in ((8, 4, 128), (4, 4, 128), (2, 7, 64)):  # Llama-3.1-8B, its TP=2 rank, Qwen2.5-0.5B
+        assert choose_gpu_config(1, kv, group, 131072, 132, d).items() >= wide.items(), (kv, group, d)
+        assert "HALF_MERGE" not in choose_gpu_config(1, kv, group, 2048, 132, d)  # too narrow a table
+        assert "HALF_MERGE" not in choose_gpu_config(64, kv, group, 131072, 132, d)  # a full grid
+    assert "HALF_MERGE" not in choose_gpu_config(4, 2, 7, 131072, 132, 64)  # head 64: one program an SM at most
+    assert choose_gpu_config(1, 8, 4, 131072, 132, 128)["num_stages"] == 5
+    assert "HALF_MERGE" not in choose_gpu_config(4, 8, 4, 131072, 132, 128)  # 1024 programs
+    assert "HALF_MERGE" not in choose_gpu_config(1, 8, 4, 131072, 108, 128)  # 256 programs on 108 SMs
+    assert "HALF_MERGE" not in choose_gpu_config(1, 2, 8, 131072, 132, 128)  # Llama-3.1-70B at TP=4: 2 rounds
+    assert "HALF_MERGE" not in choose_gpu_config(1, 8, 1, 131072, 132, 128)  # the lane-wise path
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+def test_warmup_compiles_every_variant_the_gpu_config_picks(group: int, monkeypatch) -> None:
+    """warmup_split_variants compiles every (num_stages, split padding, HALF_MERGE) the GPU tables
+    can pick for a 16-bit cache of this group, at any batch, width and SM count."""
+    import kernels.decode_config as dc
+    import kernels.paged_decode as pd
+
+    monkeypatch.setattr(dc, "_INTERPRET", False)
+    compiled = set()
+
+    def record(q, k, v, tables, ctx, scale, *, num_splits, _config, **kw):
+        compiled.add((_config["num_stages"], num_splits, _config["HALF_MERGE"]))
+
+    monkeypatch.setattr(pd, "paged_decode", record)
+    for d in (64, 128):
+        compiled.clear()
+        k = torch.zeros(4, 16, 2, d, dtype=torch.bfloat16)
+        pd.warmup_split_variants(k, k, 2 * group, torch.bfloat16)
+        for batch in (1, 3, 16, 64, 256):
+            for kv in (1, 2, 8):
+                for ctx in (16, 512, 4096, 131072):
+                    for sms in (108, 132):
+                        cfg = choose_gpu_config(batch, kv, group, ctx, sms, d)
+                        pad = max(2, 1 << (cfg["num_splits"] - 1).bit_length())
+                        if cfg["num_splits"] > 1:
+                            assert (cfg["num_stages"], pad, cfg.get("HALF_MERGE", False)) in compiled, (cfg, d)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8])

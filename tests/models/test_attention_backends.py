@@ -324,6 +324,71 @@ def test_fp8_cache_step(kind, dtype, fp8):
         f"{kind} {fp8}: the cache after the step"
 
 
+# A speculative step's chunks: verifications of k + 1 = 5 tokens (one whose last block is full), a
+# shorter one, a decode as a one-token chunk (verify.py's form), each over a cached prefix; and a decode.
+SHORT_CHUNKS = [(21, 5), (27, 5), (40, 1), (3, 3)]
+
+
+@pytest.mark.parametrize("pad", [0, 3], ids=["eager", "graph"])
+@pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_short_chunks_step(kind, dtype, pad):
+    """A step of short chunks alone (at most TOKEN_ROWS_MAX tokens each: the triton backend attends
+    them as decode rows, models/attention/triton_backend.py `token_rows`) against dense attention,
+    eagerly and, for triton, through graph_metadata over a graph's padded rows (`pad` tokens in no
+    chunk, cu_seqlens and the chunk rows padded as PrefillGraphs fills them)."""
+    from models.attention.triton_backend import TOKEN_ROWS_MAX
+
+    assert max(n for _, n in SHORT_CHUNKS) <= TOKEN_ROWS_MAX
+    step = _build(4, 2, 64, dtype, chunks=SHORT_CHUNKS, decodes=[9], seed=5)
+    backend = _backend(kind, 64, 2)
+    if kind == "triton":  # the path under test, not the prefill kernel's
+        assert backend.metadata(step.rows).token_rows is not None
+    if not pad or not kind.startswith("triton"):
+        out, storage = step.run(kind, 64)
+        _check_out(out, step, dtype, kind)
+        _check_cache(storage, step.want_storage, kind)
+        return
+    # graph form: the chunks' tokens then `pad` padding tokens; no decode rows (a verification graph
+    # takes decodes as one-token chunks)
+    nc, p = len(SHORT_CHUNKS), step.rows.num_prefill_tokens
+    T, max_chunks = p + pad, nc + 2
+    r = step.rows
+    cu = torch.full((max_chunks + 1,), p, dtype=torch.int32)
+    cu[: nc + 1] = r.cu_seqlens
+    prefix = torch.zeros(max_chunks, dtype=torch.int32)
+    prefix[:nc] = r.prefix_lens
+    tables = torch.zeros(max_chunks, MAX_BLOCKS, dtype=torch.int32)
+    tables[:nc] = r.prefill_block_tables
+    g = _gen("short-graph-padding")
+    extra = lambda t: torch.randn(pad, *t.shape[1:], generator=g).to(dtype)  # noqa: E731
+    q, k, v = (torch.cat([t[:p], extra(t)]) for t in (step.q, step.k, step.v))
+    slots = torch.cat([r.slot_mapping[:p], torch.full((pad,), -1, dtype=torch.int32)])
+    rows = StepRows(slots, T, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=tables)
+    n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE))
+    tile_seq, tile_start = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+    backend.fill_graph_tiles(T, r.chunk_lens, r.chunk_prefix, tile_seq, tile_start)
+    tiles = (torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_start).to(DEVICE))
+    out, storage = _forward(backend, q, k, v, step.storage, rows,
+                            lambda b, rr: b.graph_metadata(rr, T, tiles, max_chunk_len=TOKEN_ROWS_MAX), step.scale)
+    _check_rows(out[:p], step.ref[:p], dtype, f"{kind} graph")
+    want = step.storage.clone()
+    kv_write_ref(step.k[:p], step.v[:p], want[1, 0], want[1, 1], r.slot_mapping[:p])
+    _check_cache(storage, want, f"{kind} graph")
+
+
+def test_token_rows_of_a_padded_graph_step():
+    """Each token's page table row and context (its position + 1); padding tokens (past cu_seqlens'
+    last entry) take context 1 and the last chunk row."""
+    from models.attention.triton_backend import token_rows
+
+    cu = torch.tensor([0, 5, 6, 9, 9, 9], dtype=torch.int32)  # 3 chunks, 2 padding chunk rows
+    prefix = torch.tensor([21, 40, 3, 0, 0], dtype=torch.int32)
+    tables = torch.arange(5, dtype=torch.int32)[:, None].repeat(1, 4) * 10
+    bt, ctx = token_rows(cu, prefix, tables, 12)
+    assert ctx.tolist() == [22, 23, 24, 25, 26, 41, 4, 5, 6, 1, 1, 1] and ctx.dtype == torch.int32
+    assert bt[:, 0].tolist() == [0, 0, 0, 0, 0, 10, 20, 20, 20, 40, 40, 40]
+
+
 @pytest.mark.parametrize("kind", ["eager", "sdpa"])
 def test_torch_backends_have_no_prefill_graphs(kind):
     backend = make_backend(kind, 64)

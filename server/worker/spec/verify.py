@@ -1,8 +1,9 @@
 """A speculative step's verification on the device: a sequence with proposals d_1..d_k is a chunk of
 k + 1 tokens (its last token, then the proposals) at positions p..p+k over its paged cache, and
 every one of those positions samples: row i holds the target's choice after d_1..d_i. That is a
-prefill chunk with a cached prefix, so the flash prefill kernel's varlen path scores it
-(kernels/flash_prefill.py) and, on a GPU, a captured graph of its own replays it
+prefill chunk with a cached prefix, whose tokens the Triton backend attends as decode rows over
+the paged cache (models/attention/triton_backend.py `token_rows`: the chunk is short) and, on a
+GPU, a captured graph of its own replays it
 (`capture_verify_graphs`: server/worker/cuda_graphs.py's PrefillGraphs with a logit row per token).
 Rows of a step: decodes, then each verification's k + 1, then the prompt chunks that sample. Each
 row chooses as any row does (the argmax, Gumbel noise counted by its position, the general sampler,
@@ -84,7 +85,8 @@ def capture_spec_graphs(spec, runner, draft) -> None:
     chunks = min(batch, VERIFY_GRAPH_CHUNKS)
     tokens = min(chunks * (spec.num_speculative_tokens + 1), VERIFY_GRAPH_TOKENS, runner.max_tokens)
     runner.verify_graphs = PrefillGraphs(runner.model, runner.kv_caches, tokens, runner.max_blocks, runner.device,
-                                         max_chunks=chunks, max_rows=tokens)
+                                         max_chunks=chunks, max_rows=tokens,
+                                         max_chunk_len=spec.num_speculative_tokens + 1)
     runner.verify_graphs.capture()
     if runner.peers is not None:  # tensor parallelism: every rank replays the verification rank 0 does
         runner.verify_graphs.on_replay = runner.peers.replayer(runner.verify_graphs, prefill=True, verify=True)

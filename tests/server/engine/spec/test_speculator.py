@@ -90,6 +90,23 @@ def test_greedy_tokens_unchanged_with_preemption_prefix_hits_and_chunks(tiny_ckp
     assert sum(o.completion_tokens for o in got) == eng.num_generated_tokens == 20 * len(prompts)
 
 
+def test_triton_verifications_attend_as_decode_rows(llama_ckpt, monkeypatch):
+    """Our kernels (the interpreter on the CPU): a verification's tokens attend through the paged
+    decode kernel as decode rows (models/attention/triton_backend.py token_rows), and the greedy
+    tokens are decoding's without speculation."""
+    import models.attention.triton_backend as tb
+
+    built, original = [], tb.token_rows
+    monkeypatch.setattr(tb, "token_rows", lambda *a: built.append(a[-1]) or original(*a))
+    prompts = _prompts(400, 2, seed=4, repeat=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(attention="triton", dtype="float16")
+    ref = _run(llama_ckpt, prompts, params, **kw)[0]
+    got, eng = _run(llama_ckpt, prompts, params, _draft(llama_ckpt), **kw)  # (the target as its draft)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert eng.speculator.counters.drafts > 0 and built
+
+
 def test_stops_max_tokens_and_logprobs_inside_accepted_runs(tiny_ckpt):
     """With the target as its own draft every step accepts a run of up to four tokens: a stop id, a
     stop string or max_tokens inside a run ends the request exactly where decoding without
