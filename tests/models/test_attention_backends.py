@@ -45,6 +45,10 @@ def _backend(kind: str, head_dim: int, group: int = 1):
 # Prefill chunks as (cached prefix, new tokens) and decodes as context lengths (this step's token included).
 CHUNKS = [(0, 19), (21, 6)]
 DECODES = [1, 17, 40]
+# A speculative step's chunks (each at most TOKEN_ROWS_MAX tokens: triton attends them as decode
+# rows): verifications of k + 1 = 5 tokens, one whose last block is full, a decode as a one-token
+# chunk (verify.py's form), a short one, each over a cached prefix.
+SHORT_CHUNKS = [(21, 5), (27, 5), (40, 1), (3, 3)]
 
 
 @dataclass
@@ -293,15 +297,16 @@ def test_rope_is_applied_before_the_kv_write_and_attention(kind, dtype, chunks, 
     _check_cache(got_cache, want_cache, kind)
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, SHORT_CHUNKS], ids=["chunks", "short-chunks"])
 @pytest.mark.parametrize("fp8", FP8_DTYPES)
 @pytest.mark.parametrize("kind,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
-def test_fp8_cache_step(kind, dtype, fp8):
+def test_fp8_cache_step(kind, dtype, fp8, chunks):
     """Every backend over an fp8 cache (per-head scales, NaN bytes in every unowned slot): a mixed
     step with padding rows stores the reference quantizer's bytes, and attends as the kernels'
     references do over the cache after the step: every key and value as the cache holds it (the
     write leaves a prefill chunk's own K/V so, which kv_write_ref does to step.k and step.v here),
-    the prefix and decodes' tokens dequantized."""
-    step = _build(4, 2, 64, dtype, pad=2, seed=3)
+    the prefix and decodes' tokens dequantized. Short chunks: triton's decode rows (token_rows)."""
+    step = _build(4, 2, 64, dtype, chunks=chunks, pad=2, seed=3)
     storage = torch.empty(step.storage.shape, dtype=getattr(torch, fp8))
     scales = {}
     for layer, kv in itertools.product(range(2), range(2)):
@@ -322,11 +327,6 @@ def test_fp8_cache_step(kind, dtype, fp8):
     # padding writes of eager/sdpa land in the scratch block: only the real blocks are specified
     assert torch.equal(got[:, :, :NUM_BLOCKS].view(torch.uint8), want[:, :, :NUM_BLOCKS].view(torch.uint8)), \
         f"{kind} {fp8}: the cache after the step"
-
-
-# A speculative step's chunks: verifications of k + 1 = 5 tokens (one whose last block is full), a
-# shorter one, a decode as a one-token chunk (verify.py's form), each over a cached prefix; and a decode.
-SHORT_CHUNKS = [(21, 5), (27, 5), (40, 1), (3, 3)]
 
 
 @pytest.mark.parametrize("pad", [0, 3], ids=["eager", "graph"])
