@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import signal
 import socket
@@ -50,10 +51,29 @@ def write_result(result: dict, out_dir: str | os.PathLike, prefix: str) -> Path:
     return path
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
+PORT_BASE, PORTS_PER_WORKER = 20000, 1000  # free_port's ranges: one a pytest-xdist worker (a plain run: the first)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing is bound to now, never one this process was given before, from a range
+    of its own for each pytest-xdist worker (below Linux's ephemeral ports, where bind(0) and
+    clients' sockets take theirs). Why: bind(0) once gave two servers started back to back the same
+    port (a CI run, 2026-11-28); the second to load its model failed to bind, and until then the first
+    answered its /health, so its tests ran on the other server."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    lo = PORT_BASE + PORTS_PER_WORKER * (int(worker) % 10 if worker.isdigit() else 0)
+    for port in random.sample(range(lo, lo + PORTS_PER_WORKER), PORTS_PER_WORKER):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken (or lingering): another
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {lo}..{lo + PORTS_PER_WORKER - 1}")
 
 
 def wait_for_report(ranks, out, timeout: float, poll: float = 1.0):

@@ -37,7 +37,7 @@ from server.api.metrics import install_metrics
 from server.api.openai import install_openai
 from server.api.render import router as render_router
 from server.api.responses.serving import router as responses_router
-from server.api.openai_serving import DONE, EventStream, built, encode_json, sse
+from server.api.openai_serving import DONE, EventStream, built, encode_json, event_json, sse
 from server.api.tokens import install_tokens
 from server.api.tokenize import encode, use_backend
 from server.sampling_params import GREEDY_BELOW, SamplingParams, StructuredOutput
@@ -344,12 +344,12 @@ async def _sse(rid: str, first, stream):
     """One SSE event per engine step's tokens, then the final event and [DONE], as bytes (the part
     of an event that never changes encoded once per request). Closing the stream (the client went
     away) aborts the request."""
-    head = b'data: {"id":' + encode_json(rid) + b',"text":'
+    head = b'data: {"id":' + event_json(rid) + b',"text":'
     last, failure = first, None
     try:
         while True:
             if last.prompt_logprobs is None:  # the same JSON as the dict below, built without one
-                yield b"".join((head, encode_json(last.new_text), b',"token_ids":', encode_json(last.new_token_ids),
+                yield b"".join((head, event_json(last.new_text), b',"token_ids":', encode_json(last.new_token_ids),
                                 b',"finished":false}\n\n'))
             else:  # on the first event only, expanded from the engine's packed scores (a large one on a thread)
                 event = {"id": rid, "text": last.new_text, "token_ids": last.new_token_ids, "finished": False}

@@ -54,11 +54,26 @@ DONE = b"data: [DONE]\n\n"
 BUILD_ON_LOOP = 4096  # request_tokens up to which a whole (not streamed) answer is built on the event loop
 _BUILDERS = ThreadPoolExecutor(2, thread_name_prefix="flashpage-answer")  # where larger answers are built
 T = TypeVar("T")
+# msgspec leaves U+0085, U+2028 and U+2029 raw in a JSON string. An SSE line ends at CR or LF, but
+# clients that split a stream as str.splitlines does (httpx's iter_lines, and so many a Python
+# client) end lines at these three too, and cut the event's JSON in two: a generated token may be one
+# (a CI run's JSONDecodeError, 2026-11-28). Escaped they are the same JSON string, on one line. (In
+# UTF-8 these byte runs are those characters and nothing else: C2 and E2 only start a character.)
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def event_json(obj) -> bytes:
+    """encode_json(obj) with no character that any line splitter takes for a line break."""
+    data = encode_json(obj)
+    if b"\xc2\x85" in data or b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data:
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def sse(obj) -> bytes:
     """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + encode_json(obj) + b"\n\n"
+    return b"data: " + event_json(obj) + b"\n\n"
 
 
 async def built(size: int, build: Callable[[], T]) -> T:
@@ -356,7 +371,7 @@ async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], cho
     in one write; the last ones with the usage chunk and [DONE]); closing the stream aborts what
     still runs. The fixed part of a chunk (id, object, created, model) is encoded once per request:
     a chunk is `prefix + the choice object + suffix`, the same JSON as a fresh dict's, keys in order."""
-    prefix = b"data: " + encode_json(head)[:-1] + b',"choices":['
+    prefix = b"data: " + event_json(head)[:-1] + b',"choices":['
     suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
     done, item = 0, first
     try:
@@ -369,7 +384,7 @@ async def _stream(route: Route, first, take: Callable[[], Awaitable[tuple]], cho
                 pieces = c.chunks(out)
             else:  # an echo's first piece expands the prompt's scores (logprobs): a large one on a thread
                 pieces = await built(out.prompt_logprobs.pairs, functools.partial(c.chunks, out))
-            events = [prefix + encode_json(piece) + suffix for piece in pieces]
+            events = [prefix + event_json(piece) + suffix for piece in pieces]
             if extra and events:  # the first chunk carries them
                 events[0] = sse({**head, "choices": pieces[:1], **({"usage": None} if include_usage else {}), **extra})
                 extra = None

@@ -151,6 +151,18 @@ def _engine_finished(url: str) -> float:
                for s in fam.samples if s.name == "flashpage_requests_finished_total")
 
 
+def test_a_streamed_echo_of_line_separators_reads_back_through_iter_lines(server, model):
+    """U+2028, U+2029 and U+0085 in a stream's text (here the echoed prompt's) reach a client that
+    splits lines as str.splitlines does (httpx's iter_lines) inside whole events."""
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "echo": True, "stream": True, **NO_EOS}
+    with httpx.stream("POST", server + "/v1/completions", json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]  # each event's JSON whole
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(prompt)
+
+
 def test_echo_of_nothing_runs_nothing(server, client, model):
     """echo with max_tokens 0 and no logprobs answers with the prompt and costs the engine nothing
     (it once scored every prompt position for no one to read)."""
