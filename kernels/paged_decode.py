@@ -86,7 +86,8 @@ def paged_decode(
     """Attention of one query token per sequence over its paged K/V; with k_new, v_new and
     slot_mapping, this step's K/V written into the cache in the same launch. An fp8 cache takes its
     per-kv-head scales k_scale, v_scale. See the module docstring. ``_config`` overrides the
-    tile/warps/stages config (tuning and benchmarks only)."""
+    tile/warps/stages config key by key (tuning and benchmarks only): a launch option it does not
+    name (HALF_MERGE, NEW_KV_TAIL, FUSED_MERGE) stays as the tables chose it."""
     new_kv = None
     if k_new is not None or v_new is not None or slot_mapping is not None:
         new_kv = (k_new, v_new, slot_mapping)
