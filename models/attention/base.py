@@ -111,9 +111,10 @@ class AttentionBackend(Protocol):
         """Compile what batch shapes could otherwise compile mid-serving. `dtype`: the queries'
         (the model's; None: the cache's, which differs for an fp8 cache)."""
 
-    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
+    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device,
+                    max_chunk_len: int | None = None) -> int:
         """Slots of per-step work map a captured prefill step of `num_tokens` tokens in at most
-        `max_chunks` chunks needs (0: none)."""
+        `max_chunks` chunks, none longer than `max_chunk_len` (None: any), needs (0: none)."""
 
     def fill_graph_tiles(self, num_tokens: int, lens: list[int], prefix: list[int], tile_seq: np.ndarray,
                          tile_start: np.ndarray) -> None:

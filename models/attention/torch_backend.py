@@ -124,7 +124,7 @@ class TorchAttention:
     def warmup(self, kv_caches, num_heads: int, dtype: torch.dtype | None = None) -> None:
         pass  # nothing compiles per shape
 
-    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
+    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device, max_chunk_len=None) -> int:
         return 0
 
     def fill_graph_tiles(self, num_tokens, lens, prefix, tile_seq, tile_start) -> None:

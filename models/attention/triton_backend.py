@@ -69,10 +69,17 @@ class TritonAttention:
             return positions_per_tile(self.group)
         return block_m(self.head_dim, max_seqlen, device, self.group)
 
+    def _as_token_rows(self, max_chunk_len: int | None) -> bool:
+        """Do chunks of at most this many tokens (None: any) attend as decode rows (`token_rows`)?"""
+        return max_chunk_len is not None and max_chunk_len <= TOKEN_ROWS_MAX and not self.deterministic
+
     def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
                        ) -> dict[str, np.ndarray]:
         """The prefill kernel's tile map for these chunks, exactly as many tiles as they need: a
-        grid over (longest chunk) x chunks would launch idle programs for the short ones."""
+        grid over (longest chunk) x chunks would launch idle programs for the short ones. Nothing for
+        chunks that attend as decode rows."""
+        if self._as_token_rows(max(chunk_lens)):
+            return {}
         bm = self._positions_per_tile(max(chunk_lens), device)
         tile_seq, tile_start = tile_map(chunk_lens, chunk_prefix, bm)
         return {"tile_seq": tile_seq, "tile_start": tile_start}
@@ -84,7 +91,7 @@ class TritonAttention:
             meta.has_prefix = any(rows.chunk_prefix)
             if "tile_seq" in rows.extra:
                 meta.prefill_tiles = rows.extra["tile_seq"], rows.extra["tile_start"]
-            if meta.max_seqlen <= TOKEN_ROWS_MAX and not self.deterministic:
+            if self._as_token_rows(meta.max_seqlen):
                 meta.token_rows = token_rows(rows.cu_seqlens, rows.prefix_lens, rows.prefill_block_tables,
                                              rows.num_prefill_tokens)
         if self.deterministic:
@@ -178,7 +185,10 @@ class TritonAttention:
         warmup_split_variants(k_cache, v_cache, num_heads, dtype or k_cache.dtype, ks, vs)
 
     # -- captured prefill steps -----------------------------------------------------------------
-    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device) -> int:
+    def graph_tiles(self, num_tokens: int, max_chunks: int, device: torch.device,
+                    max_chunk_len: int | None = None) -> int:
+        if self._as_token_rows(max_chunk_len):
+            return 0  # (decode rows: no prefill kernel, no tile map to fill each replay)
         bm = self._block_m[num_tokens] = self._positions_per_tile(num_tokens, device)
         # sum(ceil(len / bm)) over <= max_chunks chunks of num_tokens tokens <= num_tokens / bm + max_chunks
         return -(-num_tokens // bm) + max_chunks
@@ -191,7 +201,7 @@ class TritonAttention:
                        ) -> AttentionMetadata:
         meta = base_metadata(rows)
         meta.max_seqlen, meta.has_prefix, meta.prefill_tiles = num_tokens, True, tiles
-        if max_chunk_len is not None and max_chunk_len <= TOKEN_ROWS_MAX and not self.deterministic:
+        if self._as_token_rows(max_chunk_len):
             meta.token_rows = token_rows(rows.cu_seqlens, rows.prefix_lens, rows.prefill_block_tables, num_tokens)
         if self.deterministic:
             self._decode_chunks(meta)

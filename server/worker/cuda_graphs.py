@@ -238,7 +238,7 @@ class PrefillGraphs:
         self.max_chunks, self.max_rows = max_chunks, max_rows or max_chunks
         self.sampled_ids, self.max_chunk_len = sampled_ids, max_chunk_len
         # The backend's per-step work map (tile_seq | tile_start sections), if it keeps one.
-        self.num_tiles = {t: self.attention.graph_tiles(t, max_chunks, device) for t in self.sizes}
+        self.num_tiles = {t: self.attention.graph_tiles(t, max_chunks, device, max_chunk_len) for t in self.sizes}
         t_max, n_max, s, r = self.sizes[-1], max(self.num_tiles.values()), max_chunks, self.max_rows
         # Layout: ids | positions | slots (t_max each) | cu_seqlens (s+1) | prefix_lens (s) | ends (r) |
         # tile_seq | tile_start (n_max each) | block_tables (s x max_blocks); sections 16-byte aligned.

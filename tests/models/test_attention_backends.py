@@ -341,8 +341,9 @@ def test_short_chunks_step(kind, dtype, pad):
     assert max(n for _, n in SHORT_CHUNKS) <= TOKEN_ROWS_MAX
     step = _build(4, 2, 64, dtype, chunks=SHORT_CHUNKS, decodes=[9], seed=5)
     backend = _backend(kind, 64, 2)
-    if kind == "triton":  # the path under test, not the prefill kernel's
+    if kind == "triton":  # the path under test, not the prefill kernel's (whose tile map is not built)
         assert backend.metadata(step.rows).token_rows is not None
+        assert backend.prefill_arrays(step.rows.chunk_lens, step.rows.chunk_prefix, torch.device(DEVICE)) == {}
     if not pad or not kind.startswith("triton"):
         out, storage = step.run(kind, 64)
         _check_out(out, step, dtype, kind)
@@ -364,10 +365,13 @@ def test_short_chunks_step(kind, dtype, pad):
     q, k, v = (torch.cat([t[:p], extra(t)]) for t in (step.q, step.k, step.v))
     slots = torch.cat([r.slot_mapping[:p], torch.full((pad,), -1, dtype=torch.int32)])
     rows = StepRows(slots, T, cu_seqlens=cu, prefix_lens=prefix, prefill_block_tables=tables)
-    n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE))
-    tile_seq, tile_start = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
-    backend.fill_graph_tiles(T, r.chunk_lens, r.chunk_prefix, tile_seq, tile_start)
-    tiles = (torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_start).to(DEVICE))
+    n = backend.graph_tiles(T, max_chunks, torch.device(DEVICE), max_chunk_len=TOKEN_ROWS_MAX)
+    assert (n == 0) == (kind == "triton")  # decode rows need no tile map; the deterministic mode's kernel does
+    tiles = None
+    if n:
+        tile_seq, tile_start = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+        backend.fill_graph_tiles(T, r.chunk_lens, r.chunk_prefix, tile_seq, tile_start)
+        tiles = (torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_start).to(DEVICE))
     out, storage = _forward(backend, q, k, v, step.storage, rows,
                             lambda b, rr: b.graph_metadata(rr, T, tiles, max_chunk_len=TOKEN_ROWS_MAX), step.scale)
     _check_rows(out[:p], step.ref[:p], dtype, f"{kind} graph")
