@@ -58,8 +58,9 @@ status=0
 # the kernels' selected by -k $2 within $1 s
 commas() { echo "${1//,/ }"; }  # a lane's list variable (one word in its steps: 2,4) as separate words
 fp8_tests() {
-  # (FP8_GPU_K: a -k selection; --tb=short -x: a failure's report before a limit can cut it)
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py ${FP8_GPU_K:+-x --tb=short -k "$FP8_GPU_K"} \
+  # (FP8_GPU_K: a -k selection; --tb=short -x: a failure's report before a limit can cut it. The
+  # four graphs-against-eager cases alone took 198 s on an H200: 220 s cut the summary)
+  timeout "${FP8_GPU_S:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py ${FP8_GPU_K:+-x --tb=short -k "$FP8_GPU_K"} \
     2>&1 | tee "$OUT/fp8_gpu_tests.log" \
     | tail -30 || status=1
   [ "$1" = 0 ] && return
@@ -149,12 +150,13 @@ for step in "${@:-tests throughput prefix}"; do
         grep -v '^{' "$OUT/quant.log" | tail -40 ;;
       # quant-ab: the engines only (bench_quant's engine step), each format with and without its options
       # (+pdl: --enable-pdl; +no-prescale: o_proj's and down_proj's int4 GEMVs in the fp32 loop;
-      # +no-quantfirst: o_proj's FP8 row quantized in the GEMV; its quant_<gpu>.json holds these
+      # +no-quantfirst: o_proj's FP8 row quantized in the GEMV; +no-w8a16: FP8 linears read one row
+      # in FP8, quantized by the norms, silu_mul or a launch of their own; its quant_<gpu>.json holds these
       # engines only: keep it as experiments/quant_ab_<gpu>.json, apart from the full run's), for
       # the next defaults; pdltests: --enable-pdl's GPU tests (the same bits with and without it)
       quant-ab)
         timeout 565 python3 -m benchmarks.quant.bench_quant --steps engine --time-budget 520 --out-dir "$OUT" \
-          --formats bf16 fp8-dynamic fp8-dynamic+no-quantfirst awq awq+no-prescale fp8-block gptq \
+          --formats bf16 fp8-dynamic fp8-dynamic+no-w8a16 fp8-block fp8-block+no-w8a16 awq \
           > "$OUT/quant_ab.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant_ab.log" | tail -20 ;;

@@ -10,7 +10,9 @@ order of the fp32 sums; as ``kernels/fp8_matmul.py`` at M = 1):
   x        [1, K]: float8_e4m3fn with x_scale [1, ceil(K / group)] fp32 (quantized before), or
            float16 / bfloat16 / float32 with x_scale None: quantized here exactly as
            ``kernels.fp8_quant.quant_fp8(x, act_group, static_scale)`` quantizes it (the same bits:
-           a linear whose input no norm quantized pays no launch for it); last dim contiguous
+           a linear whose input no norm quantized pays no launch for it); or, `weight_only`, a
+           float16 / bfloat16 row used as it is (w8a16: semantics = ``wo_matmul_ref`` of one row,
+           the weight dequantized in fp32). Last dim contiguous
   weight   [N, K] float8_e4m3fn contiguous; scale [N, ceil(K / group)] fp32 contiguous
   group    128 (the 128x128-block checkpoints: activations are then quantized per 128 columns too),
            or >= K: one scale per output channel (and activations per token, or static)
@@ -57,8 +59,9 @@ from kernels.wo_matmul import fp8_bits_to_f32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 PER_CHANNEL = GEMV_PER_CHANNEL  # GROUP's value for one scale per output channel
-# x's forms (ACT): quantized before, or a 16-bit row quantized here per token, per group, statically
-ACT_FP8, ACT_TOKEN, ACT_GROUP, ACT_STATIC = (tl.constexpr(v) for v in range(4))
+# x's forms (ACT): quantized before, or a 16-bit row quantized here per token, per group, statically,
+# or a 16-bit row not quantized at all (w8a16)
+ACT_FP8, ACT_TOKEN, ACT_GROUP, ACT_STATIC, ACT_NONE = (tl.constexpr(v) for v in range(5))
 
 
 class GemvConfig(NamedTuple):
@@ -68,18 +71,23 @@ class GemvConfig(NamedTuple):
     split_k: int = 0  # 0: from the shape (kernels.tiles.splits_for)
 
 
-def config(n: int, k: int, int4: bool) -> GemvConfig:
+def config(n: int, k: int, int4: bool, w8a16: bool = False) -> GemvConfig:
     """Weight rows by columns a K step and warps, K split where the output tiles alone give fewer than
     four programs per SM (kernels.tiles.splits_for). From bench_quant.py's sweep at the Llama-3.1-8B
     shape on an H100 (benchmarks/results/quant_gemv_h100.json, triton 3.6; µs at one row, the
     earlier 16 x 512, 4 warps before the arrow): FP8 4 x 512 with 2 warps (QKV 15.0 -> 11.4,
     o_proj 11.4 -> 9.4, gate/up 43.8 -> 42.3), past 8k columns 8 x 512 with 4 (down_proj 25.9 ->
     24.3); int4 8 x 1024 with 4 (QKV 17.9 -> 14.2, gate/up 55.8 -> 53.1, down_proj 33.0 -> 32.3),
-    4096 x 4096 and smaller 4 x 512 with 2 (o_proj 13.4 -> 11.6)."""
+    4096 x 4096 and smaller 4 x 512 with 2 (o_proj 13.4 -> 11.6). `w8a16` (fp8_gemv of a 16-bit row,
+    weight_only): the H200's sweep (benchmarks/results/experiments/quant_w8a16_sweep_h200.json) picked
+    FP8's tiles except past 8k columns, 8 x 1024 with 4 (down_proj 27.0 us at 8 x 512 -> 20.8: the
+    16-bit row is twice the bytes every program reads)."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return GemvConfig(32, 256, 1, 1)
     if int4:
         return GemvConfig(4, 512, 2) if n * k <= 4096 * 4096 else GemvConfig(8, 1024, 4)
+    if w8a16:
+        return GemvConfig(8, 1024, 4) if k > 8192 else GemvConfig(4, 512, 2)
     return GemvConfig(8, 512, 4) if k > 8192 else GemvConfig(4, 512, 2)
 
 
@@ -105,6 +113,8 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
             x_scale = dynamic_scale(tl.max(amax, axis=0))
         elif ACT == ACT_STATIC:
             x_scale = tl.load(static_ptr)
+        elif ACT == ACT_NONE:
+            x_scale = 1.0
         else:
             x_scale = tl.load(xs_ptr)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -113,7 +123,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
             k_ok = kk < k_hi
             w = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            if ACT != ACT_FP8:
+            if ACT != ACT_FP8 and ACT != ACT_NONE:
                 x = quantize_values(x, x_scale)
             acc2 += w.to(tl.float32) * x[None, :]
         acc = tl.sum(acc2, axis=1) * x_scale * tl.load(ws_ptr + offs_n * stride_ws, mask=n_ok, other=0.0)
@@ -130,14 +140,17 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
             w = tl.load(w_ptr + n64[:, None, None] * K + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :],
                         other=0.0)
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            if ACT == ACT_GROUP:
-                xs = dynamic_scale(tl.max(tl.abs(x), axis=1))
-                x = quantize_values(x, xs[:, None])
-            else:
-                xs = tl.load(xs_ptr + g, mask=g_ok, other=0.0)
             ws = tl.load(ws_ptr + offs_n[:, None, None] * stride_ws + g[None, :, None],
                          mask=n_ok[:, None, None] & g_ok[None, :, None], other=0.0)
-            acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
+            if ACT == ACT_NONE:
+                acc3 += w.to(tl.float32) * x[None, :, :] * ws
+            else:
+                if ACT == ACT_GROUP:
+                    xs = dynamic_scale(tl.max(tl.abs(x), axis=1))
+                    x = quantize_values(x, xs[:, None])
+                else:
+                    xs = tl.load(xs_ptr + g, mask=g_ok, other=0.0)
+                acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
     gemv_finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
@@ -248,16 +261,21 @@ def _group(group: int, k: int, block_k: int, least: int) -> int:
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor, group: int,
              out_dtype: torch.dtype, bias: torch.Tensor | None = None, act_group: int = 1 << 30,
-             static_scale: torch.Tensor | None = None, cfg: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T with FP8 scales -> [1, N] out_dtype. See the module docstring."""
+             static_scale: torch.Tensor | None = None, cfg: GemvConfig | None = None,
+             weight_only: bool = False) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T with FP8 scales -> [1, N] out_dtype. See the module docstring;
+    `weight_only`: x (16-bit) is not quantized."""
     (m, k), n = x.shape, weight.shape[0]
     assert m == 1 and x.stride(1) == 1 and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
     assert weight.shape[1] == k and scale.dtype == torch.float32 and scale.is_contiguous()
-    cfg = cfg or config(n, k, False)
+    cfg = cfg or config(n, k, False, weight_only)
     g = _group(group, k, cfg.block_k, 16)
     assert scale.shape == (n, 1 if g == PER_CHANNEL.value else triton.cdiv(k, group))
     assert bias is None or (bias.shape == (n,) and bias.dtype == out_dtype)
-    if x_scale is not None:
+    if weight_only:
+        assert x_scale is None and static_scale is None and x.dtype in (torch.float16, torch.bfloat16)
+        act = ACT_NONE
+    elif x_scale is not None:
         assert x.dtype == torch.float8_e4m3fn and x_scale.shape == (1, scale.shape[1]) and x_scale.stride(1) == 1
         act = ACT_FP8
     elif static_scale is not None:

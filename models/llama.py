@@ -169,7 +169,7 @@ def _add_norm(x: torch.Tensor, part: torch.Tensor, proj: RowParallelLinear, norm
     """x + proj's output (`part`: this rank's, not yet summed over the ranks) and its norm, in the form
     `consumer` reads. Under tensor parallelism with the custom all-reduce and a 16-bit consumer, the
     sum, the add and the norm are one launch (RowParallelLinear.reduce_add_rmsnorm)."""
-    if takes_16_bit(consumer):  # (the custom all-reduce is CUDA's: None elsewhere)
+    if takes_16_bit(consumer, x.shape[0]):  # (the custom all-reduce is CUDA's: None elsewhere)
         fused = proj.reduce_add_rmsnorm(part, x, norm.weight, norm.eps)
         if fused is not None:
             return fused

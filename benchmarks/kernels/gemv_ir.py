@@ -24,7 +24,7 @@ import argparse
 from benchmarks.kernels.sm90_ir import compile_sm90, hot_loop, ptxas_info, real_compiler, sass_loop
 
 SMS = 132  # an H100's
-LOOPS = ("int4", "half2", "half2_prescale", "fp8")
+LOOPS = ("int4", "half2", "half2_prescale", "fp8", "fp8_w8a16")
 
 
 def _splits(n: int, k: int, cfg) -> int:
@@ -41,14 +41,15 @@ def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16", pdl: bool = F
     and N, K, the split's K 16-aligned)."""
     from kernels import gemv
 
-    cfg = gemv.config(n, k, loop != "fp8")
+    cfg = gemv.config(n, k, not loop.startswith("fp8"), loop == "fp8_w8a16")
     common = dict(SPLIT=_splits(n, k, cfg) > 1, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl)
     out = "*" + x_dtype
-    if loop == "fp8":
+    if loop.startswith("fp8"):  # fp8_w8a16: the row in x_dtype, not quantized (weight_only)
         kernel = gemv._fp8_gemv_kernel
-        types = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", static_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
-                     stride_ws="i32")
-        const = dict(ACT=gemv.ACT_FP8.value, GROUP=gemv.PER_CHANNEL.value, **common)
+        types = dict(x_ptr="*fp8e4nv" if loop == "fp8" else out, xs_ptr="*fp32", static_ptr="*fp32",
+                     w_ptr="*fp8e4nv", ws_ptr="*fp32", stride_ws="i32")
+        act = gemv.ACT_FP8 if loop == "fp8" else gemv.ACT_NONE
+        const = dict(ACT=act.value, GROUP=gemv.PER_CHANNEL.value, **common)
         out = "*bf16"
     elif loop == "int4":
         kernel = gemv._wo_gemv_kernel

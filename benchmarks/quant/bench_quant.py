@@ -47,9 +47,9 @@ GOALS = {"tpot_fp8_ratio_max": 0.6, "tpot_int4_ratio_max": 0.4, "throughput_fp8_
 INT4 = ("awq", "gptq", "w4a16")
 # a format's options, as suffixes (awq+no-prescale+pdl): its engine with a models/quant/gemms.py switch
 # on or off (+prescale / +no-prescale: o_proj's and down_proj's int4 GEMVs through the scaled half2
-# loop; +quantfirst / +no-quantfirst: an FP8 GEMV's 16-bit row quantized by its own launch first), or
-# with --enable-pdl (+pdl)
-GEMMS_OPTIONS = {"prescale": "HALF2_PRESCALE", "quantfirst": "FP8_GEMV_QUANT_FIRST"}
+# loop; +quantfirst / +no-quantfirst: an FP8 GEMV's 16-bit row quantized by its own launch first;
+# +w8a16 / +no-w8a16: one row read by FP8 linears unquantized), or with --enable-pdl (+pdl)
+GEMMS_OPTIONS = {"prescale": "HALF2_PRESCALE", "quantfirst": "FP8_GEMV_QUANT_FIRST", "w8a16": "ONE_ROW_W8A16"}
 
 
 def gemms_switches(fmt: str) -> dict[str, bool]:
@@ -60,7 +60,7 @@ def gemms_switches(fmt: str) -> dict[str, bool]:
         if name in GEMMS_OPTIONS:
             out[GEMMS_OPTIONS[name]] = not opt.startswith("no-")
         elif opt != "pdl":
-            raise SystemExit(f"bench_quant: unknown format option +{opt} (prescale, quantfirst, pdl, no-...)")
+            raise SystemExit(f"bench_quant: unknown format option +{opt} (prescale, quantfirst, w8a16, pdl, no-...)")
     return out
 
 
@@ -161,6 +161,10 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 # own quantization, ours_fp8_raw_input: gemms.FP8_GEMV_QUANT_FIRST)
                 cases["ours_fp8_quant_first"] = lambda i: fp8_gemv(*quant_fp8(x), ws[i]["w8"], ws[i]["scale"], 1 << 30,
                                                                    torch.bfloat16)
+                # the 16-bit row unquantized (w8a16: what gemms.ONE_ROW_W8A16 takes at one row, where the
+                # norm and silu_mul before then quantize nothing; ours_fp8_raw_input is this there too)
+                cases["ours_fp8_w8a16"] = lambda i: fp8_gemv(x, None, ws[i]["w8"], ws[i]["scale"], 1 << 30,
+                                                             torch.bfloat16, weight_only=True)
                 # ... with each K step's power of two (any |x|: what o_proj and down_proj would take)
                 cases["ours_int4_half2_prescale"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128,
                                                                       half2=True, prescale=True)
@@ -193,7 +197,10 @@ def _scaled_mm_with_quant(x, w):
     return torch._scaled_mm(q, w["w8"].t(), scale_a=s, scale_b=w["scale"].view(1, -1), out_dtype=torch.bfloat16)
 
 
-def sweep_rows(shape: str) -> list[dict]:
+SWEEP_KINDS = ("fp8", "fp8_w8a16", "int4", "int4_half2")
+
+
+def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
     """The GEMV's tiles at one row, per linear: FP8 per channel (input from the norm), int4 g128, and
     int4 g128 through the half2 loop (kernels/gemv_int4.py, an option off by default: its own picks)."""
     from kernels.fp8_quant import quant_fp8
@@ -205,12 +212,17 @@ def sweep_rows(shape: str) -> list[dict]:
         ws = _weights(n, k, copies)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = quant_fp8(x)
-        for kind in ("fp8", "int4", "int4_half2"):
+        for kind in kinds:
             for c in GEMV_SWEEP:
                 cfg = GemvConfig(*c)
-                fn = (lambda i: fp8_gemv(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg)) \
-                    if kind == "fp8" else (lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, cfg=cfg,
-                                                             half2=kind == "int4_half2"))
+                if kind == "fp8":
+                    fn = lambda i: fp8_gemv(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg)  # noqa: E731
+                elif kind == "fp8_w8a16":
+                    fn = lambda i: fp8_gemv(x, None, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg,  # noqa: E731
+                                            weight_only=True)
+                else:
+                    fn = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, cfg=cfg,  # noqa: E731
+                                           half2=kind == "int4_half2")
                 row = dict(step="sweep", impl=f"{kind}_gemv", linear=name, n=n, k=k, m=1, config=list(c))
                 try:
                     row["us"] = graph_us(fn, copies)
@@ -228,8 +240,8 @@ def sweep_rows(shape: str) -> list[dict]:
 
 
 def best_configs(rows: list[dict]) -> dict[str, list]:
-    """{"fp8|int4|int4_half2 N K": the fastest GEMV config} from the sweep's rows (install_gemv_configs
-    reads the fp8 and int4 ones: kernels/gemv.config's)."""
+    """{"fp8|fp8_w8a16|int4|int4_half2 N K": the fastest GEMV config} from the sweep's rows
+    (install_gemv_configs reads the fp8, fp8_w8a16 and int4 ones: kernels/gemv.config's)."""
     best = {}
     for r in rows:
         if r["step"] == "sweep" and "us" in r:
@@ -245,9 +257,9 @@ def install_gemv_configs(tuned: dict[str, list]) -> None:
 
     default = gemv.config
 
-    def config(n, k, int4):
-        hit = tuned.get(f"{'int4' if int4 else 'fp8'} {n} {k}")
-        return gemv.GemvConfig(*hit) if hit else default(n, k, int4)
+    def config(n, k, int4, w8a16=False):
+        hit = tuned.get(f"{'int4' if int4 else 'fp8_w8a16' if w8a16 else 'fp8'} {n} {k}")
+        return gemv.GemvConfig(*hit) if hit else default(n, k, int4, w8a16)
 
     gemv.config = config
 
@@ -338,8 +350,8 @@ def table(result: dict) -> str:
                          f"weights {r['weight_bytes'] / 2**30:.2f} GiB")
         elif "error" in r and r["step"] == "engine":
             lines.append(f"{r['format']:>12}: {r['error']}")
-    impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_raw_input", "ours_fp8_quant_first", "ours_fp8_block",
-             "ours_int4",
+    impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_w8a16", "ours_fp8_raw_input", "ours_fp8_quant_first",
+             "ours_fp8_block", "ours_int4",
              "ours_int4_half2", "ours_int4_half2_prescale", "fp8_tiles", "int4_tiles"]
     lines.append("one row, us: " + " | ".join(impls))
     for name in linear_shapes(result["shape"]):
@@ -355,10 +367,13 @@ def main(argv=None) -> dict:
                     help="quant_checkpoint.py's formats (bf16: the 16-bit checkpoint), each with options as "
                          "suffixes: +prescale (int4: o_proj's and down_proj's GEMVs through the half2 loop with its "
                          "per-step scaling, gemms.HALF2_PRESCALE), +quantfirst (FP8: o_proj's row quantized by a "
-                         "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), each also as +no-..., +pdl (--enable-pdl); "
+                         "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), +w8a16 (FP8: one row read unquantized, "
+                         "gemms.ONE_ROW_W8A16), each also as +no-..., +pdl (--enable-pdl); "
                          "e.g. awq+no-prescale+pdl")
     ap.add_argument("--steps", nargs="+", default=["gemm", "sweep", "engine"])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 16, 256, 2048])
+    ap.add_argument("--sweep-kinds", nargs="+", default=list(SWEEP_KINDS), choices=SWEEP_KINDS,
+                    help="the GEMV loops the sweep times (fp8_w8a16: fp8_gemv of an unquantized row)")
     ap.add_argument("--num-requests", type=int, default=256, help="offline throughput's requests (0: no throughput)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--time-budget", type=float, default=420, help="seconds for the whole run; engines past it are skipped")
@@ -390,7 +405,7 @@ def main(argv=None) -> dict:
         result["rows"] += gemm_rows(args.shape, args.gemm_m)
         save()
     if "sweep" in args.steps:
-        rows = sweep_rows(args.shape)
+        rows = sweep_rows(args.shape, tuple(args.sweep_kinds))
         result["rows"] += rows
         result["tuned"] = best_configs(rows)
         print("tuned:", result["tuned"], flush=True)

@@ -105,13 +105,15 @@ def weights_info(model: nn.Module) -> WeightsInfo:
     return WeightsInfo(scheme.name if scheme else None, sum(t.numel() * t.element_size() for t in tensors))
 
 
-def _activation_format(consumer: nn.Module | None) -> ActivationFormat | None:
-    return consumer.quant.activation_format(consumer) if consumer is not None and consumer.quant is not None else None
+def _activation_format(consumer: nn.Module | None, rows: int) -> ActivationFormat | None:
+    if consumer is None or consumer.quant is None:
+        return None
+    return consumer.quant.activation_format(consumer, rows)
 
 
-def takes_16_bit(consumer: nn.Module | None) -> bool:
-    """Whether `consumer` (a linear, or None before the LM head) reads a 16-bit input (not FP8)."""
-    return _activation_format(consumer) is None
+def takes_16_bit(consumer: nn.Module | None, rows: int) -> bool:
+    """Whether `consumer` (a linear, or None before the LM head) reads `rows` rows in 16 bits (not FP8)."""
+    return _activation_format(consumer, rows) is None
 
 
 def add_rmsnorm_for(consumer: nn.Module | None, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
@@ -121,7 +123,7 @@ def add_rmsnorm_for(consumer: nn.Module | None, x: torch.Tensor, y: torch.Tensor
     from kernels.fp8_quant import add_rmsnorm_fp8
     from kernels.rms_norm import add_rmsnorm
 
-    fmt = _activation_format(consumer)
+    fmt = _activation_format(consumer, x.shape[0])
     if fmt is None:
         return add_rmsnorm(x, y, weight, eps)
     x, q, scale = add_rmsnorm_fp8(x, y, weight, eps, fmt.group, fmt.static_scale)
@@ -135,7 +137,7 @@ def silu_mul_for(consumer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | Q
     from kernels.fp8_quant import silu_mul_fp8
     from kernels.silu_mul import silu_mul
 
-    fmt = _activation_format(consumer)
+    fmt = _activation_format(consumer, gate_up.shape[0])
     if fmt is None:
         return silu_mul(gate_up)
     return QuantizedInput(*silu_mul_fp8(gate_up, fmt.group, fmt.static_scale))

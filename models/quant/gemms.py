@@ -2,8 +2,9 @@
 call these; benchmarks/quant/bench_quant.py times them as "ours"):
 
   rows       fp8 weights, FP8 activations (w8a8)             int4 (or fp8) weights, 16-bit activations
-  1          kernels/gemv.py fp8_gemv: the input quantized      kernels/gemv.py wo_gemv (int4 in
-             in the GEMV where no norm or silu_mul did it       fp16 pairs where x's bound allows)
+  1          kernels/gemv.py fp8_gemv of the 16-bit row as      kernels/gemv.py wo_gemv (int4 in
+             it is (ONE_ROW_W8A16), else of the row quantized   fp16 pairs where x's bound allows)
+             by the norm or silu_mul before, or in the GEMV
   2 - 16     kernels/fp8_matmul.py, K split to fill the SMs     kernels/wo_matmul.py, K split likewise
   more       torch._scaled_mm (rowwise scales, bf16 out,        kernels/dequant.py into a transient
              aligned), else kernels/fp8_matmul.py               16-bit weight, then cuBLAS
@@ -49,6 +50,13 @@ HALF2_PRESCALE = True
 # bits either way (gemv.py's contract). The FP8_DYNAMIC engine's batch-1 TPOT 3.856 -> 3.453 ms with
 # it (H200, with PDL on, bench_quant fp8-dynamic+pdl against fp8-dynamic+quantfirst+pdl, 2026-11-28)
 FP8_GEMV_QUANT_FIRST = True
+# At one row a w8a8 linear's GEMV reads its input unquantized (w8a16). FP8 activations exist for FP8
+# tensor-core GEMMs; a GEMV's products run on CUDA cores in fp32 either way, so quantizing a row
+# there costs launches (the norms' and silu_mul's amax passes, o_proj's quant_fp8) and adds an error
+# the checkpoint's dequantized-weight reference does not have. Rows 2 - 16 and up keep FP8
+# activations (fp8_matmul, torch._scaled_mm). Read through `quantizes_input`, so the norm and
+# silu_mul before the linear produce 16-bit rows at one row.
+ONE_ROW_W8A16 = True
 
 
 class QuantizedInput(NamedTuple):
@@ -56,6 +64,11 @@ class QuantizedInput(NamedTuple):
     scale [M, groups]."""
     q: torch.Tensor
     scale: torch.Tensor
+
+
+def quantizes_input(rows: int) -> bool:
+    """Whether a w8a8 linear reads `rows` rows in FP8 (else 16-bit: ONE_ROW_W8A16)."""
+    return rows != 1 or not ONE_ROW_W8A16
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,
@@ -69,6 +82,8 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     if rows == 1:
         if quantized:
             return fp8_gemv(x.q, x.scale, weight, weight_scale, group, dtype, bias)
+        if ONE_ROW_W8A16 and x.dtype in (torch.float16, torch.bfloat16):
+            return fp8_gemv(x, None, weight, weight_scale, group, dtype, bias, weight_only=True)
         if FP8_GEMV_QUANT_FIRST:
             return fp8_gemv(*quant_fp8(x, act_group, input_scale), weight, weight_scale, group, dtype, bias)
         return fp8_gemv(x, None, weight, weight_scale, group, dtype, bias, act_group, input_scale)
@@ -94,4 +109,4 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return F.linear(x, dequantize(weight, scale, zero, group, x.dtype, g_idx), bias)
 
 
-__all__ = ["DECODE_ROWS", "QuantizedInput", "fp8_linear", "weight_only_linear"]
+__all__ = ["DECODE_ROWS", "QuantizedInput", "fp8_linear", "quantizes_input", "weight_only_linear"]

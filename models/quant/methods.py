@@ -7,7 +7,8 @@ the 'dequant' mode: the linear is then a plain 16-bit Linear again), and `apply`
 
   fp8, w8a8         activations quantized to FP8 (per token, per 128-column group, or with the
                     checkpoint's static scale; by the RMSNorm or silu_mul before the linear where
-                    the family fuses it: `QuantizedInput`; by the GEMV itself at one row), then
+                    the family fuses it: `QuantizedInput`), except at one row, which the GEMV
+                    reads in 16 bits (gemms.ONE_ROW_W8A16), then
                     the GEMM gemms.py picks by row count (torch._scaled_mm with rowwise scales
                     where its modes fit: one scale per row and channel, bf16 out, N and K multiples
                     of 16);
@@ -26,6 +27,7 @@ from torch import nn
 
 from kernels.quant_reference import dequant_fp8, dequant_int4
 from models.quant.fp8 import quantize_per_channel
+from models.quant import gemms
 from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
 from models.quant.scheme import PER_CHANNEL, QuantScheme
 from models.quant.shards import whole_in_features
@@ -83,8 +85,9 @@ class Fp8Method:
         linear.scaled_mm = (self.mode == "w8a8" and self.scheme.group >= k and self.dtype == torch.bfloat16
                             and n % 16 == 0 and k % 16 == 0)
 
-    def activation_format(self, linear: nn.Module) -> ActivationFormat | None:
-        if self.mode != "w8a8":
+    def activation_format(self, linear: nn.Module, rows: int) -> ActivationFormat | None:
+        """The FP8 format the linear reads `rows` rows in, or None: 16-bit (gemms.quantizes_input)."""
+        if self.mode != "w8a8" or not gemms.quantizes_input(rows):
             return None
         return ActivationFormat(self.scheme.activation_group, getattr(linear, "input_scale", None))
 
@@ -120,7 +123,7 @@ class Int4Method:
                              getattr(linear, "g_idx", None))
             _to_dense(linear, w, ("qweight", "scales", "zeros", "g_idx"))
 
-    def activation_format(self, linear: nn.Module) -> ActivationFormat | None:
+    def activation_format(self, linear: nn.Module, rows: int) -> ActivationFormat | None:
         return None
 
     def apply(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ def test_summary_goals_tuned_tiles_and_table():
 def test_format_options_set_the_gemms_switches_on_and_off():
     assert gemms_switches("awq+no-prescale+pdl") == {"HALF2_PRESCALE": False}
     assert gemms_switches("fp8-dynamic+quantfirst") == {"FP8_GEMV_QUANT_FIRST": True}
+    assert gemms_switches("fp8-block+no-w8a16+pdl") == {"ONE_ROW_W8A16": False}
     assert gemms_switches("gptq-desc-act") == {} and base_format("gptq-desc-act+no-quantfirst") == "gptq-desc-act"
     with pytest.raises(SystemExit, match="unknown format option"):
         gemms_switches("awq+prescal")

@@ -11,7 +11,7 @@ import torch
 
 from kernels.fp8_quant import quant_fp8
 from kernels.gemv import GemvConfig, fp8_gemv, wo_gemv
-from kernels.quant_reference import fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
+from kernels.quant_reference import dequant_fp8, fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLITS = [GemvConfig(32, 256, 1, 1), GemvConfig(16, 128, 1, 3)]  # one split; three over K (uneven)
@@ -52,6 +52,25 @@ def test_fp8_gemv_quantizes_its_input_as_quant_fp8_does(cfg, act):
     fused = fp8_gemv(x, None, w, ws, group, torch.float32, None, group, static, cfg=cfg)
     xq, xs = quant_fp8(x, group, static)
     assert torch.equal(fused, fp8_gemv(xq, xs, w, ws, group, torch.float32, cfg=cfg))
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("group,n,k", [(1 << 30, 40, 200), (128, 33, 384), (128, 50, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_of_an_unquantized_row(cfg, group, n, k, dtype):
+    # weight_only (w8a16): the 16-bit row as it is times the weight dequantized in fp32
+    x, w, ws = _fp8_operands(n, k, group, 3 * n + k)
+    x = x.to(dtype)
+    bias = (torch.randn(n) * 0.1).to(DEVICE) if n % 2 else None
+    out = fp8_gemv(x, None, w, ws, group, torch.float32, bias, cfg=cfg, weight_only=True)
+    ref = x.cpu().double() @ dequant_fp8(w.cpu(), ws.cpu(), group, torch.float64).t()
+    ref = ref if bias is None else ref + bias.cpu().double()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    rounded = fp8_gemv(x, None, w, ws, group, dtype, None if bias is None else bias.to(dtype), cfg=cfg,
+                       weight_only=True)
+    assert rounded.dtype == dtype and torch.isfinite(rounded).all()
+    with pytest.raises(AssertionError):  # an FP8 row has its scale: not weight-only
+        fp8_gemv(*quant_fp8(x, group), w, ws, group, torch.float32, cfg=cfg, weight_only=True)
 
 
 def _int4(n, k, group, seed, gidx=False):
@@ -147,7 +166,8 @@ def test_no_output_channels():
 
 def test_the_gpu_configs_are_the_sweeps_picks(monkeypatch):
     """kernels/gemv.config on a GPU: the tiles bench_quant's H100 sweep found fastest at one row for
-    each Llama-3.1-8B linear (benchmarks/results/quant_gemv_h100.json's `tuned`)."""
+    each Llama-3.1-8B linear (benchmarks/results/quant_gemv_h100.json's `tuned`), and for the
+    unquantized row the H200's (experiments/quant_w8a16_sweep_h200.json)."""
     import json
     from pathlib import Path
 
@@ -159,3 +179,9 @@ def test_the_gpu_configs_are_the_sweeps_picks(monkeypatch):
         fmt, n, k = key.split()
         if fmt in ("fp8", "int4"):  # (the half2 loop's picks are its own: an option, not config()'s)
             assert list(gemv.config(int(n), int(k), fmt == "int4")) == cfg, key
+    # fp8_gemv of a 16-bit row (weight_only): the H200's sweep
+    tuned = json.loads((Path(__file__).parents[2] / "benchmarks/results/experiments/quant_w8a16_sweep_h200.json").read_text())
+    for key, cfg in tuned["tuned"].items():
+        fmt, n, k = key.split()
+        if fmt == "fp8_w8a16":
+            assert list(gemv.config(int(n), int(k), False, w8a16=True)) == cfg, key

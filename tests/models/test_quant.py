@@ -232,6 +232,34 @@ def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_
         assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
 
 
+@pytest.mark.parametrize("fmt", ["fp8-dynamic", "fp8-block"])
+def test_one_row_reaches_fp8_linears_in_16_bits(calm_src, monkeypatch, tmp_path, fmt):
+    """gemms.ONE_ROW_W8A16: at one row a w8a8 linear reads its input unquantized (the norms and
+    silu_mul before it then write 16-bit rows: takes_16_bit), every linear's GEMV weight-only; a
+    one-token prefill stays within weight-only error of the dequantized model. Off, each GEMV
+    quantizes its row."""
+    import models.quant.gemms as gemms
+
+    path = tmp_path / fmt
+    quantize_checkpoint(calm_src, path, fmt)
+    monkeypatch.setattr(quant, "compute_mode", lambda *a: "w8a8")
+    ours = load_model(path, torch.bfloat16, "cpu", "sdpa")
+    monkeypatch.undo()
+    want = prefill_logits(load_model(path, torch.bfloat16, "cpu", "sdpa"), IDS[:1])  # dequantized at load
+    qkv = ours.layers[0].self_attn.qkv_proj
+    assert quant.takes_16_bit(qkv, 1) and not quant.takes_16_bit(qkv, 2) and quant.takes_16_bit(None, 2)
+    picks, gemv = [], gemms.fp8_gemv
+    monkeypatch.setattr(gemms, "fp8_gemv", lambda *a, **kw: picks.append(kw.get("weight_only", False))
+                        or gemv(*a, **kw))
+    for on in (True, False):
+        monkeypatch.setattr(gemms, "ONE_ROW_W8A16", on)
+        picks.clear()
+        got = prefill_logits(ours, IDS[:1])
+        assert picks == [on] * 4, picks  # (one layer: qkv, o, gate/up, down)
+        assert ((got - want).abs().max() / want.abs().max()).item() < (0.03 if on else 0.1)
+    assert not quant.takes_16_bit(qkv, 1)  # (the switch off)
+
+
 def test_online_fp8_quantizes_a_16_bit_checkpoint_per_channel(src, quantized):
     ours = load_model(src, torch.float32, "cpu", "sdpa", quantization="fp8")
     assert weights_info(ours).quantization.startswith(NAMES["online-fp8"])

@@ -1,5 +1,5 @@
-"""models/quant/gemms.py: at each row count's kernel (one row: the GEMVs, the input quantized in the
-GEMV where no norm did it; 2-16 rows: the split tiles; more: torch._scaled_mm, the FP8 Triton GEMM,
+"""models/quant/gemms.py: at each row count's kernel (one row: the GEMVs, a 16-bit row read as it is
+(ONE_ROW_W8A16) or quantized in the GEMV where no norm did it; 2-16 rows: the split tiles; more: torch._scaled_mm, the FP8 Triton GEMM,
 or the weight dequantized into memory for a 16-bit GEMM) a quantized linear computes its
 reference: FP8 activations quantized per token, per 128 columns or statically times the FP8
 weight; 16-bit activations times the dequantized int4 or fp8 weight. The CPU runs the Triton kernels
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kernels.quant_reference import fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
-from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
+import models.quant.gemms as gemms
+from kernels.quant_reference import dequant_fp8
+from models.quant.gemms import QuantizedInput, fp8_linear, quantizes_input, weight_only_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, K = 48, 384
@@ -37,6 +39,7 @@ def test_fp8_linear_at_each_row_count(m, kind, monkeypatch):
     q, s = quant_fp8_ref(x, group, static)
     want = fp8_matmul_ref(q, s, w, ws, group, torch.float32, bias)
     x, q, s, w, ws, bias, static = _dev(x, q, s, w, ws, bias, static)
+    monkeypatch.setattr(gemms, "ONE_ROW_W8A16", False)  # FP8 activations at one row too (the next test: on)
     for scaled_mm in ([False, True] if kind == "token" else [False]):
         got = fp8_linear(x, w, ws, group, group, static, torch.bfloat16, bias, scaled_mm)
         torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=8e-3)  # one bf16 rounding, sum order
@@ -44,10 +47,30 @@ def test_fp8_linear_at_each_row_count(m, kind, monkeypatch):
         assert torch.equal(fp8_linear(QuantizedInput(q, s), w, ws, group, group, static, torch.bfloat16, bias,
                                       scaled_mm), got)
     if m == 1:  # ... quantized by its own launch before the GEMV or in it (gemms.FP8_GEMV_QUANT_FIRST)
-        import models.quant.gemms as gemms
-
         monkeypatch.setattr(gemms, "FP8_GEMV_QUANT_FIRST", not gemms.FP8_GEMV_QUANT_FIRST)
         assert torch.equal(fp8_linear(x, w, ws, group, group, static, torch.bfloat16, bias, False), got)
+
+
+@pytest.mark.parametrize("kind", ["token", "block", "static"])
+def test_fp8_linear_reads_one_16_bit_row_unquantized(kind):
+    # gemms.ONE_ROW_W8A16 (the default): one 16-bit row times the dequantized FP8 weight, the row not
+    # quantized (the static scale unused); closer to that reference than w8a8's row is; a row the norm
+    # quantized (QuantizedInput) still computes as w8a8; 2 rows and more read FP8
+    assert gemms.ONE_ROW_W8A16 and not quantizes_input(1) and quantizes_input(2) and quantizes_input(16)
+    group = 128 if kind == "block" else 1 << 30
+    static = torch.tensor([0.02]) if kind == "static" else None
+    w, ws = quant_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(5)) * 0.05, group)
+    bias = (torch.randn(N) * 0.1).to(torch.bfloat16)
+    x = _x(1, 11)
+    want = (x.float() @ dequant_fp8(w, ws, group, torch.float32).t() + bias.float())
+    q, s = quant_fp8_ref(x, group, static)
+    w8a8 = fp8_matmul_ref(q, s, w, ws, group, torch.float32, bias)
+    dx, dq, ds, dw, dws, dbias, dstatic = _dev(x, q, s, w, ws, bias, static)
+    got = fp8_linear(dx, dw, dws, group, group, dstatic, torch.bfloat16, dbias, False).cpu().float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=8e-3)  # one bf16 rounding, sum order
+    assert (got - want).abs().max() < (w8a8 - want).abs().max() / 2  # the activations' FP8 error is gone
+    quantized = fp8_linear(QuantizedInput(dq, ds), dw, dws, group, group, dstatic, torch.bfloat16, dbias, False)
+    torch.testing.assert_close(quantized.cpu().float(), w8a8, atol=2e-2, rtol=8e-3)
 
 
 @pytest.mark.parametrize("m", ROWS)

@@ -232,7 +232,7 @@ def test_a_decoder_layers_add_norm_fuses_the_sum_where_the_next_linear_reads_16_
 
     monkeypatch.setattr(symm_all_reduce, "one_shot_all_reduce", one_shot_all_reduce)
     monkeypatch.setattr(symm_all_reduce, "one_shot_add_rmsnorm", _never)
-    fp8_reader = SimpleNamespace(quant=SimpleNamespace(activation_format=lambda linear: "fp8 per token"))
+    fp8_reader = SimpleNamespace(quant=SimpleNamespace(activation_format=lambda linear, rows: "fp8 per token"))
     _other_rank_sent(c, other)
     x = want_x.clone()
     got_x, _ = llama._add_norm(x, part, proj, norm, fp8_reader)
