@@ -12,7 +12,7 @@ order of the fp32 sums; as ``kernels/fp8_matmul.py`` at M = 1):
            ``kernels.fp8_quant.quant_fp8(x, act_group, static_scale)`` quantizes it (the same bits:
            a linear whose input no norm quantized pays no launch for it); or, `weight_only`, a
            float16 / bfloat16 row used as it is (w8a16: semantics = ``wo_matmul_ref`` of one row,
-           the weight dequantized in fp32). Last dim contiguous
+           the weight dequantized in fp32, the result in out_dtype). Last dim contiguous
   weight   [N, K] float8_e4m3fn contiguous; scale [N, ceil(K / group)] fp32 contiguous
   group    128 (the 128x128-block checkpoints: activations are then quantized per 128 columns too),
            or >= K: one scale per output channel (and activations per token, or static)
@@ -80,8 +80,8 @@ def config(n: int, k: int, int4: bool, w8a16: bool = False) -> GemvConfig:
     24.3); int4 8 x 1024 with 4 (QKV 17.9 -> 14.2, gate/up 55.8 -> 53.1, down_proj 33.0 -> 32.3),
     4096 x 4096 and smaller 4 x 512 with 2 (o_proj 13.4 -> 11.6). `w8a16` (fp8_gemv of a 16-bit row,
     weight_only): the H200's sweep (benchmarks/results/experiments/quant_w8a16_sweep_h200.json) picked
-    FP8's tiles except past 8k columns, 8 x 1024 with 4 (down_proj 27.0 us at 8 x 512 -> 20.8: the
-    16-bit row is twice the bytes every program reads)."""
+    FP8's tiles except past 8k columns, 8 x 1024 with 4 (down_proj 27.0 us at FP8's 8 x 512 -> 20.8;
+    16 x 512 took 20.9: the 16-bit row is twice the bytes every program reads)."""
     if _INTERPRET:  # few, large tiles: the interpreter's cost is per program and per step
         return GemvConfig(32, 256, 1, 1)
     if int4:

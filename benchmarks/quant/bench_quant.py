@@ -158,7 +158,7 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 # the GEMV's half2 loop (kernels/gemv_int4.py: what gemms.py takes after a norm), same tiles
                 cases["ours_int4_half2"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, half2=True)
                 # a 16-bit row quantized by its own launch first, then the GEMV (the same bits as the GEMV's
-                # own quantization, ours_fp8_raw_input: gemms.FP8_GEMV_QUANT_FIRST)
+                # own quantization: gemms.FP8_GEMV_QUANT_FIRST, which applies with ONE_ROW_W8A16 off)
                 cases["ours_fp8_quant_first"] = lambda i: fp8_gemv(*quant_fp8(x), ws[i]["w8"], ws[i]["scale"], 1 << 30,
                                                                    torch.bfloat16)
                 # the 16-bit row unquantized (w8a16: what gemms.ONE_ROW_W8A16 takes at one row, where the

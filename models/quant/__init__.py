@@ -7,7 +7,8 @@ rank's part of each tensor: shards.py), turns the checkpoint's tensors into the
 canonical layout (`convert`), lets the family's load_weights copy them as usual, then `finish`es
 the linears. Families take part in three places only: merged projections stack their parts'
 tensors with `merge_parts`, the Llama family's RMSNorm and silu_mul quantize the next linear's
-input in their own launches (`add_rmsnorm_for`, `silu_mul_for`), and GPT-2 transposes only its
+input in their own launches where it reads FP8 (`add_rmsnorm_for`, `silu_mul_for`; not one row:
+gemms.ONE_ROW_W8A16), and GPT-2 transposes only its
 16-bit Conv1D weights. `weights_info`
 reports the weights' real bytes and format (the KV cache sizing, /v1/models, the start-up log).
 """

@@ -48,14 +48,18 @@ HALF2_PRESCALE = True
 # launch, instead of quantizing inside the GEMV, where each program reduces the whole row for its
 # scale: o_proj at one row 16.4 us against 9.3 us pre-quantized (H100, quant_h100.json). The same
 # bits either way (gemv.py's contract). The FP8_DYNAMIC engine's batch-1 TPOT 3.856 -> 3.453 ms with
-# it (H200, with PDL on, bench_quant fp8-dynamic+pdl against fp8-dynamic+quantfirst+pdl, 2026-11-28)
+# it (H200, with PDL on, bench_quant fp8-dynamic+pdl against fp8-dynamic+quantfirst+pdl, 2026-11-28).
+# (With ONE_ROW_W8A16 on, the default, a 16-bit row is not quantized at all: this applies off only.)
 FP8_GEMV_QUANT_FIRST = True
 # At one row a w8a8 linear's GEMV reads its input unquantized (w8a16). FP8 activations exist for FP8
 # tensor-core GEMMs; a GEMV's products run on CUDA cores in fp32 either way, so quantizing a row
 # there costs launches (the norms' and silu_mul's amax passes, o_proj's quant_fp8) and adds an error
 # the checkpoint's dequantized-weight reference does not have. Rows 2 - 16 and up keep FP8
 # activations (fp8_matmul, torch._scaled_mm). Read through `quantizes_input`, so the norm and
-# silu_mul before the linear produce 16-bit rows at one row.
+# silu_mul before the linear produce 16-bit rows at one row. One exception to "the row count alone
+# decides": a prefill CUDA graph pads a one-token step to its smallest size (16 tokens), so there such
+# a step reads FP8 activations, where run eagerly (prompt_logprobs, no graphs) it reads 16 bits; the
+# two differ by FP8 activations' error, as w8a8 and the dequantized reference do.
 ONE_ROW_W8A16 = True
 
 
@@ -76,7 +80,8 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
                scaled_mm: bool) -> torch.Tensor:
     """x [M, K] (16-bit, or quantized) @ the FP8 weight [N, K].T, activations in FP8: per token
     (act_group >= K), per act_group columns (128-block weights, group == act_group == 128), or
-    with input_scale; `scaled_mm`: torch._scaled_mm's rowwise mode fits this weight."""
+    with input_scale; except one 16-bit row, read unquantized (ONE_ROW_W8A16); `scaled_mm`:
+    torch._scaled_mm's rowwise mode fits this weight."""
     quantized = isinstance(x, QuantizedInput)
     rows = x.q.shape[0] if quantized else x.shape[0]
     if rows == 1:

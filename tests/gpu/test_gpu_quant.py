@@ -2,7 +2,7 @@
 benchmarks/quant/quant_checkpoint.py on a small Llama (bf16, Triton attention):
 
 - the GPU paths (FP8 on FP8 tensor cores with the norm's and silu_mul's fused quantization, the
-  GEMVs at one row, the split tiles up to 16 rows, torch._scaled_mm and the Triton FP8 GEMM past
+  GEMVs at one row (of the 16-bit row: gemms.ONE_ROW_W8A16), the split tiles up to 16 rows, torch._scaled_mm and the Triton FP8 GEMM past
   them; int4 dequantized in registers, or into memory for cuBLAS; FP8 weight-only, the A100's path,
   forced) give the logits of the model dequantized at load, within the error of FP8 activations
   (w8a8) or of bf16 (weight-only), at 1, 13 and 200 tokens;
@@ -101,6 +101,19 @@ def test_gpu_paths_match_the_dequantized_model(checkpoints, monkeypatch, fmt, fo
         # agreed at 8 on an H200: a flip within the error bounded above is a near-tie, by that bound)
         agree = (got.argmax(-1) == want.argmax(-1)).sum().item()
         assert agree >= (0.5 if w8a8 else 0.97) * n - 1, (n, agree)
+
+
+def test_one_token_reaches_every_fp8_gemv_in_16_bits(checkpoints, monkeypatch):
+    """gemms.ONE_ROW_W8A16 on CUDA, where the norms and silu_mul fuse the next linear's quantization:
+    at one token they write 16-bit rows, and every FP8 GEMV reads its row unquantized (weight_only)."""
+    import models.quant.gemms as gemms
+
+    model = _load(checkpoints[1]["fp8-dynamic"][0], monkeypatch)
+    picks, gemv = [], gemms.fp8_gemv
+    monkeypatch.setattr(gemms, "fp8_gemv", lambda *a, **kw: picks.append(kw.get("weight_only", False))
+                        or gemv(*a, **kw))
+    _prefill(model, [5])
+    assert picks == [True] * 4 * model.spec.num_layers, picks  # qkv, o, gate/up, down a layer
 
 
 @pytest.mark.parametrize("fmt", ["fp8-dynamic", "fp8-static", "fp8-block", "awq", "gptq-desc-act"])

@@ -61,7 +61,7 @@ def test_fp8_gemv_of_an_unquantized_row(cfg, group, n, k, dtype):
     # weight_only (w8a16): the 16-bit row as it is times the weight dequantized in fp32
     x, w, ws = _fp8_operands(n, k, group, 3 * n + k)
     x = x.to(dtype)
-    bias = (torch.randn(n) * 0.1).to(DEVICE) if n % 2 else None
+    bias = (torch.randn(n) * 0.1).to(DEVICE) if n % 2 or group > k else None  # per channel with bias too
     out = fp8_gemv(x, None, w, ws, group, torch.float32, bias, cfg=cfg, weight_only=True)
     ref = x.cpu().double() @ dequant_fp8(w.cpu(), ws.cpu(), group, torch.float64).t()
     ref = ref if bias is None else ref + bias.cpu().double()

@@ -235,7 +235,8 @@ def test_int4_gemvs_after_a_norm_take_the_half2_loop(calm_src, monkeypatch, tmp_
 @pytest.mark.parametrize("fmt", ["fp8-dynamic", "fp8-block"])
 def test_one_row_reaches_fp8_linears_in_16_bits(calm_src, monkeypatch, tmp_path, fmt):
     """gemms.ONE_ROW_W8A16: at one row a w8a8 linear reads its input unquantized (the norms and
-    silu_mul before it then write 16-bit rows: takes_16_bit), every linear's GEMV weight-only; a
+    silu_mul before it then write 16-bit rows: takes_16_bit, add_rmsnorm_for and silu_mul_for,
+    FP8 from two rows on), every linear's GEMV weight-only; a
     one-token prefill stays within weight-only error of the dequantized model. Off, each GEMV
     quantizes its row."""
     import models.quant.gemms as gemms
@@ -246,8 +247,17 @@ def test_one_row_reaches_fp8_linears_in_16_bits(calm_src, monkeypatch, tmp_path,
     ours = load_model(path, torch.bfloat16, "cpu", "sdpa")
     monkeypatch.undo()
     want = prefill_logits(load_model(path, torch.bfloat16, "cpu", "sdpa"), IDS[:1])  # dequantized at load
-    qkv = ours.layers[0].self_attn.qkv_proj
+    layer = ours.layers[0]
+    qkv = layer.self_attn.qkv_proj
     assert quant.takes_16_bit(qkv, 1) and not quant.takes_16_bit(qkv, 2) and quant.takes_16_bit(None, 2)
+    # the fused launches before the linears (CUDA's; the interpreter runs them here): 16 bits at one row
+    norm, hidden = layer.input_layernorm, qkv.in_features
+    for rows in (1, 3):
+        x, y = (torch.randn(rows, hidden).to(torch.bfloat16) for _ in range(2))
+        _, h = quant.add_rmsnorm_for(qkv, x, y, norm.weight.data, norm.eps)
+        act = quant.silu_mul_for(layer.mlp.down_proj, torch.randn(rows, 2 * layer.mlp.down_proj.in_features
+                                                                  ).to(torch.bfloat16))
+        assert isinstance(h, quant.QuantizedInput) == isinstance(act, quant.QuantizedInput) == (rows > 1), rows
     picks, gemv = [], gemms.fp8_gemv
     monkeypatch.setattr(gemms, "fp8_gemv", lambda *a, **kw: picks.append(kw.get("weight_only", False))
                         or gemv(*a, **kw))
