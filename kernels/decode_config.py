@@ -179,19 +179,19 @@ def choose_gpu_config(num_seqs: int, num_kv_heads: int, group: int, max_ctx: int
     if d_pad > 64:
         # BLOCK_N 64: 128 registers with 3 stages (4 programs per SM), ~140 and 72 KB of shared
         # memory with 5 (3 per SM). Splits fill 3 per SM, measured ~1% faster than 4.
-        splits = wide_splits(pairs, group, head_dim, max_ctx, 64, 2 * sm_count) or min(
-            cap, split_count(pairs, max_ctx, 64, 3 * sm_count))
-        deep = pairs * splits < 2 * sm_count
-        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
-        return cfg | {"HALF_MERGE": True} if splits > cap else cfg
-    # head_dim <= 64, BLOCK_N 32: 64-80 registers and 20 KB with 5 stages (~7 programs per SM),
-    # fewer with 3 (8 per SM): two buffers pay while the grid fits one wave.
-    # (HALF_MERGE's grid: one program an SM here; at 2, Qwen2.5-0.5B at batch 4, it lost 0.3-1.4 us
-    # at 512-2k tokens on an H200)
-    splits = wide_splits(pairs, group, head_dim, max_ctx, 32, sm_count) or min(
-        cap, split_count(pairs, max_ctx, 32, 4 * sm_count))
-    deep = pairs * splits <= 6 * sm_count
-    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5 if deep else 3, "PREFETCH": 0, "num_splits": splits}
+        block_n, wide_grid, fill = 64, 2 * sm_count, 3 * sm_count
+        deep = lambda splits: pairs * splits < 2 * sm_count  # noqa: E731
+    else:
+        # head_dim <= 64, BLOCK_N 32: 64-80 registers and 20 KB with 5 stages (~7 programs per SM),
+        # fewer with 3 (8 per SM): two buffers pay while the grid fits one wave.
+        # (HALF_MERGE's grid: one program an SM here; at 2, Qwen2.5-0.5B at batch 4, it lost 0.3-1.4 us
+        # at 512-2k tokens on an H200)
+        block_n, wide_grid, fill = 32, sm_count, 4 * sm_count
+        deep = lambda splits: pairs * splits <= 6 * sm_count  # noqa: E731
+    splits = wide_splits(pairs, group, head_dim, max_ctx, block_n, wide_grid) or min(
+        cap, split_count(pairs, max_ctx, block_n, fill))
+    cfg = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 5 if deep(splits) else 3, "PREFETCH": 0,
+           "num_splits": splits}
     return cfg | {"HALF_MERGE": True} if splits > cap else cfg
 
 

@@ -86,9 +86,7 @@ def config(n: int, k: int, int4: bool, w8a16: bool = False) -> GemvConfig:
         return GemvConfig(32, 256, 1, 1)
     if int4:
         return GemvConfig(4, 512, 2) if n * k <= 4096 * 4096 else GemvConfig(8, 1024, 4)
-    if w8a16:
-        return GemvConfig(8, 1024, 4) if k > 8192 else GemvConfig(4, 512, 2)
-    return GemvConfig(8, 512, 4) if k > 8192 else GemvConfig(4, 512, 2)
+    return GemvConfig(8, 1024 if w8a16 else 512, 4) if k > 8192 else GemvConfig(4, 512, 2)
 
 
 def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
