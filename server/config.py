@@ -15,6 +15,10 @@ DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; fp8 = fp8_e4m3 (kvcache/fp8.py)
 LOAD_FORMATS = ("auto", "dummy")  # models.LOAD_FORMATS: the checkpoint's weight files, or random weights at its shape
 MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one tensor-parallel group (one process and one GPU each)
+# NVLink SHARP / multicast off in every process of a tensor-parallel group, before NCCL initialises:
+# the GPU machines require it (a program using multicast can take a host's shared GPUs out of
+# service). Here, not in the worker, so that a peer engine's processes (benchmarks/peers) get it too.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # --quantization's choices (vLLM's names; tests/test_config.py checks them against models.QUANTIZATION_METHODS)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from server.config import EngineConfig  # noqa: E402  (a dataclass and constants: no torch, no server stack)
+from server.config import NCCL_ENV, EngineConfig  # noqa: E402  (a dataclass and constants: no torch, no server stack)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.26.0"
@@ -127,8 +127,14 @@ def engine_env(engine: str, base: dict | None = None) -> dict:
         # flashinfer) unless this is 0; every engine start failed on that import in the first H100 run
         # (2026-11-27). With 0 it samples top-k/top-p with its own PyTorch/Triton ops.
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # Tensor parallel: vLLM's default all-reduce on Hopper tries torch's symmetric-memory multimem
+        # path first, which needs NVLink multicast; the GPU machines keep multicast off (NCCL_ENV), so it
+        # would disable itself with a warning. Off by name, vLLM takes its next default, its custom
+        # all-reduce over CUDA IPC (as ours: --disable-custom-all-reduce off), else NCCL.
+        env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     else:
         paths = [str(REPO_ROOT), *[p for p in paths if p != str(REPO_ROOT)]]
+    env.update(NCCL_ENV)  # both engines: multicast stays off in every process (server/config.py)
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -107,15 +108,22 @@ def ensure_checkpoint(shape: str, root: Path, log_dir: Path, dummy: bool = False
 
 
 def wait_gpu_free(limit_mib: int = 2048, timeout: float = 60.0) -> None:
-    """Until the GPU's used memory is below `limit_mib`: the engine before may still be exiting."""
+    """Until every GPU this process may use has less than `limit_mib` in use: the engine before may
+    still be exiting. nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is asked for those GPUs by id
+    (runs side by side on one host's GPUs must not wait on each other's engines)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+           *(["--id=" + visible] if visible else [])]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30).stdout.split()
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.split()
         except (OSError, subprocess.SubprocessError):
             return
-        if not out or int(out[0]) < limit_mib:
+        try:
+            if not out or max(int(x) for x in out) < limit_mib:
+                return
+        except ValueError:  # not a reading ([N/A], an error message): nothing to wait on
             return
         time.sleep(1)
 

@@ -29,7 +29,7 @@ def _rank(rank: int, size: int, port: int, sizes: list[int], out) -> None:
     from benchmarks.shared.common import replay_us
     from models import close_tensor_parallel, init_tensor_parallel
     from models.parallel.group import start_custom_all_reduce
-    from server.worker.parallel.peers import NCCL_ENV
+    from server.config import NCCL_ENV
 
     os.environ.update(NCCL_ENV)
     device = torch.device("cuda", rank)

@@ -69,6 +69,18 @@ def test_each_engine_gets_its_own_site():
     assert env["VLLM_USE_DEEP_GEMM"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
+def test_multicast_stays_off_in_both_engines_whatever_the_caller_set():
+    from server.config import NCCL_ENV
+
+    base = {"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+    for engine in engines.ENGINES:
+        env = engines.engine_env(engine, base)
+        assert {k: env[k] for k in NCCL_ENV} == NCCL_ENV == {
+            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    # vLLM's symmetric-memory all-reduce (multimem) is off by name; its custom all-reduce stays on
+    assert engines.engine_env("vllm", base)["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+
+
 def test_nano_vllm_protocol_is_its_bench_py_draw_for_draw():
     # nano-vllm's bench.py, written as it is (module-level random after seed(0))
     state = random.getstate()
@@ -351,3 +363,23 @@ def test_result_files_rebuilt_from_the_rows_a_run_left_in_its_logs(tmp_path):
     assert got["engines"]["vllm"]["versions"]["vllm"] == "v" and got["torch"] == "2.11.0"
     assert got["flags"]["max_model_len"] == 4096 and "--from-rows" not in got["command"]
     assert run.main(argv[:-1] + [str(tmp_path / "empty")]) == 1
+
+
+def test_wait_gpu_free_asks_only_for_the_visible_gpus(monkeypatch):
+    # lanes side by side on a host's GPUs: a lane on GPU 2 must not wait for GPU 0's engine
+    calls, readings = [], iter(["30000\n", "100\n"])
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=next(readings))
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    run.wait_gpu_free(limit_mib=2048, timeout=5)
+    assert len(calls) == 2 and all("--id=2,3" in c for c in calls)  # waited out the 30 GB, on GPUs 2 and 3
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    calls.clear()
+    readings = iter(["[N/A]\n"])
+    run.wait_gpu_free(timeout=5)
+    assert len(calls) == 1 and not any(a.startswith("--id") for a in calls[0])

@@ -87,7 +87,7 @@ def _all_reduce_rank(rank: int, size: int, port: int, out) -> None:
     from torch.distributed import TCPStore
 
     from models import close_tensor_parallel, init_tensor_parallel
-    from server.worker.parallel.peers import NCCL_ENV
+    from server.config import NCCL_ENV
 
     os.environ.update(NCCL_ENV)
     device = torch.device("cuda", rank)

@@ -31,10 +31,11 @@ import torch
 from torch.distributed import TCPStore
 
 from models import close_tensor_parallel, init_tensor_parallel
+from server.config import NCCL_ENV
 from server.logs import setup_logging
 from server.worker.inputs import step_inputs
 from server.worker.parallel.messages import EagerStep, GraphStep, Start, Stop, decode
-from server.worker.parallel.peers import NCCL_ENV, rank_device
+from server.worker.parallel.peers import rank_device
 from server.worker.runner import ModelRunner
 from server.worker.setup import bring_up
 

@@ -41,14 +41,12 @@ import torch
 from torch.distributed import TCPStore
 
 from models import StepRows, close_tensor_parallel, init_tensor_parallel
-from server.config import EngineConfig
+from server.config import NCCL_ENV, EngineConfig
 from server.logs import JsonFormatter
 from server.worker.inputs import Packer
 from server.worker.parallel.messages import EagerStep, GraphStep, Start, Stop, encode
 
 log = logging.getLogger("flashpage.parallel")
-# NVLink SHARP / multicast off in every process of the group, before NCCL initialises
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ENTRY = "import sys; from server.worker.parallel.follower import main; main(sys.argv[1:])"
 STOP_TIMEOUT_S = 30.0  # how long close() waits for the ranks to exit before it kills them
 
