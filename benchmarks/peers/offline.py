@@ -52,6 +52,9 @@ class VllmEngine:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], sps, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
 
+    def close(self) -> None:
+        pass  # vllm.LLM shuts its engine core down at exit
+
 
 class FlashpageEngine:
     """flashpage's LLMEngine behind the same two calls."""
@@ -75,6 +78,14 @@ class FlashpageEngine:
                               if "json" in p else None)
                for p in params]
         return [(list(r.token_ids), r.text) for r in self.engine.generate(prompts, sps)]
+
+    def close(self) -> None:
+        """As the server's engine loop ends: thaw what start-up froze, then close (under tensor
+        parallelism the CUDA graphs must go before the group: NCCL's destroy hangs while they live)."""
+        import gc
+
+        gc.unfreeze()
+        self.engine.close()
 
 
 def timed(engine, prompts, params) -> tuple[float, list]:
@@ -168,15 +179,23 @@ def main(argv: list[str] | None = None) -> int:
     init_s = time.perf_counter() - t0
     print(f"[{engine_name}] ready in {init_s:.1f} s", flush=True)
     rows = []
-    for task in job["tasks"]:
+    try:
+        run_tasks(engine, engine_name, job["tasks"], rows, Path(args[1]), init_s)
+    finally:
+        engine.close()
+    return 0
+
+
+def run_tasks(engine, engine_name: str, tasks: list[dict], rows: list[dict], out: Path, init_s: float) -> None:
+    """Each task's row, the rows file rewritten after each (a run cut short keeps what it measured)."""
+    for task in tasks:
         row = dict(engine=engine_name, impl=engine_name, workload=task.get("workload"),
                    **RUNNERS[task["kind"]](engine, task))
         print(f"[{engine_name}] {json.dumps({k: v for k, v in row.items() if not k.endswith('runs') and 'runs_' not in k})}",
               flush=True)
         rows.append(row)
-        Path(args[1]).write_text(json.dumps(dict(engine=engine_name, versions=_versions(engine_name),
-                                                 device=device_name(), init_s=round(init_s, 1), rows=rows)))
-    return 0
+        out.write_text(json.dumps(dict(engine=engine_name, versions=_versions(engine_name),
+                                       device=device_name(), init_s=round(init_s, 1), rows=rows)))
 
 
 def _versions(engine: str) -> dict:

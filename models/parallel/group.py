@@ -176,9 +176,12 @@ def built_as(tp: TensorParallel) -> Iterator[TensorParallel]:
 def close_tensor_parallel() -> None:
     """Leave the group (models built after this are whole again). Drop this rank's CUDA graphs
     first: NCCL's destroy hangs while a graph that captured collectives lives (pytorch/pytorch#115388);
-    one in a reference cycle lives until the collector runs, so it runs here."""
+    one in a reference cycle lives until the collector runs, so it runs here, after thawing what
+    gc.freeze() froze (the server and the benchmarks freeze start-up's heap, graphs included: a
+    frozen cycle is never collected, and a 70B TP=4 engine's exit waited on it for minutes)."""
     global _current
     if dist.is_initialized():
+        gc.unfreeze()
         gc.collect()
         dist.destroy_process_group()
     _current = TensorParallel()

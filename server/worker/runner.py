@@ -16,9 +16,11 @@ forward's packed inputs to the other ranks, whose runners run the same forward o
 
 from __future__ import annotations
 
+import atexit
 import gc
 import operator
 import random
+import weakref
 
 import torch
 
@@ -33,6 +35,13 @@ from server.worker.sampler import inverse_temperatures, log_softmax, noise_keys,
 from server.worker.scoring import PromptScores, head_slices, score_chunks, unpack, wants_scores
 from server.worker.spec.verify import verify_parts, verify_rows, verify_slots
 from server.worker.steps import ArgmaxChoice, RowsPlan, StepHandle, StepResult
+
+
+def close_at_exit(ref: weakref.ref) -> None:
+    """atexit: close the runner `ref` names if it is still alive (ModelRunner.attach_peers)."""
+    runner = ref()
+    if runner is not None:
+        runner.close()
 
 
 class ModelRunner:
@@ -83,6 +92,14 @@ class ModelRunner:
             gc.collect()  # in freed segments (collected late, after the budget was measured) goes back first
             torch.cuda.empty_cache()
         self.kv_caches = allocate_kv_cache(self.cache_spec, num_blocks, self.device, scales)
+
+    def attach_peers(self, peers) -> None:
+        """Rank 0 of a tensor-parallel group: `peers` (server/worker/parallel/peers.py) runs the other
+        ranks. An engine never closed closes at exit, its graphs before the group (the peers' own
+        exit handler, registered earlier, runs later): NCCL's destroy hangs while they live. Held
+        weakly: a closed engine's runner is not kept for the process's life."""
+        self.peers = peers
+        atexit.register(close_at_exit, weakref.ref(self))
 
     def close(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache) so that another engine fits in this process."""

@@ -126,7 +126,8 @@ def bring_up(config: EngineConfig, path: Path, device: torch.device, peers=None,
     cache_dtype = resolve_cache_dtype(config.kv_cache_dtype, dtype)
     cache_spec = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, cache_dtype)
     runner = ModelRunner(model, cache_spec, device, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    runner.peers = peers
+    if peers is not None:
+        runner.attach_peers(peers)
     scales = None
     if is_fp8_cache(cache_dtype):
         # under tensor parallelism every rank decides its own heads' scales (a calibration pass's

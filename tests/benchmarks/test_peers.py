@@ -383,3 +383,20 @@ def test_wait_gpu_free_asks_only_for_the_visible_gpus(monkeypatch):
     readings = iter(["[N/A]\n"])
     run.wait_gpu_free(timeout=5)
     assert len(calls) == 1 and not any(a.startswith("--id") for a in calls[0])
+
+
+def test_an_offline_process_that_hangs_after_its_last_row_is_cut_not_waited_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "EXIT_GRACE_S", 0.5)
+    rows = tmp_path / "rows.json"
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        rows.write_text(json.dumps({"rows": [{"task": "a"}]}))
+        assert run.wait_offline(p, rows, tasks=2, timeout=2.5) == ("timeout after 2 s", False)  # a task missing
+        rows.write_text(json.dumps({"rows": [{"task": "a"}, {"task": "b"}]}))
+        assert run.wait_offline(p, rows, tasks=2, timeout=30) == (0, True)  # all in: cut after the grace
+        assert p.poll() is None  # (run_offline's kill_tree ends it)
+    finally:
+        p.kill()
+        p.wait()
+    q = subprocess.Popen(["true"])
+    assert run.wait_offline(q, tmp_path / "none.json", tasks=1, timeout=30) == (0, False)

@@ -170,3 +170,34 @@ def test_dummy_weights_need_no_weight_files_and_repeat(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_model(path, torch.float32, "cpu", "sdpa")
 
+
+def test_leaving_the_group_collects_cycles_that_gc_freeze_froze():
+    # The server and benchmarks freeze start-up's heap; a CUDA graph in a reference cycle (a graph
+    # holder and its replay hook) must still be gone before NCCL's destroy, which hangs while it lives.
+    import gc
+    import weakref
+
+    from torch.distributed import TCPStore
+
+    from models import close_tensor_parallel, init_tensor_parallel
+
+    class Graphs:
+        pass
+
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True)
+    init_tensor_parallel(0, 1, store, torch.device("cpu"))
+    graphs = Graphs()
+    graphs.on_replay = [graphs]  # the cycle (a list: a lambda would hold the local name, not the object)
+    ref = weakref.ref(graphs)
+    gc.collect()
+    gc.freeze()
+    try:
+        del graphs
+        gc.collect()
+        assert ref() is not None  # frozen: the collector does not see it
+        close_tensor_parallel()
+        assert ref() is None
+    finally:
+        gc.unfreeze()
+        close_tensor_parallel()
+
