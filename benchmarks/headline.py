@@ -18,9 +18,13 @@ OFFLINE_SHAPES = ("gpt2", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "llama-3
 # quantized copies of a shape's checkpoint (benchmarks/peers/workloads.py), both engines on the same files:
 # their offline and batch-1 rows come from an H100's run where there is one, else another GPU's
 QUANT_SHAPES = ("llama-3.1-8b.fp8-dynamic", "llama-3.1-8b.awq")
+# shapes split over several GPUs (--tensor-parallel-size, the files' _tp<N>): likewise any GPU's run
+TP_SHAPES = ("llama-3.1-8b_tp2", "llama-3.1-70b_tp4")
 SHAPE_NAMES = {"gpt2": "GPT-2 small", "llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B",
                "qwen2.5-0.5b": "Qwen2.5-0.5B", "llama-3.1-8b": "Llama-3.1-8B",
-               "llama-3.1-8b.fp8-dynamic": "Llama-3.1-8B, FP8_DYNAMIC weights", "llama-3.1-8b.awq": "Llama-3.1-8B, AWQ weights"}
+               "llama-3.1-8b.fp8-dynamic": "Llama-3.1-8B, FP8_DYNAMIC weights", "llama-3.1-8b.awq": "Llama-3.1-8B, AWQ weights",
+               "llama-3.1-8b_tp2": "Llama-3.1-8B, tensor parallel over 2 GPUs",
+               "llama-3.1-70b_tp4": "Llama-3.1-70B, tensor parallel over 4 GPUs"}
 HTTP_CLIENTS = 256
 VLLM_FAILURE = ("vLLM failed in that run; its error (the last line vLLM printed) is under the run in "
                 f"[{DOC}]({DOC}#side-by-side-with-vllm), its whole log in the run's logs")
@@ -38,9 +42,9 @@ def _load(results: Path, name: str) -> dict | None:
 
 
 def _peers_name(results: Path, workload: str, shape: str) -> str:
-    """peers_<workload>_<shape>_h100.json; for a quantized shape without one, another GPU's file."""
+    """peers_<workload>_<shape>_h100.json; for a quantized or split shape without one, another GPU's file."""
     name = f"peers_{workload}_{shape}_h100.json"
-    if shape in QUANT_SHAPES and not (results / name).exists():
+    if shape in QUANT_SHAPES + TP_SHAPES and not (results / name).exists():
         others = sorted(results.glob(f"peers_{workload}_{shape}_*.json"))
         name = others[0].name if others else name
     return name
@@ -79,7 +83,7 @@ def _vllm(row: _Row, result: dict, name: str, value: str | None, failed: list) -
 def headline(results: Path) -> str:
     rows: list[_Row] = []
     failed: list[str] = []
-    for shape in OFFLINE_SHAPES + QUANT_SHAPES:  # offline: output tokens/s, 256 requests of 128-512 tokens in and out
+    for shape in OFFLINE_SHAPES + QUANT_SHAPES + TP_SHAPES:  # offline: output tokens/s, 256 requests of 128-512 tokens in and out
         row = _Row("offline, tok/s", shape)
         name = _peers_name(results, "offline", shape)
         peers = _load(results, name)
@@ -123,7 +127,7 @@ def headline(results: Path) -> str:
             row.put("flashpage", _link(name, f"{by['flashpage']['output_tokens_per_s']:,.0f}"), peers)
             _vllm(row, peers, name, f"{by['vllm']['output_tokens_per_s']:,.0f}" if "vllm" in by else None, failed)
             rows.append(row)
-    for shape in OFFLINE_SHAPES + QUANT_SHAPES:  # batch 1: time per output token, 512-token prompt, 256 outputs
+    for shape in OFFLINE_SHAPES + QUANT_SHAPES + TP_SHAPES:  # batch 1: time per output token, 512-token prompt, 256 outputs
         name = _peers_name(results, "batch1", shape)
         peers = _load(results, name)
         if not peers:

@@ -27,7 +27,11 @@ def flags_line(result: dict) -> str:
              f"{f['max_num_batched_tokens']}, gpu_memory_utilization {f['gpu_memory_utilization']}, block size "
              f"{f['block_size']}, chunked prefill {'on' if f['enable_chunked_prefill'] else 'off'}, prefix caching "
              f"{'on' if f['enable_prefix_caching'] else 'off'}, KV cache {f['kv_cache_dtype']}, {f['dtype']}"
-             + (f", {f['api_server_count']} API processes" if f.get("api_server_count") else "")]
+             + (f", {f['api_server_count']} API processes" if f.get("api_server_count") else "")
+             + (f", tensor parallel over {f['tensor_parallel_size']} GPUs (each engine's custom all-reduce, "
+                "NCCL's where it does not apply; NVLink multicast off in both)"
+                if f.get("tensor_parallel_size", 1) > 1 else "")
+             + (", random weights made by each engine (`--load-format dummy`)" if f.get("load_format") == "dummy" else "")]
     return "; ".join(parts) + "."
 
 

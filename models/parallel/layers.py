@@ -137,7 +137,8 @@ class RowParallelLinear(Linear):
         # gave the unfused bits (tests/kernels/test_one_shot_all_reduce.py) and an engine with it NCCL's
         # tokens (test_gpu_tp.py's custom all-reduce test, run with it set), and the 8B TP=2 step went
         # 3.405 -> 3.347 ms (profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp2_
-        # fused-on_h200.json); it has not run at four ranks, nor in bench_tp's TPOT beside the default
+        # fused-on_h200.json), bench_tp's batch-1 TPOT 3.285 -> 3.225 ms (experiments/tp2_fused_add_rmsnorm_
+        # ab_h200.json, one call); it has not run at four ranks, so it stays off
         self.fuse_add_rmsnorm = os.environ.get(FUSED_ADD_RMSNORM_ENV, "0") == "1"
 
     def forward(self, x: torch.Tensor, gelu: bool = False, reduce: bool = True) -> torch.Tensor:

@@ -327,6 +327,9 @@ def test_tensor_parallel_and_dummy_weights_reach_both_engines(tmp_path, monkeypa
     (written,) = run.write_results(job, got, tmp_path, dict(device="NVIDIA H100 80GB HBM3"))
     assert written.name == "peers_batch1_llama-3.1-70b_tp4_h100.json"
     assert "--load-format dummy" in json.loads(written.read_text())["model"]
+    line = report.flags_line(json.loads(written.read_text()))  # the docs say how the row was split
+    assert "tensor parallel over 4 GPUs" in line and "`--load-format dummy`" in line
+    assert "tensor parallel" not in report.flags_line(dict(flags=Flags().record()))
 
 
 def test_a_checkpoint_that_cannot_be_made_says_why(tmp_path, monkeypatch):

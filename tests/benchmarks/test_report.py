@@ -57,6 +57,13 @@ def test_headline_table_cells_come_from_their_files():
     best = max(r["output_tokens_per_s"] for r in hf["rows"] if r["impl"] in ("hf_eager", "hf_sdpa"))
     assert f"{best:,.0f} (hf_" in row
     assert re.search(r"\| batch 1, TPOT ms \| Llama-3.1-8B \| \[\d+\.\d\d\]", text)
+    # a shape split over GPUs: its row from whichever GPU's run there is (its file named _tp<N>)
+    name = next(make_report.RESULTS.glob("peers_batch1_llama-3.1-70b_tp4_*.json")).name
+    tp = json.loads((make_report.RESULTS / name).read_text())
+    by = {r["impl"]: r["tpot_ms"] for r in tp["rows"]}
+    row = next(line for line in text.splitlines()
+               if line.startswith("| batch 1, TPOT ms | Llama-3.1-70B, tensor parallel over 4 GPUs |"))
+    assert f"[{by['flashpage']:.2f}](benchmarks/results/{name}) | {by['vllm']:.2f} |" in row
 
 
 def test_capability_rows_come_from_their_files(tmp_path):
