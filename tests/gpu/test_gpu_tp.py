@@ -296,6 +296,40 @@ def test_eager_steps_at_two_gpus_too(ckpt, one_gpu, two_gpus):
         eager.close()
 
 
+# an engine its script never closes, with start-up's heap frozen as the server and the benchmarks
+# freeze it: its exit must not wait on a CUDA graph that captured collectives (NCCL's destroy hangs
+# while one lives; the peers harness's 70B TP=4 process hung 6 min in its exit, 2026-11-28)
+_EXIT_SCRIPT = """
+import gc, sys
+from server.config import EngineConfig
+from server.engine import LLMEngine
+from server.sampling_params import SamplingParams
+engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", tensor_parallel_size=2, num_blocks=256,
+                                max_model_len=512, max_num_batched_tokens=256))
+out = engine.generate([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, ignore_eos=True)])
+assert len(out[0].token_ids) == 8
+gc.collect()
+gc.freeze()
+print("generated", flush=True)
+"""
+
+
+def test_an_engine_never_closed_exits_with_its_process(ckpt, two_gpus):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    two_gpus.close()  # (one group per process: the script's engine is the only one on these GPUs' ranks)
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(ckpt)], cwd=root, capture_output=True,
+                              text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process did not exit within 240 s of its script's end: {(e.stdout or b'')[-2000:]!r}")
+    assert "generated" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_deterministic_mode_at_two_gpus_keeps_a_requests_bits_whatever_its_batch(ckpt):
     """The row-parallel sums are an all-gather and a sum in rank order there (models/parallel/group.py)."""
     probe = _prompts(1, 90, 90, seed=12)
