@@ -37,6 +37,16 @@ as ``kernels/wo_matmul.py`` at M = 1):
            contract: fp16 partial sums, |x| within HALF2_X_BOUND), for int4 without g_idx; the
            caller's choice (models/quant/gemms.py takes it where the linear's input is bounded).
 
+gemv16 contract (semantics = x.float() @ weight.float().T (+ bias) of one row, rounded once to x's
+dtype, up to the order of the fp32 sums):
+  x        [1, K] float16 / bfloat16, last dim contiguous
+  weight   [N, K] x's dtype, contiguous (a 16-bit linear's own weight)
+  bias     [N] x's dtype, or None
+  returns  [1, N] x's dtype
+  Why: at one row cuBLAS launches few CTAs for the smaller projections (o_proj, 4096 x 4096, as 64
+  tiles of 64 channels on 132 SMs: half the H100's bandwidth) and a second kernel to add split-K
+  partials; here K is split until every SM holds programs and the last one adds the partials.
+
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).
 Not checked: NaN/inf (they propagate).
@@ -87,6 +97,13 @@ def config(n: int, k: int, int4: bool, w8a16: bool = False) -> GemvConfig:
     if int4:
         return GemvConfig(4, 512, 2) if n * k <= 4096 * 4096 else GemvConfig(8, 1024, 4)
     return GemvConfig(8, 1024 if w8a16 else 512, 4) if k > 8192 else GemvConfig(4, 512, 2)
+
+
+def config16(n: int, k: int) -> GemvConfig:
+    """gemv16's tiles: FP8's bytes a K step (half its columns), not yet swept on a GPU."""
+    if _INTERPRET:
+        return GemvConfig(32, 256, 1, 1)
+    return GemvConfig(8, 512, 4) if k > 8192 else GemvConfig(4, 256, 2)
 
 
 def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -151,6 +168,22 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
                 acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
     gemv_finish(acc, offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
+
+
+@triton.jit
+def _gemv16_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
+    pdl.gemv_prologue(w_ptr, n64, n_ok, K, k_lo, k_hi, 2 * BLOCK_K // 64, 64, PDL)  # 64 16-bit elements a line
+    offs_k = tl.arange(0, BLOCK_K)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced across threads once, after the loop
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_hi
+        w = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    gemv_finish(tl.sum(acc2, axis=1), offs_n, n_ok, bias_ptr, out_ptr, part_ptr, count_ptr, SPLIT, HAS_BIAS, BLOCK_N)
 
 
 @triton.jit
@@ -291,6 +324,19 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
                    ACT=act.value, GROUP=g)
 
 
+def gemv16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           cfg: GemvConfig | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], all in x's 16-bit dtype. See the module docstring."""
+    (m, k), n = x.shape, weight.shape[0]
+    assert m == 1 and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
+    assert weight.dtype == x.dtype and weight.shape == (n, k) and weight.is_contiguous()
+    assert bias is None or (bias.shape == (n,) and bias.dtype == x.dtype)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    return _launch(_gemv16_kernel, n, k, cfg or config16(n, k), out, bias, x, weight)
+
+
 def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
             bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
             cfg: GemvConfig | None = None, half2: bool = False, prescale: bool = False) -> torch.Tensor:
@@ -323,4 +369,4 @@ def wo_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: to
                    HAS_GIDX=g_idx is not None)
 
 
-__all__ = ["GemvConfig", "config", "fp8_gemv", "wo_gemv"]
+__all__ = ["GemvConfig", "config", "config16", "fp8_gemv", "gemv16", "wo_gemv"]

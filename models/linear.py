@@ -5,6 +5,7 @@ from the batch size), and a quant method's storage and GEMM for quantized weight
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,8 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import gemv16
 from kernels.invariant_matmul import invariant_linear
 
+# FLASHPAGE_GEMV16=1 (read when a layer is built; tensor-parallel ranks inherit it): a 16-bit linear
+# reads its weight at one row through kernels/gemv.py's gemv16 instead of cuBLAS, which at one row
+# launches 64 CTAs for a 4096 x 4096 o_proj (20.6 us on an H100, about half its bandwidth; 6.9 us for
+# a TP=2 rank's on an H200) and a second kernel to add its split-K partials (64 a step at the 8B
+# shape, 110 us; profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json).
+# Off by default: not yet measured on a GPU.
+GEMV16_ENV = "FLASHPAGE_GEMV16"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _STORAGE_LATER: ContextVar[bool] = ContextVar("storage_later", default=False)
 
@@ -41,6 +51,7 @@ class Linear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(out_features))
         self.invariant = invariant
         self.quant = None
+        self.gemv16 = os.environ.get(GEMV16_ENV, "0") == "1"
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x [n, in] (or its FP8 form from the norm before, for a quant method that asked for it) ->
@@ -51,7 +62,14 @@ class Linear(nn.Linear):
         if self.invariant:
             return invariant_linear(x, self.weight, self.bias, gelu=gelu)
         assert not gelu
+        if self.gemv16 and self._one_row_16_bit(x):
+            return gemv16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _one_row_16_bit(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (x.shape[0] == 1 and (x.is_cuda or _INTERPRET) and x.dtype in (torch.float16, torch.bfloat16)
+                and w.dtype == x.dtype and x.stride(-1) == 1 and w.is_contiguous())
 
 
 def head_matmul(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:

@@ -6,10 +6,11 @@
               models/quant/gemms.py runs for FP8 per channel (input quantized by the norm, or raw: the
               GEMV quantizes it at one row), FP8 128x128 blocks and int4 (AWQ's group 128), plus the
               tile kernels and the int4 GEMV's half2 loop (ours_int4_half2; _prescale: each K step scaled) at
-              one row for comparison with the GEMV. Each case is timed as a CUDA graph of calls over
+              one row for comparison with the GEMV, and the 16-bit weight through our GEMV (ours_bf16_gemv,
+              kernels/gemv.py's gemv16: models/linear.py's FLASHPAGE_GEMV16) beside bf16 cuBLAS. Each case is timed as a CUDA graph of calls over
               copies of the weight that together pass the L2 cache (as a decode step's layers do): no
               launch gaps, no L2 hits, device time only
-  sweep       the decode GEMV's tiles at one row for each linear (FP8 per channel, int4), the default
+  sweep       the decode GEMV's tiles at one row for each linear (FP8 per channel, int4, bf16), the default
               (kernels/gemv.py's config) first; the best of each is recorded under "tuned", and the
               engine steps run with them only with --install-tuned (else what ships: "engine_gemv")
   tpot        batch-1 time per output token of the engine (128-token prompt, CUDA graphs): the
@@ -68,7 +69,7 @@ def base_format(fmt: str) -> str:
     """The checkpoint format of a format with options (awq+prescale+pdl -> awq)."""
     return fmt.split("+")[0]
 GEMV_SWEEP = [(16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 8, 0), (16, 1024, 8, 0), (8, 1024, 4, 0), (4, 512, 2, 0),
-              (16, 512, 4, 1)]  # (block_n, block_k, warps, splits: 0 = from the shape)
+              (16, 512, 4, 1), (4, 256, 2, 0), (8, 256, 4, 0)]  # (block_n, block_k, warps, splits: 0 = from the shape)
 
 
 def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -125,7 +126,7 @@ def _block_scaled_mm(xq, xs, wq, blocks):
 def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
     from kernels.fp8_matmul import fp8_matmul
     from kernels.fp8_quant import quant_fp8
-    from kernels.gemv import fp8_gemv, wo_gemv
+    from kernels.gemv import fp8_gemv, gemv16, wo_gemv
     from kernels.wo_matmul import wo_matmul
     from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
 
@@ -153,6 +154,8 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 "ours_int4": lambda i: weight_only_linear(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, None),
             }
             if m == 1:  # the tile kernels the GEMV replaces at one row
+                # the 16-bit weight through our GEMV (models/linear.py's FLASHPAGE_GEMV16) against bf16_cublas
+                cases["ours_bf16_gemv"] = lambda i: gemv16(x, ws[i]["w"])
                 cases["fp8_tiles"] = lambda i: fp8_matmul(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16)
                 cases["int4_tiles"] = lambda i: wo_matmul(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128)
                 # the GEMV's half2 loop (kernels/gemv_int4.py: what gemms.py takes after a norm), same tiles
@@ -169,7 +172,7 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 cases["ours_int4_half2_prescale"] = lambda i: wo_gemv(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128,
                                                                       half2=True, prescale=True)
             int4_bytes = n * k // 2 + n * k // 128 * 5
-            weight_bytes = {"bf16_cublas": 2 * n * k, "ours_int4": int4_bytes, "int4_tiles": int4_bytes,
+            weight_bytes = {"bf16_cublas": 2 * n * k, "ours_bf16_gemv": 2 * n * k, "ours_int4": int4_bytes, "int4_tiles": int4_bytes,
                             "ours_int4_half2": int4_bytes, "ours_int4_half2_prescale": int4_bytes}
             for impl, fn in cases.items():
                 row = dict(step="gemm", linear=name, n=n, k=k, m=m, impl=impl)
@@ -197,14 +200,15 @@ def _scaled_mm_with_quant(x, w):
     return torch._scaled_mm(q, w["w8"].t(), scale_a=s, scale_b=w["scale"].view(1, -1), out_dtype=torch.bfloat16)
 
 
-SWEEP_KINDS = ("fp8", "fp8_w8a16", "int4", "int4_half2")
+SWEEP_KINDS = ("fp8", "fp8_w8a16", "int4", "int4_half2", "bf16")
 
 
 def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
     """The GEMV's tiles at one row, per linear: FP8 per channel (input from the norm), int4 g128, and
-    int4 g128 through the half2 loop (kernels/gemv_int4.py, an option off by default: its own picks)."""
+    int4 g128 through the half2 loop (kernels/gemv_int4.py, an option off by default: its own picks),
+    and the 16-bit weight (gemv16: models/linear.py's FLASHPAGE_GEMV16, off by default)."""
     from kernels.fp8_quant import quant_fp8
-    from kernels.gemv import GemvConfig, fp8_gemv, wo_gemv
+    from kernels.gemv import GemvConfig, fp8_gemv, gemv16, wo_gemv
 
     rows = []
     for name, (n, k) in linear_shapes(shape).items():
@@ -217,6 +221,8 @@ def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
                 cfg = GemvConfig(*c)
                 if kind == "fp8":
                     fn = lambda i: fp8_gemv(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg)  # noqa: E731
+                elif kind == "bf16":
+                    fn = lambda i: gemv16(x, ws[i]["w"], cfg=cfg)  # noqa: E731
                 elif kind == "fp8_w8a16":
                     fn = lambda i: fp8_gemv(x, None, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg,  # noqa: E731
                                             weight_only=True)
@@ -240,7 +246,7 @@ def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
 
 
 def best_configs(rows: list[dict]) -> dict[str, list]:
-    """{"fp8|fp8_w8a16|int4|int4_half2 N K": the fastest GEMV config} from the sweep's rows
+    """{"fp8|fp8_w8a16|int4|int4_half2|bf16 N K": the fastest GEMV config} from the sweep's rows
     (install_gemv_configs reads the fp8, fp8_w8a16 and int4 ones: kernels/gemv.config's)."""
     best = {}
     for r in rows:
@@ -350,7 +356,7 @@ def table(result: dict) -> str:
                          f"weights {r['weight_bytes'] / 2**30:.2f} GiB")
         elif "error" in r and r["step"] == "engine":
             lines.append(f"{r['format']:>12}: {r['error']}")
-    impls = ["bf16_cublas", "fp8_scaled_mm", "ours_fp8", "ours_fp8_w8a16", "ours_fp8_raw_input", "ours_fp8_quant_first",
+    impls = ["bf16_cublas", "ours_bf16_gemv", "fp8_scaled_mm", "ours_fp8", "ours_fp8_w8a16", "ours_fp8_raw_input", "ours_fp8_quant_first",
              "ours_fp8_block", "ours_int4",
              "ours_int4_half2", "ours_int4_half2_prescale", "fp8_tiles", "int4_tiles"]
     lines.append("one row, us: " + " | ".join(impls))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.fp8_quant import quant_fp8
-from kernels.gemv import GemvConfig, fp8_gemv, wo_gemv
+from kernels.gemv import GemvConfig, fp8_gemv, gemv16, wo_gemv
 from kernels.quant_reference import dequant_fp8, fp8_matmul_ref, pack_int4, quant_fp8_ref, wo_matmul_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,6 +156,27 @@ def test_fp8_weight_only_gemv_matches_reference(cfg, group):
     x = torch.randn(1, k, generator=g).to(torch.float16)
     out = wo_gemv(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), None, group, cfg=cfg)
     torch.testing.assert_close(out.cpu(), wo_matmul_ref(x, w, scale, None, group), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.mark.parametrize("n,k", [(1, 1), (40, 200), (33, 384), (50, 517)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv16_matches_reference(cfg, n, k, dtype):
+    # a 16-bit weight at one row: output channels and K off the tiles, K split unevenly, with and
+    # without a bias; one rounding of the fp32 sum to the row's dtype
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    x = (torch.randn(1, k, generator=g) * 3).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype) if n % 2 else None
+    out = gemv16(x.to(DEVICE), w.to(DEVICE), None if bias is None else bias.to(DEVICE), cfg=cfg)
+    ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert out.shape == (1, n) and out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-2, rtol=8e-3)  # one 16-bit rounding
+    # against the same sum rounded once: at most one unit in the last place apart (fp32 order)
+    ulp = (ref.abs() * 2.0 ** (-7 if dtype == torch.bfloat16 else -10)).clamp(min=2.0 ** -20)
+    assert ((out.cpu().double() - ref.to(dtype).double()).abs() <= ulp).all()
+    with pytest.raises(AssertionError):  # the weight in the row's dtype, one row
+        gemv16(x.to(DEVICE), w.float().to(DEVICE), cfg=cfg)
 
 
 def test_no_output_channels():

@@ -30,6 +30,31 @@ def test_invariant_path():
     assert torch.equal(head_matmul(x, w, False), x @ w.t())
 
 
+def test_gemv16_takes_one_16_bit_row_where_asked(monkeypatch):
+    # FLASHPAGE_GEMV16=1 (read when the layer is built): one 16-bit row through kernels/gemv.py's
+    # gemv16, anything else (more rows, fp32, a quant method's layer) as before; unset, never
+    import kernels.gemv
+    import models.linear as linear
+
+    calls = []
+    real = kernels.gemv.gemv16
+    monkeypatch.setattr(linear, "gemv16", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setenv(linear.GEMV16_ENV, "1")
+    layer = Linear(300, 33).to(torch.bfloat16)
+    x = torch.randn(4, 300).to(torch.bfloat16)
+    one = layer(x[:1])
+    ref = x[:1].double() @ layer.weight.double().t() + layer.bias.double()
+    torch.testing.assert_close(one.double(), ref, atol=1e-2, rtol=8e-3)
+    assert calls == [(1, 300)]
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and len(calls) == 1  # 4 rows: cuBLAS's
+    wide = Linear(300, 33)
+    wide(torch.randn(1, 300))  # fp32: cuBLAS's
+    assert len(calls) == 1
+    monkeypatch.delenv(linear.GEMV16_ENV)
+    Linear(300, 33).to(torch.bfloat16)(x[:1])
+    assert len(calls) == 1  # off by default
+
+
 def test_families_use_it(tiny_ckpt):
     """Every Linear of a deterministic model is invariant, and it has no other nn.Linear."""
     from models import load_model
