@@ -43,9 +43,9 @@ dtype, up to the order of the fp32 sums):
   weight   [N, K] x's dtype, contiguous (a 16-bit linear's own weight)
   bias     [N] x's dtype, or None
   returns  [1, N] x's dtype
-  Why: at one row cuBLAS launches few CTAs for the smaller projections (o_proj, 4096 x 4096, as 64
-  tiles of 64 channels on 132 SMs: half the H100's bandwidth) and a second kernel to add split-K
-  partials; here K is split until every SM holds programs and the last one adds the partials.
+  Why: at one row cuBLAS runs the smaller projections in few CTAs (a 4096 x 4096 o_proj in 64-channel
+  tiles by its kernel's name: 64 on 132 SMs, half the H100's bandwidth) and adds split-K partials in
+  a second kernel; here K is split until every SM holds programs and the last one adds the partials.
 
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).

@@ -18,11 +18,12 @@ from kernels.gemv import gemv16
 from kernels.invariant_matmul import invariant_linear
 
 # FLASHPAGE_GEMV16=1 (read when a layer is built; tensor-parallel ranks inherit it): a 16-bit linear
-# reads its weight at one row through kernels/gemv.py's gemv16 instead of cuBLAS, which at one row
-# launches 64 CTAs for a 4096 x 4096 o_proj (20.6 us on an H100, about half its bandwidth; 6.9 us for
-# a TP=2 rank's on an H200) and a second kernel to add its split-K partials (64 a step at the 8B
-# shape, 110 us; profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json).
-# Off by default: not yet measured on a GPU.
+# reads its weight at one row through kernels/gemv.py's gemv16 instead of cuBLAS. At one row cuBLAS
+# runs a 4096 x 4096 o_proj in 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us on
+# an H100, about half its bandwidth (6.9 us for a TP=2 rank's on an H200), and adds split-K partials
+# in a second kernel (64 a step at the 8B shape, 110 us; profile_step,
+# benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). Off by default: not yet
+# measured on a GPU.
 GEMV16_ENV = "FLASHPAGE_GEMV16"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
