@@ -80,11 +80,8 @@ class FlashpageEngine:
         return [(list(r.token_ids), r.text) for r in self.engine.generate(prompts, sps)]
 
     def close(self) -> None:
-        """As the server's engine loop ends: thaw what start-up froze, then close (under tensor
-        parallelism the CUDA graphs must go before the group: NCCL's destroy hangs while they live)."""
-        import gc
-
-        gc.unfreeze()
+        """As the server's engine loop ends (under tensor parallelism its CUDA graphs go before the
+        group: leaving it thaws and collects what start-up froze, models/parallel/group.py)."""
         self.engine.close()
 
 
@@ -178,16 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     engine = (VllmEngine if engine_name == "vllm" else FlashpageEngine)(job["model"], flags)
     init_s = time.perf_counter() - t0
     print(f"[{engine_name}] ready in {init_s:.1f} s", flush=True)
-    rows = []
     try:
-        run_tasks(engine, engine_name, job["tasks"], rows, Path(args[1]), init_s)
+        run_tasks(engine, engine_name, job["tasks"], Path(args[1]), init_s)
     finally:
         engine.close()
     return 0
 
 
-def run_tasks(engine, engine_name: str, tasks: list[dict], rows: list[dict], out: Path, init_s: float) -> None:
+def run_tasks(engine, engine_name: str, tasks: list[dict], out: Path, init_s: float) -> None:
     """Each task's row, the rows file rewritten after each (a run cut short keeps what it measured)."""
+    rows = []
     for task in tasks:
         row = dict(engine=engine_name, impl=engine_name, workload=task.get("workload"),
                    **RUNNERS[task["kind"]](engine, task))
