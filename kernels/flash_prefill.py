@@ -16,6 +16,13 @@ Contract (semantics are exactly ``kernels.reference.prefill_attention_ref``):
                always k and v as given: a chunk's own keys never go through the cache here
                (kv_write and rope_kv_write leave them as an fp8 cache holds them).
   block_tables [num_seqs, max_blocks] int32; prefix_lens [num_seqs] int32
+  prefix_starts (instead of block_tables) [num_seqs] int32: a gathered prefix (``gather_prefix``):
+               k_cache / v_cache are then each sequence's blocks copied back to back (contiguous),
+               and sequence s's cached position i is row prefix_starts[s] + i of the copy viewed as
+               [rows, num_kv_heads * head_dim], read in whole tiles through TMA descriptors rather
+               than gathered through the page table (the caller pays one copy of the prefix: worth it
+               for long chunks, see models/attention/triton_backend.py). Rows past prefix_lens[s]
+               (unowned slots, the next sequence's) are masked as a paged prefix's are.
 
 Sequence s's new tokens sit at positions prefix_lens[s] .. prefix_lens[s] + len_s - 1. Each query
 attends to every cached position [0, prefix_lens[s]) (read through block_tables[s]: token i lives
@@ -100,6 +107,13 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, bl
                for t in (k, v))
 
 
+def gathered_prefix_ok(head_dim: int, device: torch.device) -> bool:
+    """Can flash_prefill read a gathered prefix (prefix_starts: contiguous copies, through
+    descriptors) of this head size on this device?"""
+    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
+    return TensorDescriptor is not None and pow2 and (device.type == "cuda" or _interpreting())
+
+
 def _descriptor(t: torch.Tensor, rows: int):
     """t [tokens, heads, head_dim] as a 2-D [tokens, heads * head_dim] descriptor of one head's
     rows x head_dim tiles (the kernel picks the head by the column offset)."""
@@ -122,6 +136,7 @@ def flash_prefill(
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    prefix_starts: torch.Tensor | None = None,
     _config: tuple | dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed new tokens (+ optional paged prefix; an fp8 one with its scales
@@ -145,13 +160,20 @@ def flash_prefill(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must match q's shape and dtype, last dim contiguous")
     num_seqs = cu_seqlens.numel() - 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
     if total == 0 or num_seqs <= 0 or max_seqlen <= 0:
         return out
 
     has_prefix = k_cache is not None
+    gathered = has_prefix and prefix_starts is not None
     if has_prefix:
-        if v_cache is None or block_tables is None or prefix_lens is None:
-            raise ValueError("k_cache needs v_cache, block_tables and prefix_lens")
+        if v_cache is None or prefix_lens is None or (block_tables is None) == (prefix_starts is None):
+            raise ValueError("k_cache needs v_cache, prefix_lens and one of block_tables, prefix_starts")
+        if gathered and not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                             and _tma_ok(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), head_dim, block_d)):
+            raise ValueError("a gathered prefix (prefix_starts) must be contiguous copies descriptors can read")
+        if gathered:
+            block_tables = prefix_lens  # never read (PREFIX_TMA reads prefix_starts instead)
         cache_block = k_cache.shape[1]
         if cache_block & (cache_block - 1) or k_cache.shape[2] != num_kv_heads or k_cache.shape[3] != head_dim:
             raise ValueError(f"bad cache shape {tuple(k_cache.shape)} (block_size must be a power of two)")
@@ -168,18 +190,19 @@ def flash_prefill(
     k_scale, v_scale = (k_scale, v_scale) if fp8 else (cu_seqlens, cu_seqlens)  # placeholders: never read
 
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
     tma_ok = _tma_ok(q, k, v, head_dim, block_d)
     map_positions = block_m(head_dim, max_seqlen, q.device, group) if tiles is not None else None
     if _config is not None and not isinstance(_config, dict):
         cfg = PrefillConfig(*_config)
     else:
-        cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix, map_positions, fp8)
+        # a gathered prefix streams like new tokens: the table's tiles for a chunk without one
+        cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix and not gathered, map_positions,
+                           fp8)
         cfg = cfg._replace(**(_config or {}))
     check_config(cfg, group, tma_ok)
     positions, prefix_n = cfg.block_m // cfg.pack, cfg.prefix_n or cfg.block_n
     # The asm id load reads each row's first block-table entry even where no prefix is read.
-    asm_ids = has_prefix and cfg.prefix_ids == "asm" and block_tables.shape[1] > 0
+    asm_ids = has_prefix and not gathered and cfg.prefix_ids == "asm" and block_tables.shape[1] > 0
     if tiles is not None:
         if positions != map_positions:
             raise ValueError("a tile map needs the positions per tile that block_m() reports")
@@ -198,9 +221,14 @@ def flash_prefill(
     descs = (_descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n)) if cfg.tma else (None, None)
     diag_n = _diag_width(cfg)
     diag_descs = (_descriptor(k, diag_n), _descriptor(v, diag_n)) if cfg.tma and diag_n != cfg.block_n else (None, None)
+    if gathered:
+        prefix_descs = (_descriptor(k_cache.flatten(0, 1), prefix_n), _descriptor(v_cache.flatten(0, 1), prefix_n))
+    else:
+        prefix_descs, prefix_starts = (None, None), cu_seqlens  # never read (PREFIX_TMA False)
     _flash_prefill_kernel[grid](
         q, k, v, out, cu_seqlens, *descs, *diag_descs,
         k_cache, v_cache, block_tables, prefix_lens, tile_seq, tile_start, k_scale, v_scale,
+        *prefix_descs, prefix_starts,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -213,7 +241,7 @@ def flash_prefill(
         WHILE_LOOPS=_interpreting() and _interpreter_needs_while(),
         TILE_MAP=tiles is not None, USE_TMA=cfg.tma, DIAG=cfg.diag, DIAG_N=diag_n, KV_FP8=fp8,
         TILES_FASTEST=tiles_fastest, PREFIX_N=prefix_n, PREFIX_SPLIT=bool(cfg.prefix_split),
-        PREFIX_ASM_IDS=asm_ids and not _interpreting(), PREFIX_CLAMP_IDS=asm_ids,
+        PREFIX_ASM_IDS=asm_ids and not _interpreting(), PREFIX_CLAMP_IDS=asm_ids, PREFIX_TMA=gathered,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

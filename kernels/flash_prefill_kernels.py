@@ -107,6 +107,29 @@ def _prefix_tile(acc, l_i, m_i, q, start_n, prefix_len, bt_row, kc_base, vc_base
 
 
 @triton.jit
+def _prefix_tile_tma(acc, l_i, m_i, q, start_n, prefix_len, pk_desc, pv_desc, row0, col0, qk_scale,
+                     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, v_scale=1.0, KV_FP8: tl.constexpr = False,
+                     BOUND: tl.constexpr = True):
+    """Cached positions [start_n, start_n + BLOCK_N) of a gathered prefix (flash_prefill's
+    prefix_starts): the sequence's blocks copied back to back, rows row0 + position of descriptors
+    over the copy, so each tile is one TMA load instead of a gather through the page table. BOUND:
+    the tile may pass prefix_len; the rows past it (the last block's unowned slots, the next
+    sequence's blocks) have their scores masked and their V rows zeroed, so that not even NaN there
+    can reach the output; rows past the copy's end load as 0. KV_FP8 as in _prefix_tile."""
+    k = pk_desc.load([row0 + start_n, col0])
+    vv = pv_desc.load([row0 + start_n, col0])
+    if KV_FP8:
+        kT, vv = dequantize(k.T, tl.float16), dequantize(vv, tl.float16)
+    else:
+        kT, vv = k.T.to(q.dtype), vv.to(q.dtype)
+    n_ok = start_n + tl.arange(0, BLOCK_N) < prefix_len
+    if BOUND:
+        vv = tl.where(n_ok[:, None], vv, 0.0)
+    return _online_softmax_step(acc, l_i, m_i, q, kT, vv, qk_scale, n_ok[None, :], BOUND, UPCAST_DOT, v_scale,
+                                KV_FP8)
+
+
+@triton.jit
 def _new_tile(acc, l_i, m_i, q, start_n, kT_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, seq_len, qk_scale,
               CAUSAL: tl.constexpr, BOUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM: tl.constexpr, UPCAST_DOT: tl.constexpr):
@@ -162,6 +185,7 @@ def _new_tile_tma(acc, l_i, m_i, q, start_n, k_desc, v_desc, row0, col0, offs_m,
 def _flash_prefill_kernel(
     Q, K, V, O, CU_SEQLENS, K_DESC, V_DESC, K_DESC_D, V_DESC_D,
     K_CACHE, V_CACHE, BLOCK_TABLES, PREFIX_LENS, TILE_SEQ, TILE_START, K_SCALE, V_SCALE,
+    PK_DESC, PV_DESC, PREFIX_STARTS,
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_bts,
@@ -170,7 +194,7 @@ def _flash_prefill_kernel(
     UPCAST_DOT: tl.constexpr, WHILE_LOOPS: tl.constexpr, TILE_MAP: tl.constexpr, USE_TMA: tl.constexpr,
     DIAG: tl.constexpr, DIAG_N: tl.constexpr, KV_FP8: tl.constexpr,
     TILES_FASTEST: tl.constexpr, PREFIX_N: tl.constexpr, PREFIX_SPLIT: tl.constexpr,
-    PREFIX_CLAMP_IDS: tl.constexpr, PREFIX_ASM_IDS: tl.constexpr,
+    PREFIX_CLAMP_IDS: tl.constexpr, PREFIX_ASM_IDS: tl.constexpr, PREFIX_TMA: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // PACK  # query positions per tile
     # Program order (PrefillConfig.order). Default: grid axis 0 is the head group, the fastest-varying
@@ -251,9 +275,33 @@ def _flash_prefill_kernel(
         # opaque load the K/V copies of the next tile stay in flight (num = 2, as in the new-token
         # pointer loops). benchmarks/kernels/prefill_ir.py prints it.
         prefix_full = 0
-        if PREFIX_SPLIT:
+        if PREFIX_SPLIT or PREFIX_TMA:
             prefix_full = (prefix_len // PREFIX_N) * PREFIX_N
-        if WHILE_LOOPS:
+        if PREFIX_TMA:  # a gathered prefix: whole tiles unmasked, then the last partial one masked
+            prow0 = tl.load(PREFIX_STARTS + seq)
+            pcol0 = kv_head * HEAD_DIM
+            if WHILE_LOOPS:
+                start_n = 0
+                while start_n < prefix_full:
+                    acc, l_i, m_i = _prefix_tile_tma(acc, l_i, m_i, q_prefix, start_n, prefix_len, PK_DESC, PV_DESC,
+                                                     prow0, pcol0, prefix_scale, PREFIX_N, UPCAST_DOT, v_scale,
+                                                     KV_FP8, False)
+                    start_n += PREFIX_N
+                while start_n < prefix_len:
+                    acc, l_i, m_i = _prefix_tile_tma(acc, l_i, m_i, q_prefix, start_n, prefix_len, PK_DESC, PV_DESC,
+                                                     prow0, pcol0, prefix_scale, PREFIX_N, UPCAST_DOT, v_scale,
+                                                     KV_FP8, True)
+                    start_n += PREFIX_N
+            else:
+                for start_n in range(0, prefix_full, PREFIX_N):
+                    acc, l_i, m_i = _prefix_tile_tma(acc, l_i, m_i, q_prefix, start_n, prefix_len, PK_DESC, PV_DESC,
+                                                     prow0, pcol0, prefix_scale, PREFIX_N, UPCAST_DOT, v_scale,
+                                                     KV_FP8, False)
+                for start_n in range(prefix_full, prefix_len, PREFIX_N):
+                    acc, l_i, m_i = _prefix_tile_tma(acc, l_i, m_i, q_prefix, start_n, prefix_len, PK_DESC, PV_DESC,
+                                                     prow0, pcol0, prefix_scale, PREFIX_N, UPCAST_DOT, v_scale,
+                                                     KV_FP8, True)
+        elif WHILE_LOOPS:
             start_n = 0
             if PREFIX_SPLIT:
                 while start_n < prefix_full:

@@ -20,6 +20,10 @@ new tokens whose keys are the chunk's own (causal) plus the i·C before it, read
   prefix): the paged prefix loop's options (PrefillConfig.prefix_split, prefix_n, num_stages,
   prefix_ids), see PREFIX_OPTIONS (flashpage_load_ids: the table's loop until 2026-11-27); one the GPU
   cannot compile is skipped with a line saying why;
+- flashpage_gathered (chunks with a prefix): the prefix's blocks copied out of the cache back to back
+  (index_select), then the kernel reads the copy in whole tiles (flash_prefill's prefix_starts), as
+  the engine runs a long chunk (models/attention/triton_backend.py gather_plan), the copy timed too;
+  flashpage_gathered_kernel: the same kernel over a copy made before the timing;
 - vllm_fa3 (only where vLLM's site is importable, VLLM_SITE): vLLM's FlashAttention-3
   `flash_attn_varlen_func` with the same block table, what `vllm serve` runs on Hopper;
 and one whole-prompt row per impl (the prompt in one call, the cuDNN SDPA backend as the contiguous
@@ -97,6 +101,14 @@ def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
         impls["flashpage" + suffix] = lambda o=order: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)
         impls["flashpage_contiguous" + suffix] = \
             lambda o=order: flash_prefill(q[:n], k[:n], v[:n], cu_all, n, scale, _config=o)[start:]
+    if start:  # the prefix's blocks copied out first, as the engine's long chunks do (prefix_starts)
+        ids = bt[0, : -(-start // k_cache.shape[1])].long()
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        gathered = lambda kg, vg: flash_prefill(qc, kc, vc, cu, c, scale, k_cache=kg, v_cache=vg,  # noqa: E731
+                                                prefix_lens=prefix, prefix_starts=zero)
+        impls["flashpage_gathered"] = lambda: gathered(k_cache.index_select(0, ids), v_cache.index_select(0, ids))
+        copies = k_cache.index_select(0, ids), v_cache.index_select(0, ids)
+        impls["flashpage_gathered_kernel"] = lambda: gathered(*copies)
     for name, opts in PREFIX_OPTIONS.items() if start else ():
         fn = lambda o=opts: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)  # noqa: E731
         try:  # an option the GPU cannot compile (shared memory, registers) loses its row, not the run
@@ -131,7 +143,8 @@ def vllm_fa3():
     return flash_attn_varlen_func
 
 
-def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, timer) -> list[dict]:
+def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, timer,
+        impls_kept: list[str] | None = None) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     h, kvh, d, bs = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["block_size"]
     q = torch.randn(prompt, h, d, generator=gen).to(device, dtype)
@@ -141,7 +154,8 @@ def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, t
     for start in range(0, prompt, chunk):
         c = min(chunk, prompt - start)
         cache = paged(k, v, start, bs, gen)
-        impls = chunk_impls(q, k, v, start, c, cache, scale)
+        impls = {n: f for n, f in chunk_impls(q, k, v, start, c, cache, scale).items()
+                 if impls_kept is None or n in impls_kept}
         if start + c == prompt:  # the last chunk: every impl against the reference before any timing
             # (the first kv head's group of query heads only: the reference's fp32 scores of all 32
             # heads over a 32k prompt's last chunk are 32 GiB, past an H100's free memory)
@@ -176,7 +190,7 @@ def run(prompt: int, chunk: int, shape: dict, dtype: torch.dtype, device: str, t
                                                                         enable_gqa=True)
 
         whole["sdpa_cudnn"] = cudnn
-    for name, fn in whole.items():
+    for name, fn in whole.items() if impls_kept is None else ():
         ms = timer(fn)
         rows.append(dict(impl=name, chunk_start=0, chunk_len=prompt, ms=ms, whole=True,
                          tflops=chunk_flops(0, prompt, h, d) / ms / 1e9))
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="the engine's --max-num-batched-tokens")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, any device (a check of this script)")
+    ap.add_argument("--impls", nargs="+", default=None, help="time only these chunk rows (and no whole-prompt row)")
     args = ap.parse_args(argv)
     if args.smoke:
         import time
@@ -220,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             return (time.perf_counter() - t0) * 1e3
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        rows = run(args.prompt, args.chunk, SMOKE, torch.float16 if device == "cpu" else torch.bfloat16, device, timer)
+        rows = run(args.prompt, args.chunk, SMOKE, torch.float16 if device == "cpu" else torch.bfloat16, device, timer,
+                   args.impls)
         print(report(dict(workload=dict(prompt=args.prompt, chunk=args.chunk, dtype="smoke", **SMOKE), rows=rows)))
         return
     import triton.testing
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     def timer(fn):
         return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
-    rows = run(args.prompt, args.chunk, SHAPE, torch.bfloat16, "cuda", timer)
+    rows = run(args.prompt, args.chunk, SHAPE, torch.bfloat16, "cuda", timer, args.impls)
     result = dict(gpu_run_info("benchmarks.kernels.bench_prefill_chunks", argv),
                   workload=dict(prompt=args.prompt, chunk=args.chunk, dtype="bfloat16", **SHAPE), rows=rows)
     path = write_result(result, args.out_dir, "prefill_chunks")

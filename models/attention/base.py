@@ -64,6 +64,10 @@ class AttentionMetadata:
     # its chunk's page table and its own position + 1 (triton: a step of short chunks alone, e.g.
     # speculative verifications, attends through the paged decode kernel, split over the keys)
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (block ids [n], prefix_starts [num_chunks]) int32 (triton): each layer copies these cache
+    # blocks (every chunk's prefix, back to back) and the prefill kernel reads the copy in whole
+    # tiles; chunk i's prefix starts at row prefix_starts[i] of it
+    prefix_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -88,10 +92,12 @@ class AttentionBackend(Protocol):
     name: str
     prefill_graphs: bool  # can a prefill step be captured in a CUDA graph (no host values read per step)?
 
-    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
-                       ) -> dict[str, np.ndarray]:
+    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device,
+                       cache: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """Host int32 arrays an eager step with these prefill chunks needs besides StepRows' own;
-        the worker uploads them in the step's one copy and hands them back in `StepRows.extra`."""
+        the worker uploads them in the step's one copy and hands them back in `StepRows.extra`.
+        `cache`: (block_size, max_blocks) of the KV cache, where the worker lets the step copy its
+        chunks' prefixes out of the cache (at most max_blocks blocks: what its memory profile ran)."""
 
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's metadata, built once and handed to every layer."""

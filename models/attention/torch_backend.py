@@ -59,7 +59,7 @@ class TorchAttention:
         assert kind in ("eager", "sdpa")
         self.name = kind
 
-    def prefill_arrays(self, chunk_lens, chunk_prefix, device) -> dict[str, np.ndarray]:
+    def prefill_arrays(self, chunk_lens, chunk_prefix, device, cache=None) -> dict[str, np.ndarray]:
         return {}
 
     def metadata(self, rows: StepRows) -> AttentionMetadata:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.flash_prefill import block_m, flash_prefill, tile_map
+from kernels.flash_prefill import block_m, flash_prefill, gathered_prefix_ok, tile_map
 from kernels.invariant_attention import invariant_attention, num_segments, positions_per_tile
 from kernels.kv_write import kv_write
 from kernels.paged_decode import paged_decode, warmup_split_variants
@@ -39,6 +39,39 @@ from models.attention.base import AttentionMetadata, Rope, StepRows, base_metada
 
 
 TOKEN_ROWS_MAX = 8  # the longest chunk a step may hold for its tokens to attend as decode rows
+# A step copies its chunks' prefixes out of the cache, once per layer and back to back, where its
+# chunks run at least this many queries per copied key: the prefill kernel then reads the copy in
+# whole TMA tiles (flash_prefill's prefix_starts) instead of gathering every tile through the page
+# table. The copy costs each key's bytes twice (read, write); the paged loop costs each (query,
+# key) pair ~1/3 more than the copy's (H100, Llama-3.1-8B's attention: ~390 against ~580 TFLOP/s,
+# benchmarks/kernels/bench_prefill_chunks.py), so the copy pays for itself from ~200 queries per
+# key; 512 leaves a margin.
+GATHER_MIN_ROWS = 512
+
+
+def gather_plan(chunk_lens: list[int], chunk_prefix: list[int], block_size: int, max_blocks: int,
+                min_rows: int = GATHER_MIN_ROWS) -> dict[str, np.ndarray]:
+    """Which cache blocks a step copies, as int32 host arrays: gather_seq and gather_blk, the chunk
+    and page-table column of each block, in chunk order; prefix_starts, the row of each chunk's
+    first prefix token in the copy. {} (the paged loop) where no chunk has a prefix, the copy
+    would pass max_blocks blocks, or the chunks run fewer than min_rows queries per copied key."""
+    blocks = -(-np.asarray(chunk_prefix, dtype=np.int64) // block_size)
+    copied = int(blocks.sum())
+    work = int(np.dot(np.asarray(chunk_lens, dtype=np.int64), np.asarray(chunk_prefix, dtype=np.int64)))
+    if not copied or copied > max_blocks or work < min_rows * copied * block_size:
+        return {}
+    first = np.cumsum(blocks) - blocks
+    return {"gather_seq": np.repeat(np.arange(len(blocks)), blocks).astype(np.int32),
+            "gather_blk": (np.arange(copied) - np.repeat(first, blocks)).astype(np.int32),
+            "prefix_starts": (first * block_size).astype(np.int32)}
+
+
+def _blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """These blocks of a layer's cache, copied back to back (fp8 ones as bytes: index_select
+    does not take every fp8 dtype)."""
+    if cache.element_size() == 1:
+        return cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)
+    return cache.index_select(0, ids)
 
 
 def token_rows(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -60,6 +93,7 @@ class TritonAttention:
 
     def __init__(self, head_dim: int, group: int = 1, deterministic: bool = False) -> None:
         self.head_dim, self.group, self.deterministic = head_dim, group, deterministic
+        self.gather_min_rows = GATHER_MIN_ROWS  # (tests lower it to gather every prefix)
         self._block_m: dict[int, int] = {}  # captured token count -> flash_prefill's BLOCK_M for it
         self._iota: torch.Tensor | None = None  # 0, 1, 2, ...: decode rows as one-row chunks
         self._zeros: torch.Tensor | None = None
@@ -73,16 +107,20 @@ class TritonAttention:
         """Do chunks of at most this many tokens (None: any) attend as decode rows (`token_rows`)?"""
         return max_chunk_len is not None and max_chunk_len <= TOKEN_ROWS_MAX and not self.deterministic
 
-    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device
-                       ) -> dict[str, np.ndarray]:
+    def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device,
+                       cache: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """The prefill kernel's tile map for these chunks, exactly as many tiles as they need: a
-        grid over (longest chunk) x chunks would launch idle programs for the short ones. Nothing for
+        grid over (longest chunk) x chunks would launch idle programs for the short ones; and where
+        the step copies its prefixes out of the cache (`gather_plan`), which blocks. Nothing for
         chunks that attend as decode rows."""
         if self._as_token_rows(max(chunk_lens)):
             return {}
         bm = self._positions_per_tile(max(chunk_lens), device)
         tile_seq, tile_start = tile_map(chunk_lens, chunk_prefix, bm)
-        return {"tile_seq": tile_seq, "tile_start": tile_start}
+        arrays = {"tile_seq": tile_seq, "tile_start": tile_start}
+        if cache is not None and gathered_prefix_ok(self.head_dim, device) and not self.deterministic:
+            arrays.update(gather_plan(chunk_lens, chunk_prefix, *cache, self.gather_min_rows))
+        return arrays
 
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         meta = base_metadata(rows)
@@ -91,6 +129,10 @@ class TritonAttention:
             meta.has_prefix = any(rows.chunk_prefix)
             if "tile_seq" in rows.extra:
                 meta.prefill_tiles = rows.extra["tile_seq"], rows.extra["tile_start"]
+            if "prefix_starts" in rows.extra:
+                ex = rows.extra
+                ids = rows.prefill_block_tables[ex["gather_seq"].long(), ex["gather_blk"].long()]
+                meta.prefix_gather = ids, ex["prefix_starts"]
             if self._as_token_rows(meta.max_seqlen):
                 meta.token_rows = token_rows(rows.cu_seqlens, rows.prefix_lens, rows.prefill_block_tables,
                                              rows.num_prefill_tokens)
@@ -131,6 +173,11 @@ class TritonAttention:
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if meta.token_rows is not None:  # short chunks: each token a decode row (see the module's docstring)
             paged_decode(q[:p], k_cache, v_cache, *meta.token_rows, scale, out=out[:p], k_scale=ks, v_scale=vs)
+        elif meta.prefix_gather is not None:  # long chunks: their prefixes copied out (GATHER_MIN_ROWS)
+            ids, starts = meta.prefix_gather
+            flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=_blocks(k_cache, ids),
+                          v_cache=_blocks(v_cache, ids), prefix_lens=meta.prefix_lens, prefix_starts=starts,
+                          out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
         else:
             cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
             flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],

@@ -200,7 +200,7 @@ class StepInputs:
 
 
 def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
-                 block_size: int, attention: AttentionBackend | None = None) -> StepInputs:
+                 block_size: int, attention: AttentionBackend | None = None, gather_blocks: int = 0) -> StepInputs:
     """Flatten a step: prefill chunks first, then one token per decode; plus the arrays the
     attention backend asks for (`prefill_arrays`), in the same upload."""
     pf = pack_prefills(prefills, block_size)
@@ -220,7 +220,8 @@ def prepare_step(packer: Packer, prefills: list[ScheduledChunk], decodes: list[S
         arrays.update(cu_seqlens=[0, *np.cumsum(pf.lens).tolist()], prefix_lens=pf.prefix,
                       prefill_block_tables=pad_rows(pf.tables, max(map(len, pf.tables))))
         if attention is not None:
-            extra = attention.prefill_arrays(pf.lens, pf.prefix, packer.staging.dev.device)
+            cache = (block_size, gather_blocks) if gather_blocks else None
+            extra = attention.prefill_arrays(pf.lens, pf.prefix, packer.staging.dev.device, cache)
     if decodes:
         tables = [s.seq.blocks.block_table for s in decodes]
         arrays.update(context_lens=[s.start + 1 for s in decodes],

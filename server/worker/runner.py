@@ -54,11 +54,16 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // cache_spec.block_size)
+        # The most cache blocks a step may copy out of a layer's cache for the prefill kernel (the
+        # attention backend's gather_plan): one longest sequence's; the memory profile reserves them
+        # (server/worker/warmup.py).
+        self.gather_blocks = self.max_blocks
         s = max_num_seqs
         # ids, positions, slots | cu_seqlens, prefix_lens, context_lens, ends | page tables | the
-        # backend's arrays (a tile map: two per query tile, at most one tile per token) | alignment
-        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 2 * (self.max_tokens + s) + 4 * 9,
-                             device)
+        # backend's arrays (a tile map: two per query tile, at most one tile per token; a prefix
+        # copy: two per block, at most gather_blocks, and one per chunk) | alignment
+        self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 2 * (self.max_tokens + s)
+                             + 2 * self.max_blocks + s + 4 * 12, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None
@@ -358,7 +363,7 @@ class ModelRunner:
     def _eager(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk], row0: int) -> torch.Tensor | None:
         """Run the step without graphs: raw logits of the rows that sample (None if none does),
         their greedy ids into last_ids from row row0."""
-        step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention)
+        step = prepare_step(self.packer, prefills, decodes, self.block_size, self.model.attention, self.gather_blocks)
         scored = any(map(wants_scores, prefills))
         if self.peers is not None:  # the other ranks' same forward and LM-head calls
             self.peers.eager(self.packer, step.rows, head_slices(prefills) if scored else [])

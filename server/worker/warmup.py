@@ -18,7 +18,8 @@ from server.worker.sampler import sample
 @torch.inference_mode()
 def profile_peak_memory(runner: ModelRunner) -> int:
     """Run the largest step the scheduler can produce (a full token budget of prefill, logits for
-    max_num_seqs rows) against a one-block cache and return the peak bytes it allocated."""
+    max_num_seqs rows) against a one-block cache and return the peak bytes it allocated, plus the
+    largest prefix copy a step may make."""
     device, model = runner.device, runner.model
     torch.cuda.reset_peak_memory_stats(device)
     caches = allocate_kv_cache(runner.cache_spec, 1, device)
@@ -31,7 +32,10 @@ def profile_peak_memory(runner: ModelRunner) -> int:
     sample(model.lm_head(hidden[:seqs])[:, : model.vocab_size].float(), [], [], [])
     torch.cuda.synchronize(device)
     del caches, hidden
-    return torch.cuda.max_memory_allocated(device)
+    # Plus the largest copy of a layer's prefix blocks a step may make (runner.gather_blocks: the
+    # attention backend's gather_plan), as if it lived at the step's peak: a bound, not a measure.
+    copy = runner.gather_blocks * runner.cache_spec.bytes_per_block // runner.cache_spec.num_layers
+    return torch.cuda.max_memory_allocated(device) + copy
 
 
 def prefill_rows(runner: ModelRunner, positions: np.ndarray, lens: list[int], prefix: list[int],
@@ -41,7 +45,8 @@ def prefill_rows(runner: ModelRunner, positions: np.ndarray, lens: list[int], pr
     backend's own arrays included, so that it launches (and compiles) exactly the kernel variants
     serving will. Without `slots` it writes nothing (slots -1), without `ids` its tokens are 0."""
     n = len(positions)
-    extra = runner.model.attention.prefill_arrays(lens, prefix, runner.device)
+    cache = (runner.block_size, runner.gather_blocks) if runner.gather_blocks else None
+    extra = runner.model.attention.prefill_arrays(lens, prefix, runner.device, cache)
     ids = np.zeros(n) if ids is None else ids
     slots = np.full(n, -1) if slots is None else slots
     v = runner.packer.pack(ids=ids, pos=positions, slots=slots, cu=np.concatenate([[0], np.cumsum(lens)]),
@@ -57,14 +62,23 @@ def warmup(runner: ModelRunner) -> None:
     caches, bs = runner.kv_caches, runner.block_size
     blocks = caches[0][0].shape[0] - 1
     dtype = None
-    steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21)]
-    if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
-        steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
-    for plen, new in steps:
-        nb = -(-(plen + new) // bs)
-        if nb > min(blocks, runner.max_blocks) or new > runner.max_tokens:
+    # steps of (prefix, new tokens) chunks
+    steps = [[(0, 16)], [(0, 64)], [(0, 16 * bs)], [(bs + 3, 21)]]
+    if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes,
+        # with no prefix, and with a short one both ways: copied out of the cache (the chunk alone
+        # runs queries enough per prefix key), and paged (beside a one-token chunk over 64 blocks)
+        steps += [[(plen, bound + 1)] for bound in config_bounds() for plen in (0, bs + 3)]
+        steps += [[(bs + 3, bound + 1), (64 * bs, 1)] for bound in config_bounds()]
+    for chunks in steps:
+        nbs = [-(-(plen + new) // bs) for plen, new in chunks]
+        if sum(nbs) > blocks or max(nbs) > runner.max_blocks or sum(new for _, new in chunks) > runner.max_tokens:
             continue
-        ids, pos, rows = prefill_rows(runner, np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None])
+        pos = np.concatenate([np.arange(plen, plen + new) for plen, new in chunks])
+        first = np.cumsum(nbs) - nbs  # each chunk its own blocks
+        tables = np.zeros((len(chunks), max(nbs)), dtype=np.int64)
+        for i, nb in enumerate(nbs):
+            tables[i, :nb] = first[i] + np.arange(nb)
+        ids, pos, rows = prefill_rows(runner, pos, [new for _, new in chunks], [plen for plen, _ in chunks], tables)
         dtype = runner.forward(caches, ids, pos, rows).dtype
     for nb in sorted({1, 2, 4, 8, runner.max_blocks}):
         if nb > blocks:

@@ -72,6 +72,29 @@ def test_prefix_caching_and_chunking_do_not_change_outputs(tiny_ckpt, prefix_cac
     assert eng.block_manager.check_all_free()
 
 
+def test_copied_prefixes_do_not_change_outputs(tiny_ckpt, monkeypatch):
+    """The Triton backend copies a step's prefixes out of the cache where its chunks are long enough
+    (models/attention/triton_backend.py gather_plan; here every prefix: gather_min_rows 1): over
+    prefix hits and chunks, the tokens of the same engine reading its prefixes paged."""
+    import models.attention.triton_backend as tb
+
+    copies, real = [], tb._blocks
+    monkeypatch.setattr(tb, "_blocks", lambda cache, ids: copies.append(ids.numel()) or real(cache, ids))
+    shared = _prompts(512, [37], seed=2)[0]
+    prompts = [shared + t for t in _prompts(512, [6, 19], seed=3)] + [shared]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(attention="triton", dtype="float16", max_num_batched_tokens=24, num_blocks=24)
+    paged = _engine(tiny_ckpt, **kw)
+    expected = [o.token_ids for o in paged.generate(prompts, params)]
+    assert not copies  # (chunks of at most 24 tokens never pay for a copy by default)
+    eng = _engine(tiny_ckpt, **kw)
+    eng.runner.model.attention.gather_min_rows = 1
+    got = [o.token_ids for o in eng.generate(prompts[:1], params) + eng.generate(prompts[1:], params)]
+    assert got == expected
+    assert copies and eng.block_manager.allocator.stats.hits > 0
+    assert eng.block_manager.check_all_free()
+
+
 def test_prefix_cache_eviction_and_preemption_together(tiny_ckpt):
     prompts = _prompts(512, [40, 33, 50, 47, 20, 45, 38], seed=4)
     prompts += [p[:35] + [7, 8] for p in prompts[:3]]  # shared prefixes

@@ -151,8 +151,8 @@ class ArraysBackend:
     def __init__(self, name="tile_seq"):
         self.name, self.calls = name, []
 
-    def prefill_arrays(self, chunk_lens, chunk_prefix, device):
-        self.calls.append((list(chunk_lens), list(chunk_prefix), device.type))
+    def prefill_arrays(self, chunk_lens, chunk_prefix, device, cache=None):
+        self.calls.append((list(chunk_lens), list(chunk_prefix), device.type, cache))
         return {self.name: np.array([n * 10 + p for n, p in zip(chunk_lens, chunk_prefix)])}
 
 
@@ -161,13 +161,16 @@ def test_the_backends_arrays_ride_the_same_upload():
     prefills, decodes = mixed_step()
     backend = ArraysBackend()
     step = prepare_step(packer, prefills, decodes, BS, backend)
-    assert backend.calls == [([6, 3], [0, 4], "cpu")]
+    assert backend.calls == [([6, 3], [0, 4], "cpu", None)]
     got = step.rows.extra["tile_seq"]
     assert got.tolist() == [60, 34] and got.dtype == torch.int32
     assert offsets(packer, [got])[0] % 16 == 0 and got.data_ptr() >= packer.staging.dev.data_ptr()
     # a decode-only step asks for nothing
     step = prepare_step(packer, [], decodes, BS, backend)
     assert step.rows.extra == {} and len(backend.calls) == 1
+    # with blocks a step may copy out of the cache, the backend hears of them (gather_plan)
+    prepare_step(packer, prefills, decodes, BS, backend, gather_blocks=7)
+    assert backend.calls[-1] == ([6, 3], [0, 4], "cpu", (BS, 7))
 
 
 def test_backend_arrays_may_not_shadow_the_steps_own():

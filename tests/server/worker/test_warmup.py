@@ -21,7 +21,7 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def prefill_arrays(self, chunk_lens, chunk_prefix, device):
+    def prefill_arrays(self, chunk_lens, chunk_prefix, device, cache=None):
         return {"probe": np.array([n * 1000 + p for n, p in zip(chunk_lens, chunk_prefix)])}
 
     def metadata(self, rows):
