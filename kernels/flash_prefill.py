@@ -195,9 +195,8 @@ def flash_prefill(
     if _config is not None and not isinstance(_config, dict):
         cfg = PrefillConfig(*_config)
     else:
-        # a gathered prefix streams like new tokens: the table's tiles for a chunk without one
         cfg = _pick_config(block_d, max_seqlen, q.device, group, tma_ok, has_prefix and not gathered, map_positions,
-                           fp8)
+                           fp8, gathered)
         cfg = cfg._replace(**(_config or {}))
     check_config(cfg, group, tma_ok)
     positions, prefix_n = cfg.block_m // cfg.pack, cfg.prefix_n or cfg.block_n

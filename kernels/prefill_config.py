@@ -104,6 +104,16 @@ _POINTER_TILE = {64: (64, 4, 3, False, None), 128: (64, 8, 3, False, None)}
 # H100 run, 2026-11-28: benchmarks/results/prefill_chunks_h100.json, flashpage_asm_ids_n128_split).
 # An fp8 prefix keeps the table's loop (its combination unmeasured).
 _PREFIX_LOOP = {"prefix_n": 128, "prefix_ids": "asm", "prefix_split": True}
+# A gathered prefix (flash_prefill's prefix_starts: the prefix's blocks copied back to back, read in
+# whole TMA tiles) streams like a long prompt's keys: 128-row tiles take the table's tile for prompts
+# past 8k (128x128, 3 TMA stages) whatever the chunk's length, with the query tiles fastest in the
+# grid. H200, Llama-3.1-8B's attention, a 32k-token prompt in 8k chunks (bench_prefill_chunks.py,
+# over a copy made before the timing): the chunks at 8k, 16k and 24k of prefix took 3.16, 5.34, 7.58
+# ms with the table's tile for 8k chunks (128x64, 2 stages), 2.98, 5.01, 6.97 with this tile and
+# 2.89, 5.03, 6.61 with it in this order (vLLM's FlashAttention-3 on the paged cache: 2.77, 4.64,
+# 6.47); 128-key prefix tiles under the 8k chunks' tile spilled (27 ms at 8k). An fp8 copy keeps the
+# table's tile (this one unmeasured over fp8).
+_GATHERED_TILE = {128: PrefillConfig(128, 128, 8, 3, tma=True, order="tiles_fastest")}
 # Interpreter: small tiles, BLOCK_N < positions per tile so the multi-tile diagonal path runs;
 # descriptor (TMA) loads wherever the tensors allow them, as on the GPU (tests flip this).
 _INTERPRET_POSITIONS, _INTERPRET_BLOCK_N = 64, 32
@@ -136,9 +146,11 @@ def _pack(group: int, limit: int) -> int:
 
 
 def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int = 1, tma_ok: bool = False,
-                 has_prefix: bool = True, positions: int | None = None, fp8: bool = False) -> PrefillConfig:
+                 has_prefix: bool = True, positions: int | None = None, fp8: bool = False,
+                 gathered: bool = False) -> PrefillConfig:
     """The launch config for these shapes (host values only: a CUDA graph replays it). With a
-    tile map, `positions` is the block_m() it was built with; `fp8`: the prefix cache is fp8."""
+    tile map, `positions` is the block_m() it was built with; `fp8`: the prefix cache is fp8;
+    `gathered`: the prefix is a contiguous copy (has_prefix then says nothing of it)."""
     d = _bucket(block_d)
     max_rows = 64 if d == 256 else _GQA_ROWS
     positions = positions or _positions(block_d, max_seqlen, device, group)
@@ -146,6 +158,8 @@ def _pick_config(block_d: int, max_seqlen: int, device: torch.device, group: int
     rows = positions * pack
     if _interpreting() or device.type != "cuda":
         return PrefillConfig(rows, _INTERPRET_BLOCK_N, 4, 1, pack, tma_ok and _INTERPRET_TMA)
+    if gathered and rows == 128 and d in _GATHERED_TILE and tma_ok and not fp8:
+        return _GATHERED_TILE[d]._replace(pack=pack)
     table = _GQA_TILES[d] if pack > 1 and d in _GQA_TILES else _TILES[d, rows]
     tile = next(t for bound, t in table if max_seqlen <= bound)
     if has_prefix and rows == 128:

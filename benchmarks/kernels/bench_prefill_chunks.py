@@ -61,6 +61,15 @@ PREFIX_OPTIONS = {"flashpage_load_ids": LOAD, "flashpage_split": {**LOAD, "prefi
                   "flashpage_asm_ids": ASM, "flashpage_asm_ids_stages4": {**ASM, "num_stages": 4},
                   "flashpage_asm_ids_n128_split": {"prefix_ids": "asm", "prefix_n": 128, "prefix_split": True}}
 
+# The gathered prefix's kernel (over a copy made before the timing) with other launch options than
+# the table's (kernels/prefill_config.py: 128x128 tiles, 3 stages, query tiles fastest): the
+# table's tile for an 8k chunk without a prefix (what the copy had until 2026-11-28), and the table's
+# tile in the other program order.
+GATHERED_OPTIONS = {"flashpage_gathered_chunk_tile": {"block_n": 64, "num_stages": 2, "maxnreg": 128, "diag": 1,
+                                                      "order": "heads_fastest"},
+                    "flashpage_gathered_heads_fastest": {"order": "heads_fastest"}}
+
+
 def chunk_flops(start: int, n: int, heads: int, d: int) -> float:
     """Useful causal work of n queries at positions [start, start + n): each attends to every
     earlier position and itself (2 matmuls of 2 flops per multiply-add)."""
@@ -104,11 +113,19 @@ def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
     if start:  # the prefix's blocks copied out first, as the engine's long chunks do (prefix_starts)
         ids = bt[0, : -(-start // k_cache.shape[1])].long()
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
-        gathered = lambda kg, vg: flash_prefill(qc, kc, vc, cu, c, scale, k_cache=kg, v_cache=vg,  # noqa: E731
-                                                prefix_lens=prefix, prefix_starts=zero)
+        gathered = lambda kg, vg, o=None: flash_prefill(qc, kc, vc, cu, c, scale, k_cache=kg, v_cache=vg,  # noqa: E731
+                                                        prefix_lens=prefix, prefix_starts=zero, _config=o)
         impls["flashpage_gathered"] = lambda: gathered(k_cache.index_select(0, ids), v_cache.index_select(0, ids))
         copies = k_cache.index_select(0, ids), v_cache.index_select(0, ids)
         impls["flashpage_gathered_kernel"] = lambda: gathered(*copies)
+        for name, opts in GATHERED_OPTIONS.items():
+            impls[name] = lambda o=opts: gathered(*copies, o)
+    for name in [n for n in impls if n in GATHERED_OPTIONS]:
+        try:  # an option the GPU cannot compile (shared memory, registers) loses its row, not the run
+            impls[name]()
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            del impls[name]
     for name, opts in PREFIX_OPTIONS.items() if start else ():
         fn = lambda o=opts: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)  # noqa: E731
         try:  # an option the GPU cannot compile (shared memory, registers) loses its row, not the run

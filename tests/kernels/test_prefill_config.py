@@ -27,3 +27,19 @@ def test_the_tables_picks_pass(monkeypatch, head_dim, group, prefix, fp8):
     for max_seqlen in (16, 2048, 20000):
         cfg = _pick_config(head_dim, max_seqlen, torch.device("cuda"), group, True, prefix, fp8=fp8)
         check_config(cfg, group, True)
+
+
+def test_a_gathered_prefix_takes_the_long_prompts_tile(monkeypatch):
+    """A gathered prefix (flash_prefill's prefix_starts) streams in 128x128 tiles, 3 stages, query
+    tiles fastest, whatever the chunk's length; fp8 copies and tiles other than 128 rows of head 128
+    keep the table's pick."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+    for max_seqlen in (600, 2048, 8192, 20000):
+        cfg = _pick_config(128, max_seqlen, cuda, 4, True, False, gathered=True)
+        assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.pack, cfg.tma) == (128, 128, 3, 4, True)
+        assert cfg.order == "tiles_fastest" and cfg.maxnreg is None
+        check_config(cfg, 4, True)
+    for args, kw in (((128, 2048, cuda, 4, True, False), dict(fp8=True)), ((64, 2048, cuda, 2, True, False), {}),
+                     ((128, 512, cuda, 1, True, False), {}), ((128, 2048, cuda, 4, False, False), {})):
+        assert _pick_config(*args, **kw, gathered=True) == _pick_config(*args, **kw)
