@@ -33,7 +33,8 @@ CONFIGS = {
 BASE = dict(HEAD_DIM=128, GROUP=4, PACK=4, CACHE_BLOCK=16, HAS_PREFIX=True, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
             UPCAST_DOT=False, WHILE_LOOPS=False, TILE_MAP=False, USE_TMA=True, DIAG=0, DIAG_N=64, KV_FP8=False,
             TILES_FASTEST=False, PREFIX_N=64, PREFIX_SPLIT=False, PREFIX_CLAMP_IDS=False, PREFIX_ASM_IDS=False,
-            K_DESC_D=None, V_DESC_D=None)  # (the diagonal's own descriptors only where DIAG_N != BLOCK_N)
+            K_DESC_D=None, V_DESC_D=None,  # (the diagonal's own descriptors only where DIAG_N != BLOCK_N)
+            PREFIX_TMA=False, PK_DESC=None, PV_DESC=None)  # (a paged prefix: no gathered copy's descriptors)
 
 
 def compile_config(constexprs: dict, options: dict, pointers: bool = False):
