@@ -20,6 +20,8 @@ new tokens whose keys are the chunk's own (causal) plus the i·C before it, read
   prefix): the paged prefix loop's options (PrefillConfig.prefix_split, prefix_n, num_stages,
   prefix_ids), see PREFIX_OPTIONS (flashpage_load_ids: the table's loop until 2026-11-27); one the GPU
   cannot compile is skipped with a line saying why;
+- flashpage_tile_map, flashpage_gathered_tile_map: flashpage and flashpage_gathered launched with
+  the tile map the engine's eager steps build (prefill_arrays), as the engine launches them;
 - flashpage_gathered (chunks with a prefix): the prefix's blocks copied out of the cache back to back
   (index_select), then the kernel reads the copy in whole tiles (flash_prefill's prefix_starts), as
   the engine runs a long chunk (models/attention/triton_backend.py gather_plan), the copy timed too;
@@ -44,7 +46,7 @@ import sys
 import torch
 
 from benchmarks.shared.common import gpu_run_info, write_result
-from kernels.flash_prefill import flash_prefill
+from kernels.flash_prefill import block_m, flash_prefill, tile_map
 from kernels.reference import prefill_attention_ref
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3.1-8B's attention
@@ -106,6 +108,10 @@ def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
     n = start + c
     cu_all = torch.tensor([0, n], dtype=torch.int32, device=dev)
     impls = {}
+    # the engine's eager launch: a tile map (models/attention/triton_backend.py prefill_arrays)
+    seqs, firsts = tile_map([c], [start], block_m(q.shape[2], c, dev, q.shape[1] // k.shape[1]))
+    tiles = torch.from_numpy(seqs).to(dev), torch.from_numpy(firsts).to(dev)
+    impls["flashpage_tile_map"] = lambda: flash_prefill(qc, kc, vc, cu, c, scale, tiles=tiles, **paged_kw)
     for suffix, order in (("", None), ("_tiles_fastest", {"order": "tiles_fastest"})):
         impls["flashpage" + suffix] = lambda o=order: flash_prefill(qc, kc, vc, cu, c, scale, _config=o, **paged_kw)
         impls["flashpage_contiguous" + suffix] = \
@@ -118,6 +124,9 @@ def chunk_impls(q, k, v, start: int, c: int, cache, scale: float) -> dict:
         impls["flashpage_gathered"] = lambda: gathered(k_cache.index_select(0, ids), v_cache.index_select(0, ids))
         copies = k_cache.index_select(0, ids), v_cache.index_select(0, ids)
         impls["flashpage_gathered_kernel"] = lambda: gathered(*copies)
+        impls["flashpage_gathered_tile_map"] = lambda: flash_prefill(
+            qc, kc, vc, cu, c, scale, k_cache=k_cache.index_select(0, ids), v_cache=v_cache.index_select(0, ids),
+            prefix_lens=prefix, prefix_starts=zero, tiles=tiles)
         for name, opts in GATHERED_OPTIONS.items():
             impls[name] = lambda o=opts: gathered(*copies, o)
     for name in [n for n in impls if n in GATHERED_OPTIONS]:

@@ -14,7 +14,7 @@ def test_chunks_with_their_paged_prefix_match_the_reference_and_report(capsys):
     assert "| whole prompt | flashpage |" in out and "Sum over the chunks: flashpage" in out
     # both program orders, paged and contiguous, and the prefix loop's options where there is a prefix
     for impl in ("flashpage_tiles_fastest", "flashpage_contiguous_tiles_fastest", "flashpage_split",
-                 "flashpage_gathered", "flashpage_gathered_kernel"):
+                 "flashpage_gathered", "flashpage_gathered_kernel", "flashpage_gathered_tile_map"):
         assert f"| 6 | {impl} |" in out
     assert "| 0 | flashpage_split |" not in out and "| 0 | flashpage_gathered |" not in out
 
