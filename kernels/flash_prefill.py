@@ -16,13 +16,15 @@ Contract (semantics are exactly ``kernels.reference.prefill_attention_ref``):
                always k and v as given: a chunk's own keys never go through the cache here
                (kv_write and rope_kv_write leave them as an fp8 cache holds them).
   block_tables [num_seqs, max_blocks] int32; prefix_lens [num_seqs] int32
-  prefix_starts (instead of block_tables) [num_seqs] int32: a gathered prefix (``gather_prefix``):
+  prefix_starts (instead of block_tables) [num_seqs] int32: a gathered prefix (the caller's copy;
+               models/attention/triton_backend.py gather_plan says when the engine makes one):
                k_cache / v_cache are then each sequence's blocks copied back to back (contiguous),
                and sequence s's cached position i is row prefix_starts[s] + i of the copy viewed as
                [rows, num_kv_heads * head_dim], read in whole tiles through TMA descriptors rather
                than gathered through the page table (the caller pays one copy of the prefix: worth it
                for long chunks, see models/attention/triton_backend.py). Rows past prefix_lens[s]
-               (unowned slots, the next sequence's) are masked as a paged prefix's are.
+               (unowned slots, the next sequence's) are loaded whole tiles at a time, but their
+               scores are set to -inf and their V rows to 0; rows past the copy's end load as 0.
 
 Sequence s's new tokens sit at positions prefix_lens[s] .. prefix_lens[s] + len_s - 1. Each query
 attends to every cached position [0, prefix_lens[s]) (read through block_tables[s]: token i lives
@@ -44,8 +46,8 @@ heaviest tiles first; programs past their sequence's end do no work and write no
 PrefillConfig.order "tiles_fastest" the first two axes swap (query tiles vary fastest); the
 outputs are the same bits either way.
 
-Masking: cache slots past prefix_lens[s] (and block-table entries past the last used block) are
-never read: those loads are masked with other=0 *and* their scores set to -inf, so NaN or garbage
+Masking: paged, cache slots past prefix_lens[s] (and block-table entries past the last used block)
+are never read (a gathered prefix: see prefix_starts): those loads are masked with other=0 *and* their scores set to -inf, so NaN or garbage
 in unowned slots cannot reach the output. Output rows past a sequence's end are never written.
 New-token K/V: with pointer loads, rows past a sequence's end are not read. Where k and v allow
 it (head_dim a power of two >= 16, heads contiguous within a token, 16-byte aligned base and token
@@ -108,10 +110,14 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, bl
 
 
 def gathered_prefix_ok(head_dim: int, device: torch.device) -> bool:
-    """Can flash_prefill read a gathered prefix (prefix_starts: contiguous copies, through
-    descriptors) of this head size on this device?"""
-    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
-    return TensorDescriptor is not None and pow2 and (device.type == "cuda" or _interpreting())
+    """Should flash_prefill read a gathered prefix (prefix_starts: contiguous copies, through
+    descriptors) of this head size on this device? Head sizes 64 and 128 (the ones run on a GPU);
+    under the interpreter any power of two from 16 (its tests' small heads)."""
+    if TensorDescriptor is None:
+        return False
+    if _interpreting():
+        return head_dim >= 16 and not head_dim & (head_dim - 1)
+    return device.type == "cuda" and head_dim in (64, 128)
 
 
 def _descriptor(t: torch.Tensor, rows: int):

@@ -1,6 +1,6 @@
 """Which tile, warps, stages and prefix loop the flash prefill kernel (kernels/flash_prefill.py)
 launches with: PrefillConfig, and the tables that pick one from host values only (head size,
-max_seqlen, GQA group, whether a paged prefix is read and whether it is fp8), so that a CUDA graph
+max_seqlen, GQA group, whether a paged or a gathered prefix is read and whether it is fp8), so that a CUDA graph
 replays the launch it captured. Tuned on an H100 (the comments say with what); the interpreter gets
 small tiles of its own.
 """

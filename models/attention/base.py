@@ -99,6 +99,10 @@ class AttentionBackend(Protocol):
         `cache`: (block_size, max_blocks) of the KV cache, where the worker lets the step copy its
         chunks' prefixes out of the cache (at most max_blocks blocks: what its memory profile ran)."""
 
+    def copies_prefixes(self, device: torch.device) -> bool:
+        """Can a step on this device copy its chunks' prefixes out of the cache (prefill_arrays'
+        `cache`)? The worker reserves memory for the largest copy where it can."""
+
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         """This step's metadata, built once and handed to every layer."""
 

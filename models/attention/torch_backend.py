@@ -62,6 +62,9 @@ class TorchAttention:
     def prefill_arrays(self, chunk_lens, chunk_prefix, device, cache=None) -> dict[str, np.ndarray]:
         return {}
 
+    def copies_prefixes(self, device) -> bool:
+        return False
+
     def metadata(self, rows: StepRows) -> AttentionMetadata:
         meta = base_metadata(rows)
         if rows.num_prefill_tokens:

@@ -4,7 +4,8 @@ prefill with a paged prefix (kernels/flash_prefill.py), paged decode (kernels/pa
 Launches per layer call: in a step of decodes only, the decode kernel writes this step's K/V itself
 (after the query/key rotation, if any: 1 or 2 launches); in a step with prefill chunks one launch
 rotates q and k and writes K/V (rope_kv_write; kv_write without rotary positions), then the prefill
-kernel, then the decode kernel for the step's decode rows. The flash prefill kernel walks a tile map
+kernel (after two copies, K's and V's, of the prefix blocks where the step copies them: gather_plan),
+then the decode kernel for the step's decode rows. The flash prefill kernel walks a tile map
 (which query tile of which chunk each program takes) built on the host each step: in an eager
 step it lists exactly the chunks' tiles (prefill_arrays), so no program idles; in a captured
 prefill graph, whose grid never changes, it fills a fixed number of slots, the rest idle.
@@ -107,6 +108,10 @@ class TritonAttention:
         """Do chunks of at most this many tokens (None: any) attend as decode rows (`token_rows`)?"""
         return max_chunk_len is not None and max_chunk_len <= TOKEN_ROWS_MAX and not self.deterministic
 
+    def copies_prefixes(self, device: torch.device) -> bool:
+        """Can a step on this device copy its prefixes out of the cache (gather_plan)?"""
+        return gathered_prefix_ok(self.head_dim, device) and not self.deterministic
+
     def prefill_arrays(self, chunk_lens: list[int], chunk_prefix: list[int], device: torch.device,
                        cache: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """The prefill kernel's tile map for these chunks, exactly as many tiles as they need: a
@@ -118,7 +123,7 @@ class TritonAttention:
         bm = self._positions_per_tile(max(chunk_lens), device)
         tile_seq, tile_start = tile_map(chunk_lens, chunk_prefix, bm)
         arrays = {"tile_seq": tile_seq, "tile_start": tile_start}
-        if cache is not None and gathered_prefix_ok(self.head_dim, device) and not self.deterministic:
+        if cache is not None and self.copies_prefixes(device):
             arrays.update(gather_plan(chunk_lens, chunk_prefix, *cache, self.gather_min_rows))
         return arrays
 
@@ -173,16 +178,16 @@ class TritonAttention:
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if meta.token_rows is not None:  # short chunks: each token a decode row (see the module's docstring)
             paged_decode(q[:p], k_cache, v_cache, *meta.token_rows, scale, out=out[:p], k_scale=ks, v_scale=vs)
-        elif meta.prefix_gather is not None:  # long chunks: their prefixes copied out (GATHER_MIN_ROWS)
-            ids, starts = meta.prefix_gather
-            flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=_blocks(k_cache, ids),
-                          v_cache=_blocks(v_cache, ids), prefix_lens=meta.prefix_lens, prefix_starts=starts,
-                          out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
         else:
-            cache = (k_cache, v_cache) if meta.has_prefix else (None, None)
-            flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, k_cache=cache[0],
-                          v_cache=cache[1], block_tables=meta.prefill_block_tables, prefix_lens=meta.prefix_lens,
-                          out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs)
+            if meta.prefix_gather is not None:  # long chunks: their prefixes copied out (GATHER_MIN_ROWS)
+                ids, starts = meta.prefix_gather
+                prefix = dict(k_cache=_blocks(k_cache, ids), v_cache=_blocks(v_cache, ids), prefix_starts=starts)
+            elif meta.has_prefix:
+                prefix = dict(k_cache=k_cache, v_cache=v_cache, block_tables=meta.prefill_block_tables)
+            else:
+                prefix = {}
+            flash_prefill(q[:p], k[:p], v[:p], meta.cu_seqlens, meta.max_seqlen, scale, prefix_lens=meta.prefix_lens,
+                          out=out[:p], tiles=meta.prefill_tiles, k_scale=ks, v_scale=vs, **prefix)
         if q.shape[0] > p:
             paged_decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.context_lens, scale, out=out[p:],
                          k_scale=ks, v_scale=vs)

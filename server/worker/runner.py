@@ -55,15 +55,15 @@ class ModelRunner:
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // cache_spec.block_size)
         # The most cache blocks a step may copy out of a layer's cache for the prefill kernel (the
-        # attention backend's gather_plan): one longest sequence's; the memory profile reserves them
-        # (server/worker/warmup.py).
-        self.gather_blocks = self.max_blocks
+        # attention backend's gather_plan): one longest sequence's, where the backend copies at all;
+        # the memory profile reserves them (server/worker/warmup.py).
+        self.gather_blocks = self.max_blocks if model.attention.copies_prefixes(device) else 0
         s = max_num_seqs
         # ids, positions, slots | cu_seqlens, prefix_lens, context_lens, ends | page tables | the
         # backend's arrays (a tile map: two per query tile, at most one tile per token; a prefix
         # copy: two per block, at most gather_blocks, and one per chunk) | alignment
         self.packer = Packer(3 * self.max_tokens + 4 * (s + 1) + s * self.max_blocks + 2 * (self.max_tokens + s)
-                             + 2 * self.max_blocks + s + 4 * 12, device)
+                             + 2 * self.gather_blocks + s + 4 * 12, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None
         self.prefill_graphs = None

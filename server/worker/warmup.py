@@ -39,13 +39,14 @@ def profile_peak_memory(runner: ModelRunner) -> int:
 
 
 def prefill_rows(runner: ModelRunner, positions: np.ndarray, lens: list[int], prefix: list[int],
-                 tables: np.ndarray, ids: np.ndarray | None = None,
-                 slots: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
+                 tables: np.ndarray, ids: np.ndarray | None = None, slots: np.ndarray | None = None,
+                 copy: bool = True) -> tuple[torch.Tensor, torch.Tensor, StepRows]:
     """A start-up prefill step of these chunks, packed as prepare_step packs a real one, the
     backend's own arrays included, so that it launches (and compiles) exactly the kernel variants
-    serving will. Without `slots` it writes nothing (slots -1), without `ids` its tokens are 0."""
+    serving will. Without `slots` it writes nothing (slots -1), without `ids` its tokens are 0;
+    with `copy` False its prefixes are read through the page table whatever their length."""
     n = len(positions)
-    cache = (runner.block_size, runner.gather_blocks) if runner.gather_blocks else None
+    cache = (runner.block_size, runner.gather_blocks) if runner.gather_blocks and copy else None
     extra = runner.model.attention.prefill_arrays(lens, prefix, runner.device, cache)
     ids = np.zeros(n) if ids is None else ids
     slots = np.full(n, -1) if slots is None else slots
@@ -62,24 +63,20 @@ def warmup(runner: ModelRunner) -> None:
     caches, bs = runner.kv_caches, runner.block_size
     blocks = caches[0][0].shape[0] - 1
     dtype = None
-    # steps of (prefix, new tokens) chunks
-    steps = [[(0, 16)], [(0, 64)], [(0, 16 * bs)], [(bs + 3, 21)]]
-    if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes,
-        # with no prefix, and with a short one both ways: copied out of the cache (the chunk alone
-        # runs queries enough per prefix key), and paged (beside a one-token chunk over 64 blocks)
-        steps += [[(plen, bound + 1)] for bound in config_bounds() for plen in (0, bs + 3)]
-        steps += [[(bs + 3, bound + 1), (64 * bs, 1)] for bound in config_bounds()]
-    for chunks in steps:
-        nbs = [-(-(plen + new) // bs) for plen, new in chunks]
-        if sum(nbs) > blocks or max(nbs) > runner.max_blocks or sum(new for _, new in chunks) > runner.max_tokens:
+    # (prefix, new tokens) of one chunk; one of a full block's prefix under up to 1024 tokens, which
+    # the Triton backend copies out of the cache where a step may (gather_plan: 512 queries a key)
+    steps = [(0, 16), (0, 64), (0, 16 * bs), (bs + 3, 21), (bs, min(runner.max_tokens, 1024))]
+    if runner.on_cuda:  # a chunk just past each length where the prefill kernel's config changes
+        steps += [(plen, bound + 1) for bound in config_bounds() for plen in (0, bs + 3)]
+    for plen, new in steps:
+        nb = -(-(plen + new) // bs)
+        if nb > min(blocks, runner.max_blocks) or new > runner.max_tokens:
             continue
-        pos = np.concatenate([np.arange(plen, plen + new) for plen, new in chunks])
-        first = np.cumsum(nbs) - nbs  # each chunk its own blocks
-        tables = np.zeros((len(chunks), max(nbs)), dtype=np.int64)
-        for i, nb in enumerate(nbs):
-            tables[i, :nb] = first[i] + np.arange(nb)
-        ids, pos, rows = prefill_rows(runner, pos, [new for _, new in chunks], [plen for plen, _ in chunks], tables)
-        dtype = runner.forward(caches, ids, pos, rows).dtype
+        # a prefix both ways: through the page table, and as the backend chooses (a copy, if long)
+        for copy in (False, True) if plen else (False,):
+            ids, pos, rows = prefill_rows(runner, np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None],
+                                          copy=copy)
+            dtype = runner.forward(caches, ids, pos, rows).dtype
     for nb in sorted({1, 2, 4, 8, runner.max_blocks}):
         if nb > blocks:
             continue

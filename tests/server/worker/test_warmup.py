@@ -15,13 +15,17 @@ class Recording:
     """The model's own (eager) backend, plus an array of its own for every prefill step; records
     what each step's metadata was built from."""
 
-    def __init__(self, inner):
-        self.inner, self.steps = inner, []
+    def __init__(self, inner, copies=False):
+        self.inner, self.steps, self.copies, self.caches = inner, [], copies, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def copies_prefixes(self, device):
+        return self.copies
+
     def prefill_arrays(self, chunk_lens, chunk_prefix, device, cache=None):
+        self.caches.append((list(chunk_prefix), cache))
         return {"probe": np.array([n * 1000 + p for n, p in zip(chunk_lens, chunk_prefix)])}
 
     def metadata(self, rows):
@@ -30,17 +34,39 @@ class Recording:
         return self.inner.metadata(rows)
 
 
-def test_warmup_prefill_steps_carry_the_backends_arrays(tiny_ckpt):
-    model = load_model(tiny_ckpt, torch.float32, "cpu", "eager")
-    model.attention = Recording(model.attention)
+def _runner(ckpt, copies=False):
+    model = load_model(ckpt, torch.float32, "cpu", "eager")
+    model.attention = Recording(model.attention, copies)
     spec = model.spec
     cache = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
     runner = ModelRunner(model, cache, torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=512,
                          max_model_len=spec.max_position_embeddings)
     runner.allocate_cache(40)
+    return runner
+
+
+def test_warmup_prefill_steps_carry_the_backends_arrays(tiny_ckpt):
+    runner = _runner(tiny_ckpt)
     warmup(runner)
-    steps = model.attention.steps
+    steps = runner.model.attention.steps
     assert steps, "warm-up ran no prefill step"
     assert any(p for _, prefix, _ in steps for p in prefix), "warm-up never prefilled over a cached prefix"
     for lens, prefix, probe in steps:
         assert probe == [n * 1000 + p for n, p in zip(lens, prefix)]
+
+
+def test_warmup_reads_each_prefix_both_ways_where_the_backend_copies(tiny_ckpt):
+    """A backend that copies prefixes out of the cache (the Triton one's gather_plan) is offered the
+    copy (the cache's block size and the runner's gather_blocks) and refused it for every prefix step
+    of the warm-up, so both kernel paths compile at start-up; a backend that never copies is never
+    offered one, and no memory is set aside for it."""
+    runner = _runner(tiny_ckpt, copies=True)
+    assert runner.gather_blocks == runner.max_blocks
+    warmup(runner)
+    offered = runner.model.attention.caches
+    for prefix in {tuple(p) for p, _ in offered if any(p)}:
+        assert {c for p, c in offered if tuple(p) == prefix} == {None, (16, runner.max_blocks)}
+    plain = _runner(tiny_ckpt)
+    assert plain.gather_blocks == 0
+    warmup(plain)
+    assert {c for _, c in plain.model.attention.caches} == {None}
