@@ -72,8 +72,9 @@ def warmup(runner: ModelRunner) -> None:
         nb = -(-(plen + new) // bs)
         if nb > min(blocks, runner.max_blocks) or new > runner.max_tokens:
             continue
-        # a prefix both ways: through the page table, and as the backend chooses (a copy, if long)
-        for copy in (False, True) if plen else (False,):
+        # a prefix both ways where the backend copies prefixes at all: through the page table, and
+        # as the backend chooses (a copy, if long); once where it never copies
+        for copy in (False, True) if plen and runner.gather_blocks else (False,):
             ids, pos, rows = prefill_rows(runner, np.arange(plen, plen + new), [new], [plen], np.arange(nb)[None],
                                           copy=copy)
             dtype = runner.forward(caches, ids, pos, rows).dtype
