@@ -27,8 +27,7 @@ from torch import nn
 
 from kernels.quant_reference import dequant_fp8, dequant_int4
 from models.quant.fp8 import quantize_per_channel
-from models.quant import gemms
-from models.quant.gemms import QuantizedInput, fp8_linear, weight_only_linear
+from models.quant.gemms import QuantizedInput, fp8_linear, quantizes_input, weight_only_linear
 from models.quant.scheme import PER_CHANNEL, QuantScheme
 from models.quant.shards import whole_in_features
 
@@ -87,7 +86,7 @@ class Fp8Method:
 
     def activation_format(self, linear: nn.Module, rows: int) -> ActivationFormat | None:
         """The FP8 format the linear reads `rows` rows in, or None: 16-bit (gemms.quantizes_input)."""
-        if self.mode != "w8a8" or not gemms.quantizes_input(rows):
+        if self.mode != "w8a8" or not quantizes_input(rows):
             return None
         return ActivationFormat(self.scheme.activation_group, getattr(linear, "input_scale", None))
 
