@@ -13,7 +13,8 @@ JOB: {"engine": "vllm" | "flashpage", "model": DIR, "flags": Flags fields, "task
         the prompts constrained by the JSON schema (greedy, to the grammar's end), then the same
         prompts unconstrained with max_tokens at the lengths the constrained run produced
         (ignore_eos), as benchmarks/engine/bench_structured.py does; one pair to warm up, then `repeats`
-OUT: {"engine", "versions", "device", "init_s", "rows": [...]}.
+OUT: {"engine", "versions", "device", "init_s", "rows": [...]}. With FLASHPAGE_PEERS_PROFILE=1 (run.py
+--profile) each throughput row also holds `profile`: one more run under torch.profiler (profiled_run).
 
 Both engines take the prompts as token ids and sample with the same parameters; the job is written
 by benchmarks/peers/workloads.py, which runs this module once per engine, in each engine's own
@@ -23,6 +24,7 @@ environment (benchmarks/peers/engines.py).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -105,9 +107,44 @@ def run_throughput(engine, task: dict) -> dict:
             raise RuntimeError(f"{task['name']}: {tokens} output tokens, {sum(max_tokens)} asked for (ignore_eos)")
         runs.append((dt, tokens))
     dt, tokens = sorted(runs)[len(runs) // 2]
-    return dict(task=task["name"], kind="throughput", requests=len(prompts), output_tokens=tokens,
-                input_tokens=sum(map(len, prompts)), temperature=temp, seconds=round(dt, 6),
-                output_tokens_per_s=round(tokens / dt, 1), runs_tokens_per_s=[round(t / d, 1) for d, t in runs])
+    row = dict(task=task["name"], kind="throughput", requests=len(prompts), output_tokens=tokens,
+               input_tokens=sum(map(len, prompts)), temperature=temp, seconds=round(dt, 6),
+               output_tokens_per_s=round(tokens / dt, 1), runs_tokens_per_s=[round(t / d, 1) for d, t in runs])
+    if os.environ.get(PROFILE_ENV) == "1":
+        row["profile"] = profiled_run(engine, prompts, params)
+    return row
+
+
+PROFILE_ENV = "FLASHPAGE_PEERS_PROFILE"  # "1": one more throughput run under torch.profiler (run.py --profile)
+
+
+def profiled_run(engine, prompts, params, top: int = 40) -> dict:
+    """One more run of the task under torch.profiler: its wall time, the device's kernels over the
+    whole run by category and by name (benchmarks/profiling/kernel_categories.breakdown, the top
+    `top`), and the device idle (wall less the time some kernel ran). vLLM's kernels are in this
+    process only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (run.py sets it); the profiler's host cost
+    lengthens the wall time, so the throughput is the unprofiled runs' and this is where time goes."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profiling.kernel_categories import breakdown
+
+    on_cuda = torch.cuda.is_available()  # on the CPU (the tests) the "kernels" are operators by self time
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+        dt, _ = timed(engine, prompts, params)
+        sync()
+    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    events = [(e.time_range.start, e.name, e.time_range.elapsed_us() if on_cuda else e.self_cpu_time_total)
+              for e in prof.events() if e.device_type == kind and not (e.is_async or e.is_user_annotation)]
+    if not events:
+        raise RuntimeError("the profiler saw no kernel: the engine runs its model in another process")
+    out = {"wall_ms": round(dt * 1e3, 2), **breakdown(events, 1)}
+    out["idle_ms"] = round(out["wall_ms"] - out["busy_ms"], 2)
+    out["kernels"] = out["kernels"][:top]
+    return out
 
 
 def run_latency(engine, task: dict) -> dict:

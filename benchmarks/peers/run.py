@@ -4,6 +4,7 @@
   python benchmarks/peers/run.py --workloads offline:llama-3.1-8b.fp8-dynamic batch1:llama-3.1-8b.awq --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline:llama-3.1-8b long http prefix structured --out-dir $OUT
   python benchmarks/peers/run.py --workloads offline batch1 http --estimate      # minutes, nothing run
+  python benchmarks/peers/run.py --workloads offline:llama-3.1-8b --profile --out-dir $OUT  # where each one's time goes
   python benchmarks/peers/run.py --workloads batch1:llama-3.1-70b offline:llama-3.1-70b --tensor-parallel-size 4 \
       --load-format dummy --out-dir $OUT                                          # four GPUs, no weight files
 
@@ -181,7 +182,16 @@ def wait_offline(p: subprocess.Popen, rows: Path, tasks: int, timeout: float) ->
             return f"timeout after {timeout:.0f} s", False
 
 
-def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: float) -> dict:
+def profile_env(engine: str) -> dict:
+    """--profile: the offline process profiles one more run of each throughput task
+    (benchmarks/peers/offline.py), and vLLM runs its engine core in that process, where the profiler
+    sees its kernels (its default is a process of its own)."""
+    from benchmarks.peers.offline import PROFILE_ENV
+
+    return {PROFILE_ENV: "1", **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine == "vllm" else {})}
+
+
+def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: float, profile: bool = False) -> dict:
     """One engine's offline tasks in its own process; {"rows", "versions", "device", "init_s"} (or an error row)."""
     tag = f"{job.shape}_{job.flags.max_model_len}_{engine}"
     spec = out_dir / f"job_{tag}.json"
@@ -192,7 +202,8 @@ def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: floa
         # in this process's group (a device call that is cut short ends it too), ended with its children
         # (vLLM's engine core) on a timeout or a SIGTERM of this process
         p = subprocess.Popen([sys.executable, "-m", "benchmarks.peers.offline", str(spec), str(out)], cwd=REPO_ROOT,
-                             env=engine_env(engine), stdout=f, stderr=subprocess.STDOUT)
+                             env=engine_env(engine) | (profile_env(engine) if profile else {}),
+                             stdout=f, stderr=subprocess.STDOUT)
         try:
             code, exit_hung = wait_offline(p, out, len(job.tasks), timeout)
         finally:
@@ -208,7 +219,8 @@ def run_offline(job: Job, engine: str, model: Path, out_dir: Path, timeout: floa
     return got
 
 
-def run_job(job: Job, engines: list[str], model: Path, out_dir: Path, timeout: float) -> dict[str, dict]:
+def run_job(job: Job, engines: list[str], model: Path, out_dir: Path, timeout: float,
+            profile: bool = False) -> dict[str, dict]:
     """Both engines on one job: {engine: {"rows", "versions", ...}}."""
     from benchmarks.peers.serving import serve_and_measure
 
@@ -218,7 +230,7 @@ def run_job(job: Job, engines: list[str], model: Path, out_dir: Path, timeout: f
         t0 = time.perf_counter()
         try:
             if job.kind == "offline":
-                got[engine] = run_offline(job, engine, model, out_dir, timeout)
+                got[engine] = run_offline(job, engine, model, out_dir, timeout, profile)
             else:
                 got[engine] = serve_and_measure(engine, str(model), job.flags, job.levels, out_dir, vocab,
                                                 tag=f"{job.shape}_{engine}")
@@ -241,7 +253,7 @@ def job_workloads(job: Job) -> list[str]:
     return sorted({t["workload"] for t in job.tasks} | set(job.level_workload.values()))
 
 
-def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> list[Path]:
+def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict, prefix: str = "peers") -> list[Path]:
     """One file per workload of the job: both engines' rows, flags, versions, device, date, command."""
     paths = []
     for workload in job_workloads(job):
@@ -255,7 +267,7 @@ def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict) -> 
                              f"random-initialised {job.shape} shape (benchmarks/shared/checkpoint.py), ") + "bfloat16, "
                             "the embedded model's tokenizer", rows=rows)
         tp = f"_tp{job.flags.tensor_parallel_size}" if job.flags.tensor_parallel_size > 1 else ""
-        paths.append(write_result(result, out_dir, f"peers_{workload}_{job.shape}{tp}"))
+        paths.append(write_result(result, out_dir, f"{prefix}_{workload}_{job.shape}{tp}"))
     return paths
 
 
@@ -280,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="dummy: both engines make random weights from config.json (no weight files written)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for one engine's offline process")
     ap.add_argument("--estimate", action="store_true", help="print the estimated H100 minutes and exit")
+    ap.add_argument("--profile", action="store_true",
+                    help="offline workloads: one more run of each throughput task under torch.profiler, both "
+                         "engines (vLLM's engine core in-process), written as profile_peers_<workload>_<shape>_<gpu>.json "
+                         "(an experiment: its throughput rows are vLLM's in-process figures)")
     ap.add_argument("--from-rows", default=None, metavar="LOG_DIR",
                     help="run nothing: write the selection's result files from the rows a run left in its log dir")
     args = ap.parse_args(argv)
@@ -290,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.from_rows:
         return rebuild_from_rows(args, selection, Path(args.out_dir), Path(args.from_rows))
+    if args.profile and any(w in ("http", "prefix") for w, _ in selection):
+        raise SystemExit("--profile profiles offline workloads only (http and prefix serve through processes of their own)")
     # `timeout -s TERM` around a device call: stop the servers and engines, keep what was written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir, root, logs = Path(args.out_dir), Path(args.ckpt_root), Path(args.log_dir)
@@ -369,9 +387,9 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
         model = ensure_checkpoint(shape, root, logs, args.load_format == "dummy")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]  # the prompts' ids are below it
         for job in merged_jobs(args, selection, shape, vocab):
-            got = run_job(job, args.engines, model, logs, args.timeout)
+            got = run_job(job, args.engines, model, logs, args.timeout, args.profile)
             failed |= any("error" in r for g in got.values() for r in g["rows"])
-            for path in write_results(job, got, out_dir, head):
+            for path in write_results(job, got, out_dir, head, "profile_peers" if args.profile else "peers"):
                 print("wrote", path, flush=True)
     print(f"device {head['device']} ({gpu_slug(head['device'])})")
     return 1 if failed else 0

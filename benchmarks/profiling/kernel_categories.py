@@ -22,6 +22,10 @@ import re
 RULES: list[tuple[str, str]] = [
     ("all-reduce/all-gather", r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|one_shot|two_shot|multimem"
                               r"|gloo|c10d::"),
+    # FlashAttention-3 (vLLM's on Hopper) runs prefill and decode rows in one kernel: a category of its own
+    ("attention (FlashAttention-3)", r"flash::|flashattn"),
+    # torch.compile's generated kernels (vLLM compiles its model): fused elementwise work, norms included
+    ("compiled (inductor)", r"^triton_(poi|red|per|tem)_"),
     ("attention decode", r"decode|paged"),
     ("attention prefill", r"prefill|_attn_kernel|flash_fwd|fmha|scaled_dot_product|sdpa|efficient_attention"),
     ("rotary/KV write", r"rope|rotary|kv_write|reshape_and_cache"),

@@ -33,6 +33,15 @@ H100_NAMES = {
     "void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>": "copies",
     "Memcpy HtoD (Pinned -> Device)": "copies",
     "_range_probe_kernel": "other",
+    # vLLM's (peers' profiles, benchmarks/peers/offline.py): FlashAttention-3 and torch.compile's kernels
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2>>>>":
+        "attention (FlashAttention-3)",
+    "void flash::prepare_varlen_num_blocks_kernel<1, true>(int, int, int, int const*, int const*)":
+        "attention (FlashAttention-3)",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled (inductor)",
+    "triton_poi_fused_mul_silu_slice_1": "compiled (inductor)",
+    "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>":
+        "rotary/KV write",
 }
 
 
