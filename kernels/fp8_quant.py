@@ -22,17 +22,19 @@ silu_mul_fp8 (semantics = ``quant_fp8_ref`` of ``silu_mul_ref``): gate_up [M, 2 
   of silu(gate) * up, computed and rounded exactly as kernels/silu_mul.py's ``silu_mul`` does, then
   quantized as above: the input of an FP8 down projection in the launch that makes it.
 
-One program per row (<= 32768 elements), except silu_mul_fp8 at up to SPLIT_MAX_ROWS rows (a decode
-step's), whose rows are long (14336 on the Llama-3.1-8B shape) and few: one program a row there is
-one SM doing every division of the row (10.8 us a layer, H200, profile_step --quantization fp8). It
-cuts each row into SPLIT_COLS-column chunks instead: with one scale a row (dynamic, per token), a
-first launch writes each chunk's silu_mul values and their largest magnitude, a second takes the
-row's largest and quantizes its chunk; with a static scale or groups (<= the chunk) one launch
-does a chunk whole. The values, the row's amax and the division are those of the one-program
-kernel, so are the bits. Exactness: the division is IEEE (div_rn) and the rounding
-to e4m3 is done on the bits (``e4m3_round``: the interpreter's own fp32 -> fp8 conversion does not
-round to nearest-even), so q and scale equal the reference bit for bit wherever the kernel's input
-equals the reference's (the fused versions: wherever h does, see kernels/rms_norm.py).
+One program per row (<= 32768 elements), except silu_mul_fp8 on rows longer than SPLIT_COLS (14336
+on the Llama-3.1-8B shape): one program a row there holds the whole row in 16 warps' registers, one
+such program an SM, and is latency-bound at any row count (H200, benchmarks/quant/bench_act_quant.py:
+9.8 us at one row, 21 at 256, 293 at 4096). It cuts each row into SPLIT_COLS-column chunks instead:
+with one scale a row (dynamic, per token), a first launch writes each chunk's silu_mul values and
+their largest magnitude, a second takes the row's largest and quantizes its chunk (3.8 / 14.1 /
+181 us there); with a static scale or groups (<= the chunk) one launch does a chunk whole. The
+values, the row's amax and the division are those of the one-program kernel, so are the bits.
+Exactness: the division is IEEE (div_rn) and the rounding to e4m3 is to nearest-even
+(``e4m3_round``: on a GPU the conversion instruction, under the interpreter, whose own fp32 -> fp8
+conversion does not round to nearest-even, on the bits), so q and scale equal the reference bit
+for bit wherever the kernel's input equals the reference's (the fused versions: wherever h does,
+see kernels/rms_norm.py).
 
 Not checked: NaN/inf in x (a NaN amax propagates to the scale).
 """
@@ -51,16 +53,21 @@ from kernels.rounding import round_to
 from kernels.silu_mul import silu_mul_values
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_E4M3_BITS = tl.constexpr(_INTERPRET)  # e4m3_round on the bits (the interpreter) or by conversion (a GPU)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale (vLLM's floor)
-SPLIT_MAX_ROWS = 16  # silu_mul_fp8 splits rows up to this many (models/quant/gemms.py's DECODE_ROWS)
+SPLIT_MAX_ROWS = 1 << 31  # silu_mul_fp8 splits rows at any count (bench_act_quant: faster at 1 to 4096 rows)
 SPLIT_COLS = 1024  # columns a program of the split silu_mul_fp8 takes (14 chunks a row on the 8B shape)
 
 
 @triton.jit
 def e4m3_round(v):
     """v (fp32, |v| <= 448) rounded to nearest-even on e4m3's grid, as an fp32 value (which the
-    GEMV of kernels/gemv.py multiplies as it is: the value an fp8 conversion would hold)."""
+    GEMV of kernels/gemv.py multiplies as it is: the value an fp8 conversion would hold). On a GPU
+    the conversion instruction (cvt.rn.satfinite.e4m3x2.f32: nearest-even) and back; under the
+    interpreter, whose conversion does not round to nearest-even, on the bits."""
+    if not _E4M3_BITS:
+        return v.to(tl.float8e4nv).to(tl.float32)
     exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exp = tl.maximum(exp, -6)  # below 2^-6 the grid is the subnormals' 2^-9
     ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
@@ -239,9 +246,9 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 
 
 
 def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30, static_scale: torch.Tensor | None = None,
-                 split_cols: int = SPLIT_COLS) -> tuple[torch.Tensor, torch.Tensor]:
+                 split_cols: int = SPLIT_COLS, split_rows: int = SPLIT_MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): silu(gate_up[:, :inter]) * gate_up[:, inter:] quantized as ``quant_fp8`` does;
-    rows cut into `split_cols`-column chunks (a power of two) at up to SPLIT_MAX_ROWS rows."""
+    rows cut into `split_cols`-column chunks (a power of two) at up to `split_rows` rows."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up: [num_tokens, 2 * inter]"
     assert split_cols >= 16 and split_cols & (split_cols - 1) == 0, "split_cols: a power of two >= 16"
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -249,7 +256,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int = 1 << 30, static_scale: torc
     if m == 0:
         return q, scale
     common = dict(LIBDEVICE_EXP=not _INTERPRET and gate_up.is_cuda, PDL=pdl.active(gate_up.device))
-    split = m <= SPLIT_MAX_ROWS and block > split_cols
+    split = m <= split_rows and block > split_cols
     chunks, chunk_warps = -(-inter // split_cols), 1 if _INTERPRET else 4
     if split and (static_scale is not None or group <= split_cols):  # whole chunks in one launch
         _silu_quant_kernel[(m, chunks)](gate_up, q, scale, static, inter, gate_up.stride(0), scale.stride(0),

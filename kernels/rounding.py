@@ -13,14 +13,23 @@ NaN (its sign and top payload bits kept, the quiet bit set).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# The bits' arithmetic only where Triton's conversion truncates (the interpreter); FLASHPAGE_BF16_ROUND_BITS=1
+# keeps it on a GPU too (an A/B of the two: benchmarks/quant/bench_act_quant.py)
+_BF16_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1"
+                          or os.environ.get("FLASHPAGE_BF16_ROUND_BITS", "0") == "1")
 
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """x (fp32) rounded to nearest-even in `dtype` (float32, float16 or bfloat16); returns `dtype`."""
-    if dtype == tl.bfloat16:
+    if dtype == tl.bfloat16 and not _BF16_BITS:
+        return x.to(tl.bfloat16)  # cvt.rn.bf16.f32: round-to-nearest-even, one instruction
+    elif dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         hi = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
         hi = tl.where(x != x, (bits >> 16) | 0x40, hi)
