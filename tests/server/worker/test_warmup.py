@@ -70,3 +70,21 @@ def test_warmup_reads_each_prefix_both_ways_where_the_backend_copies(tiny_ckpt):
     assert plain.gather_blocks == 0
     warmup(plain)
     assert {c for _, c in plain.model.attention.caches} == {None}
+
+
+def test_the_draft_models_runner_warms_up_reading_prefixes_through_the_page_table(tiny_ckpt):
+    """Start-up warms a draft model's runner up with the same function (on a GPU, after the
+    target's); it read runner.gather_blocks, which DraftRunner lacked, and every engine start with a
+    draft model failed there on the GPU. A draft never offers its backend a copy."""
+    from server.worker.spec.draft import DraftRunner
+
+    model = load_model(tiny_ckpt, torch.float32, "cpu", "eager")
+    model.attention = Recording(model.attention, copies=True)
+    spec = model.spec
+    cache = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
+    draft = DraftRunner(model, cache, torch.device("cpu"), 4, 512, spec.max_position_embeddings, k=3)
+    draft.allocate_cache(40)
+    warmup(draft)
+    assert draft.gather_blocks == 0
+    assert any(any(p) for p, _ in model.attention.caches), "no prefix step ran"
+    assert {c for _, c in model.attention.caches} == {None}
