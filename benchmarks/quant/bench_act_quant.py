@@ -34,16 +34,19 @@ from benchmarks.shared.common import gpu_run_info, write_result
 ROWS = (1, 16, 32, 64, 256, 1024, 4096)
 
 
-def compiled_reference():
-    """silu(gate) * up quantized per token (scale = amax / 448), compiled: the fusion vLLM's graph makes."""
-    def ref(gate_up):
-        inter = gate_up.shape[1] // 2
-        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        s = (h.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1.0 / (448.0 * 512.0))
-        return (h.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+def silu_quant_torch(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantized per token (scale = amax / 448) in torch ops: the chain vLLM's
+    compiled graph fuses there, and eagerly the same bits as silu_mul_fp8 (tests/benchmarks)."""
+    inter = gate_up.shape[1] // 2
+    h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    s = (h.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    return (h.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
 
+
+def compiled_reference():
+    """silu_quant_torch compiled: the fusion vLLM's graph makes (its bits may differ from ours)."""
     torch._dynamo.config.cache_size_limit = 64  # one graph a row count
-    return torch.compile(ref, dynamic=False)
+    return torch.compile(silu_quant_torch, dynamic=False)
 
 
 def graph_us(fn, inputs: list, calls: int) -> float:
