@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.fp8_quant import dynamic_scale, quantize_values
+from kernels.fp8_quant import dynamic_scale, e4m3_cvt, quantize_values
 from kernels.gemv_int4 import _int4_half2_kernel
 from kernels.tiles import GEMV_PER_CHANNEL, gemv_finish, gemv_span, split_buffers, split_plan, splits_for
 from kernels.wo_matmul import fp8_bits_to_f32
@@ -114,7 +114,8 @@ def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, i
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                      stride_ws, ACT: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     CVT: tl.constexpr):
     offs_n, n_ok, n64, k_lo, k_hi = gemv_span(N, K, k_per_split, BLOCK_N)
     pdl.gemv_prologue(w_ptr, n64, n_ok, K, k_lo, k_hi, 2 * BLOCK_K // 128, 128, PDL)  # the first two K steps' bytes
     # Products are summed elementwise in registers and reduced across threads once, after the loop.
@@ -139,7 +140,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
             w = tl.load(w_ptr + n64[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             if ACT != ACT_FP8 and ACT != ACT_NONE:
-                x = quantize_values(x, x_scale)
+                x = quantize_values(x, x_scale, CVT)
             acc2 += w.to(tl.float32) * x[None, :]
         acc = tl.sum(acc2, axis=1) * x_scale * tl.load(ws_ptr + offs_n * stride_ws, mask=n_ok, other=0.0)
     else:  # K as [groups, GROUP]: each step holds BLOCK_K // GROUP whole groups, each with its scales
@@ -162,7 +163,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, static_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr
             else:
                 if ACT == ACT_GROUP:
                     xs = dynamic_scale(tl.max(tl.abs(x), axis=1))
-                    x = quantize_values(x, xs[:, None])
+                    x = quantize_values(x, xs[:, None], CVT)
                 else:
                     xs = tl.load(xs_ptr + g, mask=g_ok, other=0.0)
                 acc3 += w.to(tl.float32) * x[None, :, :] * (ws * xs[None, :, None])
@@ -321,7 +322,7 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
         return out
     return _launch(_fp8_gemv_kernel, n, k, cfg, out, bias, x, x_scale if x_scale is not None else scale,
                    static_scale if static_scale is not None else scale, weight, scale, stride_ws=scale.stride(0),
-                   ACT=act.value, GROUP=g)
+                   ACT=act.value, GROUP=g, CVT=e4m3_cvt(x.device))
 
 
 def gemv16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

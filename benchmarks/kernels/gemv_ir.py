@@ -49,7 +49,7 @@ def compile_gemv(loop: str, n: int, k: int, x_dtype: str = "bf16", pdl: bool = F
         types = dict(x_ptr="*fp8e4nv" if loop == "fp8" else out, xs_ptr="*fp32", static_ptr="*fp32",
                      w_ptr="*fp8e4nv", ws_ptr="*fp32", stride_ws="i32")
         act = gemv.ACT_FP8 if loop == "fp8" else gemv.ACT_NONE
-        const = dict(ACT=act.value, GROUP=gemv.PER_CHANNEL.value, **common)
+        const = dict(ACT=act.value, GROUP=gemv.PER_CHANNEL.value, CVT=True, **common)  # (sm_90: by conversion)
         out = "*bf16"
     elif loop == "int4":
         kernel = gemv._wo_gemv_kernel

@@ -35,6 +35,9 @@ if __package__ in (None, ""):
 from benchmarks.peers.engines import Flags, llm_kwargs, versions  # noqa: E402
 
 
+PROFILE_ENV = "FLASHPAGE_PEERS_PROFILE"  # "1": one more throughput run under torch.profiler (run.py --profile)
+
+
 class VllmEngine:
     """vllm.LLM behind the two calls the tasks make."""
 
@@ -111,19 +114,21 @@ def run_throughput(engine, task: dict) -> dict:
                input_tokens=sum(map(len, prompts)), temperature=temp, seconds=round(dt, 6),
                output_tokens_per_s=round(tokens / dt, 1), runs_tokens_per_s=[round(t / d, 1) for d, t in runs])
     if os.environ.get(PROFILE_ENV) == "1":
-        row["profile"] = profiled_run(engine, prompts, params)
+        try:
+            row["profile"] = profiled_run(engine, prompts, params)
+        except Exception as e:  # noqa: BLE001 -- the row measured stays; the profile says why it is missing
+            row["profile"] = {"error": f"{type(e).__name__}: {e}"}
     return row
-
-
-PROFILE_ENV = "FLASHPAGE_PEERS_PROFILE"  # "1": one more throughput run under torch.profiler (run.py --profile)
 
 
 def profiled_run(engine, prompts, params, top: int = 40) -> dict:
     """One more run of the task under torch.profiler: its wall time, the device's kernels over the
     whole run by category and by name (benchmarks/profiling/kernel_categories.breakdown, the top
     `top`), and the device idle (wall less the time some kernel ran). vLLM's kernels are in this
-    process only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (run.py sets it); the profiler's host cost
-    lengthens the wall time, so the throughput is the unprofiled runs' and this is where time goes."""
+    process only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (run.py sets it; not its tensor-parallel
+    workers, which stay processes of their own: then this raises, and the row says so); the
+    profiler's host cost lengthens the wall time, so the throughput is the unprofiled runs' and this
+    is where time goes. The breakdown's "per step" figures are the whole run's (one step)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

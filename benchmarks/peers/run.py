@@ -369,7 +369,7 @@ def rebuild_from_rows(args, selection: list[tuple[str, str]], out_dir: Path, row
                         triton=first["versions"]["triton"],
                         date=datetime.date.fromtimestamp(max(f.stat().st_mtime for f in files.values())).isoformat(),
                         command="python -m benchmarks.peers.run " + " ".join(argv), rebuilt_from_rows=True)
-            for path in write_results(job, got, out_dir, head):
+            for path in write_results(job, got, out_dir, head, "profile_peers" if args.profile else "peers"):
                 print("wrote", path, flush=True)
                 written += 1
     return 0 if written else 1

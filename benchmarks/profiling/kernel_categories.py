@@ -22,17 +22,20 @@ import re
 RULES: list[tuple[str, str]] = [
     ("all-reduce/all-gather", r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|one_shot|two_shot|multimem"
                               r"|gloo|c10d::"),
-    # FlashAttention-3 (vLLM's on Hopper) runs prefill and decode rows in one kernel: a category of its own
-    ("attention (FlashAttention-3)", r"flash::|flashattn"),
-    # torch.compile's generated kernels (vLLM compiles its model): fused elementwise work, norms included
-    ("compiled (inductor)", r"^triton_(poi|red|per|tem)_"),
+    # FlashAttention-3 (vLLM's on Hopper: FlashAttnFwdSm90, FlashAttnFwdCombine, prepare_varlen_num_blocks)
+    # runs prefill and decode rows in one kernel: a category of its own. Not FlashAttention-2's
+    # flash::flash_fwd_* nor torch's SDPA (pytorch_flash::flash_fwd_*): prefill, below
+    ("attention (FlashAttention-3)", r"flashattn|flash::prepare_varlen"),
+    # torch.compile's generated pointwise / reduction kernels (vLLM compiles its model): fused
+    # elementwise work, norms included (its GEMM templates, triton_tem_*, stay GEMMs)
+    ("compiled (inductor)", r"^triton_(poi|red|per)_"),
     ("attention decode", r"decode|paged"),
     ("attention prefill", r"prefill|_attn_kernel|flash_fwd|fmha|scaled_dot_product|sdpa|efficient_attention"),
     ("rotary/KV write", r"rope|rotary|kv_write|reshape_and_cache"),
     ("norms", r"norm"),
     ("sampling/argmax", r"argmax|_chunk_kernel|sampl|noise|gumbel|softmax|topk|top_k|penalt|grammar|_wait_kernel"
                         r"|multinomial|sort"),
-    ("GEMM/GEMV", r"gemm|gemv|matmul|nvjet|xmma|cutlass|cublas|splitkreduce|_linear_kernel|_dequant_kernel|_scaled_mm"
+    ("GEMM/GEMV", r"gemm|gemv|matmul|nvjet|xmma|cutlass|cublas|splitkreduce|_linear_kernel|_dequant_kernel|_scaled_mm|^triton_tem_"
                   r"|aten::(mm|addmm|bmm|baddbmm|linear)$"),
     ("copies", r"memcpy|memset|copy|fill|embed|index_?select|cat_?array|gather|aten::(index|cat|stack|clone)$"),
     ("elementwise", r"elementwise|silu|gelu|swiglu|act_and_mul|quant|aten::(add|mul|sub|div|neg|exp|rsqrt|pow|where"

@@ -2,8 +2,8 @@
 profile (benchmarks/peers/run.py --profile, Llama-3.1-8B fp8-dynamic on an H200) put flashpage's
 `_silu_quant_kernel` at 576 ms of a 5.97 s run against 232 ms for vLLM's compiled equivalent.
 
-  silu_fp8_row      kernels.fp8_quant.silu_mul_fp8 with one program a row (split_rows=0: what more
-                    than 16 rows ran before 2026-11-28)
+  silu_fp8_row      kernels.fp8_quant.silu_mul_fp8 with one program a row (split_rows=0: the path more
+                    than 16 rows took before 0a8bc16, with this tree's rounding)
   silu_fp8_split    the same cut into 1024-column chunks: the chunks' values and amax, then the row's
                     scale and q (two launches)
   silu_fp8          as models/quant calls it (the default rule: kernels.fp8_quant.SPLIT_MAX_ROWS)
@@ -12,8 +12,9 @@ profile (benchmarks/peers/run.py --profile, Llama-3.1-8B fp8-dynamic on an H200)
                     clamp, fp8 cast): what vLLM's compiled graph fuses there (not bit-exact to ours)
   norm_fp8          kernels.fp8_quant.add_rmsnorm_fp8 at the hidden size (the other fused activation)
 
-Rows M in --rows; each case a CUDA graph of --calls calls over inputs that together pass the L2
-cache (device time only), median of triton.testing.do_bench. Every ours-case is first checked equal,
+Rows M in --rows; each case a CUDA graph of calls cycling over inputs that together pass the L2
+cache (at least --calls calls, each input once at least; device time only), the median of
+triton.testing.do_bench. Every ours-case is first checked equal,
 bit for bit, to the default path. FLASHPAGE_BF16_ROUND_BITS=1 in the environment times the kernels
 with bf16 rounded on the bits (kernels/rounding.py) instead of by the conversion instruction.
 
@@ -50,17 +51,19 @@ def compiled_reference():
 
 
 def graph_us(fn, inputs: list, calls: int) -> float:
-    """Median device µs of one call: `calls` calls cycling over `inputs`, captured as one CUDA graph."""
+    """Median device µs of one call: calls cycling over `inputs` (each at least once, `calls` at
+    least), captured as one CUDA graph."""
     import triton
 
     for x in inputs[:2]:
         fn(x)  # compiles / autotunes outside the capture
     torch.cuda.synchronize()
+    calls = max(calls, len(inputs))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(calls):
             fn(inputs[i % len(inputs)])
-    return triton.testing.do_bench(g.replay, warmup=10, rep=100) * 1e3 / calls
+    return triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / calls
 
 
 def main(argv: list[str] | None = None) -> dict:

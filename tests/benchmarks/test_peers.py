@@ -225,29 +225,6 @@ def test_offline_runner_end_to_end_on_flashpage(tiny_ckpt, tmp_path, monkeypatch
     assert st["runs"][0]["tokens"] == 2 * st["mean_len"] and st["without_tok_s"] > 0
 
 
-def test_a_profiled_throughput_task_says_where_its_time_went(tiny_ckpt, tmp_path, monkeypatch):
-    """run.py --profile: the offline process profiles one more run of a throughput task (on the CPU
-    its operators); vLLM's engine core is asked into the profiled process."""
-    from benchmarks.peers import offline
-
-    monkeypatch.setattr(engines, "llm_kwargs", lambda e, m, f: dict(model=m, device="cpu", num_blocks=64,
-                                                                     max_model_len=f.max_model_len))
-    monkeypatch.setattr(offline, "llm_kwargs", engines.llm_kwargs)
-    monkeypatch.setenv(offline.PROFILE_ENV, "1")
-    tasks = [dict(workload="offline", name="random", kind="throughput", prompts=[[5, 6, 7], [8, 9]],
-                  max_tokens=[3, 2], repeats=1)]
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps(dict(engine="flashpage", model=str(tiny_ckpt), flags=Flags(max_model_len=64).record(),
-                                   tasks=tasks)))
-    assert offline.main([str(job), str(out)]) == 0
-    prof = json.loads(out.read_text())["rows"][0]["profile"]
-    assert prof["wall_ms"] > 0 and 0 < prof["busy_ms"] <= prof["kernel_ms"] + 1e-6
-    assert prof["idle_ms"] == pytest.approx(prof["wall_ms"] - prof["busy_ms"], abs=0.02)
-    assert "GEMM/GEMV" in prof["categories"] and prof["kernels"][0]["us"] >= prof["kernels"][-1]["us"]
-    assert run.profile_env("vllm") == {offline.PROFILE_ENV: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert run.profile_env("flashpage") == {offline.PROFILE_ENV: "1"}
-
-
 def test_an_engine_that_cannot_start_leaves_its_error_in_the_rows(tiny_ckpt, tmp_path, monkeypatch):
     """vLLM's site missing: its process fails at `import vllm`; each of its tasks gets an error row
     with the end of the log, and the result files still carry them (what stopped it, exactly)."""

@@ -40,6 +40,12 @@ H100_NAMES = {
         "attention (FlashAttention-3)",
     "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled (inductor)",
     "triton_poi_fused_mul_silu_slice_1": "compiled (inductor)",
+    "triton_tem_fused_mm_0": "GEMM/GEMV",  # inductor's GEMM template
+    # torch's SDPA (our sdpa backend) and FlashAttention-2: prefill, not FlashAttention-3
+    "void pytorch_flash::flash_fwd_kernel<pytorch_flash::Flash_fwd_kernel_traits<128, 128, 64, 4, false>, true>":
+        "attention prefill",
+    "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::half_t>>":
+        "attention prefill",
     "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>":
         "rotary/KV write",
 }

@@ -44,8 +44,12 @@ def test_quant_fp8_matches_reference(name, group, static, m, k, dtype):
 
 
 def test_the_rounding_is_to_nearest_even_on_e4m3s_grid():
-    # halfway points between neighbours of the fp8 grid, normal and subnormal, and the clamp at 448
-    v = torch.tensor([[1.0625, 1.1875, 2.125, 0.0029296875, 0.0048828125, -3.375, 500.0, -1e-9] * 2])
+    # halfway points between neighbours of the fp8 grid, normal and subnormal, and the clamp at 448;
+    # and one fp32 ulp either side of halfway points, which a rounding through fp16 truncated first
+    # (Triton 3.6's conversion on sm_89: kernels.fp8_quant.e4m3_cvt) would send to the lower neighbour
+    ties = [1.0625, 1.1875, 2.125, 0.0029296875, 0.0048828125, -3.375, 500.0, -1e-9]
+    near = [t * (1 + d * 2.0 ** -23) for t in (1.0625, 1.1875, -3.375, 0.0048828125) for d in (1, -1)]
+    v = torch.tensor([(ties + near) * 2])
     q, s = quant_fp8(v.to(DEVICE), static_scale=torch.ones(1, device=DEVICE))
     ref = (v / 1.0).clamp(-448, 448).to(torch.float8_e4m3fn)
     # -1e-9 rounds to zero: torch on the CPU keeps its sign (0x80), an H100's conversion gives +0
@@ -79,7 +83,7 @@ def test_fused_norm_quant_matches_reference(name, group, static, m, k):
 
 @pytest.mark.parametrize("name,group,static", GROUP_CASES)
 @pytest.mark.parametrize("m,inter", [(1, 256), (5, 200), (0, 128), (17, 200)])
-@pytest.mark.parametrize("split_cols", [1024, 128])  # 128: decode rows (<= 16) cut into chunks, a partial last
+@pytest.mark.parametrize("split_cols", [1024, 128])  # 128: rows cut into chunks (any row count), a partial last
 def test_silu_mul_fp8_quantizes_silu_mul(name, group, static, m, inter, split_cols):
     gate_up = _x(m, 2 * inter, torch.bfloat16, inter)
     if m > 2:
@@ -107,3 +111,18 @@ def test_a_rows_quantization_depends_on_that_row_only(name, group, static):
         q, s = fn(x, y)
         pq, ps = fn(px, py)
         _same(pq[:3], ps[:3], q, s)
+
+
+@pytest.mark.parametrize("device,capability,cvt", [("cuda:0", (9, 0), True), ("cuda:0", (10, 0), True),
+                                                   ("cuda:0", (8, 9), False), ("cuda:0", (8, 0), False),
+                                                   ("cpu", None, False)])
+def test_e4m3_by_conversion_only_where_it_rounds_once(monkeypatch, device, capability, cvt):
+    """The kernels round to e4m3 by Triton's conversion on sm_90 and later alone: on sm_89 Triton 3.6
+    converts through fp16 truncated first, and the interpreter does not round to nearest-even."""
+    from kernels import fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "_INTERPRET", False)
+    monkeypatch.setattr(fp8_quant, "_capability", lambda index: capability)
+    assert fp8_quant.e4m3_cvt(torch.device(device)) is cvt
+    monkeypatch.setattr(fp8_quant, "_INTERPRET", True)
+    assert fp8_quant.e4m3_cvt(torch.device(device)) is False

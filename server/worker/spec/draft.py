@@ -69,7 +69,7 @@ class DraftRunner:
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens
         self.max_blocks = -(-max_model_len // cache_spec.block_size)
         # its prefill reads cached prefixes through the page table: its packer holds no room for a
-        # copy's block indices (the ModelRunner's gather_blocks), nor its memory profile the copy
+        # copy's block indices (the ModelRunner's gather_blocks), and no memory is set aside for one
         self.gather_blocks = 0
         s = max_num_seqs
         self.packer = Packer(3 * max_tokens + 4 * (s + 1) + s * self.max_blocks + 2 * (max_tokens + s) + 4 * 9, device)
