@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|profile-draft|profile-spec|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8]...
+#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|profile-draft|profile-spec|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8|act-quant]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -312,6 +312,13 @@ for step in "${@:-tests throughput prefix}"; do
           timeout 200 python3 -m benchmarks.profiling.profile_spec $variant --out-dir "$OUT" 2>&1 \
             | tee -a "$OUT/profile_spec.log" | grep -v -e '^USDT' -e 'Warning' -e 'Writing' | tail -2 || status=1
         done ;;
+      # act-quant: the FP8 model's activation kernels against the torch chain vLLM compiles
+      # (benchmarks/quant/bench_act_quant.py), then with bf16 rounded on the bits (the A/B of kernels/rounding.py)
+      act-quant)
+        timeout 200 python3 -m benchmarks.quant.bench_act_quant --out-dir "$OUT" > "$OUT/act_quant.log" 2>&1 || status=1
+        FLASHPAGE_BF16_ROUND_BITS=1 TRITON_CACHE_DIR=/tmp/triton-round-bits timeout 150 python3 -m \
+          benchmarks.quant.bench_act_quant --no-compiled --out-dir "$OUT" >> "$OUT/act_quant.log" 2>&1 || status=1
+        grep '^M=' "$OUT/act_quant.log" | tail -40 ;;
       tp2profile)
         # shellcheck disable=SC2086
         timeout 300 python3 -m benchmarks.profiling.profile_step --shape llama-3.1-8b --tensor-parallel-size 2 --batch 1 \
