@@ -88,3 +88,21 @@ def test_the_draft_models_runner_warms_up_reading_prefixes_through_the_page_tabl
     assert draft.gather_blocks == 0
     assert any(any(p) for p, _ in model.attention.caches), "no prefix step ran"
     assert {c for _, c in model.attention.caches} == {None}
+
+
+def test_an_eagle3_heads_runner_warms_up_too(eagle3_pair):
+    """The EAGLE-3 head's runner (a DraftRunner) through the same start-up warm-up, as set up for a
+    served engine (start_worker runs it on a GPU only)."""
+    import json
+    from pathlib import Path
+
+    from server.config import EngineConfig, SpeculativeConfig
+    from server.worker.setup import start_worker
+    from server.worker.spec.eagle import EagleRunner
+
+    target, head = eagle3_pair
+    spec = SpeculativeConfig.parse(json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}))
+    worker = start_worker(EngineConfig(model=str(target), device="cpu", speculative_config=spec, num_blocks=40,
+                                       max_num_batched_tokens=64), Path(target))
+    assert isinstance(worker.draft, EagleRunner) and worker.draft.gather_blocks == 0
+    warmup(worker.draft)
