@@ -130,10 +130,9 @@ def profiled_run(engine, prompts, params, top: int = 40) -> dict:
     profiler's host cost lengthens the wall time, so the throughput is the unprofiled runs' and this
     is where time goes. The breakdown's "per step" figures are the whole run's (one step)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.profiling.kernel_categories import breakdown
+    from benchmarks.profiling.kernel_categories import breakdown, profiled_events
 
     on_cuda = torch.cuda.is_available()  # on the CPU (the tests) the "kernels" are operators by self time
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
@@ -141,9 +140,7 @@ def profiled_run(engine, prompts, params, top: int = 40) -> dict:
     with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
         dt, _ = timed(engine, prompts, params)
         sync()
-    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
-    events = [(e.time_range.start, e.name, e.time_range.elapsed_us() if on_cuda else e.self_cpu_time_total)
-              for e in prof.events() if e.device_type == kind and not (e.is_async or e.is_user_annotation)]
+    events = profiled_events(prof, on_cuda)
     if not events:
         raise RuntimeError("the profiler saw no kernel: the engine runs its model in another process")
     out = {"wall_ms": round(dt * 1e3, 2), **breakdown(events, 1)}

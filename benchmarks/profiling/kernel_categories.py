@@ -64,6 +64,17 @@ def label(names: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def profiled_events(prof, on_cuda: bool) -> list[tuple[float, str, float]]:
+    """(start us, name, us) of every kernel a torch.profiler run saw, or on the CPU (on_cuda False)
+    of every operator by its self time: breakdown's events. Annotated ranges (record_function) and
+    async events are not kernels of their own."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    return [(e.time_range.start, e.name, e.time_range.elapsed_us() if on_cuda else e.self_cpu_time_total)
+            for e in prof.events() if e.device_type == kind and not (e.is_async or e.is_user_annotation)]
+
+
 def breakdown(events: list[tuple[float, str, float]], steps: int) -> dict:
     """Per step, of profiled kernels `events` (start us, name, duration us) over `steps` steps: the
     summed kernel time (`kernel_ms`), the time at least one kernel ran (`busy_ms`: less than the sum

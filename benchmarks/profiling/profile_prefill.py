@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.profiling.kernel_categories import CATEGORIES, breakdown
+from benchmarks.profiling.kernel_categories import CATEGORIES, breakdown, profiled_events
 from benchmarks.profiling.profile_step import SHAPES, checkpoint
 from benchmarks.shared.common import gpu_run_info, write_result
 
@@ -48,16 +48,12 @@ def one_request(engine, ids: list[int], step_ms: list[float] | None = None) -> f
 def profiled(engine, ids: list[int], on_cuda: bool) -> tuple[float, list[float], list[tuple[float, str, float]]]:
     """(wall ms, each step's wall ms, (start us, name, us) of every kernel, or on the CPU every
     operator by self time) of one request under torch.profiler."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     steps: list[float] = []
     with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
         wall = one_request(engine, ids, steps)
-    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
-    events = [(e.time_range.start, e.name, e.time_range.elapsed_us() if on_cuda else e.self_cpu_time_total)
-              for e in prof.events() if e.device_type == kind and not (e.is_async or e.is_user_annotation)]
-    return wall, steps, events
+    return wall, steps, profiled_events(prof, on_cuda)
 
 
 def report(result: dict, top: int = 20) -> str:
