@@ -45,7 +45,8 @@ dtype, up to the order of the fp32 sums):
   returns  [1, N] x's dtype
   Why: at one row cuBLAS runs the smaller projections in few CTAs (a 4096 x 4096 o_proj in 64-channel
   tiles by its kernel's name: 64 on 132 SMs, half the H100's bandwidth) and adds split-K partials in
-  a second kernel; here K is split until every SM holds programs and the last one adds the partials.
+  a second kernel; here narrow tiles give every SM programs without a split (config16: splitting K
+  measured slower), so one launch does the whole product.
 
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).
@@ -100,10 +101,15 @@ def config(n: int, k: int, int4: bool, w8a16: bool = False) -> GemvConfig:
 
 
 def config16(n: int, k: int) -> GemvConfig:
-    """gemv16's tiles: FP8's bytes a K step (half its columns), not yet swept on a GPU."""
+    """gemv16's tiles, K never split: from bench_quant.py's sweeps at the Llama-3.1-8B, Llama-3.2-1B
+    and Qwen3-0.6B shapes on an H200 (benchmarks/results/experiments/gemv16_sweep_*_h200.json,
+    triton 3.6). 8 x 512 on 4 warps was first or within 2% of first at every linear of 4096 outputs
+    or more; at 2048 or fewer, 16 x 1024 on 8 warps (the 1B's o_proj 5.34 -> 4.95 us, its down_proj
+    14.03 -> 11.92). Splitting K cost at every linear but the 1B's down_proj (qkv_proj of the 8B:
+    8 x 512 in two splits 17.2 us, unsplit 14.6)."""
     if _INTERPRET:
         return GemvConfig(32, 256, 1, 1)
-    return GemvConfig(8, 512, 4) if k > 8192 else GemvConfig(4, 256, 2)
+    return GemvConfig(16, 1024, 8, 1) if n <= 2048 else GemvConfig(8, 512, 4, 1)
 
 
 def _plan(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:

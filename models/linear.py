@@ -17,13 +17,16 @@ from torch import nn
 from kernels.gemv import gemv16
 from kernels.invariant_matmul import invariant_linear
 
-# FLASHPAGE_GEMV16=1 (read when a layer is built; tensor-parallel ranks inherit it): a 16-bit linear
-# reads its weight at one row through kernels/gemv.py's gemv16 instead of cuBLAS. At one row cuBLAS
-# runs a 4096 x 4096 o_proj in 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us on
-# an H100, about half its bandwidth (6.9 us for a TP=2 rank's on an H200), and adds split-K partials
-# in a second kernel (64 a step at the 8B shape, 110 us; profile_step,
-# benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). Off by default: not yet
-# measured on a GPU.
+# A 16-bit linear reads its weight at one row (batch-1 decode, a draft model's steps) through
+# kernels/gemv.py's gemv16 instead of cuBLAS; FLASHPAGE_GEMV16=0 (read when a layer is built;
+# tensor-parallel ranks inherit it) keeps cuBLAS, =1 takes it under the interpreter too (unset, CPU
+# tensors keep torch's matmul: the interpreter's kernels cost CPU tests seconds). At one row cuBLAS runs a 4096 x 4096 o_proj in
+# 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us on an H100, and adds split-K
+# partials in a second kernel (64 a step at the 8B shape, 110 us; profile_step,
+# benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an H200, batch-1 TPOT
+# at the Llama-3.1-8B shape 4.71 -> 4.45 ms with offline throughput unchanged (11,960 -> 11,853
+# tok/s; experiments/gemv16_engine_h200.json), at the Llama-3.2-1B shape 1.13 -> 1.07 ms
+# (experiments/gemv16_sweep_llama-3.2-1b_h200.json). Not yet measured on an H100.
 GEMV16_ENV = "FLASHPAGE_GEMV16"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -52,7 +55,7 @@ class Linear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(out_features))
         self.invariant = invariant
         self.quant = None
-        self.gemv16 = os.environ.get(GEMV16_ENV, "0") == "1"
+        self.gemv16 = os.environ.get(GEMV16_ENV, "")  # "0": never; "1": under the interpreter too
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x [n, in] (or its FP8 form from the norm before, for a quant method that asked for it) ->
@@ -63,13 +66,14 @@ class Linear(nn.Linear):
         if self.invariant:
             return invariant_linear(x, self.weight, self.bias, gelu=gelu)
         assert not gelu
-        if self.gemv16 and self._one_row_16_bit(x):
+        if self.gemv16 != "0" and self._one_row_16_bit(x):
             return gemv16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def _one_row_16_bit(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (x.shape[0] == 1 and (x.is_cuda or _INTERPRET) and x.dtype in (torch.float16, torch.bfloat16)
+        return (x.shape[0] == 1 and (x.is_cuda or (_INTERPRET and self.gemv16 == "1"))
+                and x.dtype in (torch.float16, torch.bfloat16)
                 and w.dtype == x.dtype and x.stride(-1) == 1 and w.is_contiguous())
 
 

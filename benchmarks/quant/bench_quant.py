@@ -7,7 +7,8 @@
               GEMV quantizes it at one row), FP8 128x128 blocks and int4 (AWQ's group 128), plus the
               tile kernels and the int4 GEMV's half2 loop (ours_int4_half2; _prescale: each K step scaled) at
               one row for comparison with the GEMV, and the 16-bit weight through our GEMV (ours_bf16_gemv,
-              kernels/gemv.py's gemv16: models/linear.py's FLASHPAGE_GEMV16) beside bf16 cuBLAS. Each case is timed as a CUDA graph of calls over
+              kernels/gemv.py's gemv16, which models/linear.py takes at one row) beside bf16 cuBLAS. Each
+              case is timed as a CUDA graph of calls over
               copies of the weight that together pass the L2 cache (as a decode step's layers do): no
               launch gaps, no L2 hits, device time only
   sweep       the decode GEMV's tiles at one row for each linear (FP8 per channel, int4, bf16), the default
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,7 +51,9 @@ INT4 = ("awq", "gptq", "w4a16")
 # a format's options, as suffixes (awq+no-prescale+pdl): its engine with a models/quant/gemms.py switch
 # on or off (+prescale / +no-prescale: o_proj's and down_proj's int4 GEMVs through the scaled half2
 # loop; +quantfirst / +no-quantfirst: an FP8 GEMV's 16-bit row quantized by its own launch first;
-# +w8a16 / +no-w8a16: one row read by FP8 linears unquantized), or with --enable-pdl (+pdl)
+# +w8a16 / +no-w8a16: one row read by FP8 linears unquantized), or with --enable-pdl (+pdl), or
+# with a 16-bit linear's one row through cuBLAS instead of our GEMV (+no-gemv16: models/linear.py's
+# FLASHPAGE_GEMV16=0, read as the model is built)
 GEMMS_OPTIONS = {"prescale": "HALF2_PRESCALE", "quantfirst": "FP8_GEMV_QUANT_FIRST", "w8a16": "ONE_ROW_W8A16"}
 
 
@@ -60,8 +64,9 @@ def gemms_switches(fmt: str) -> dict[str, bool]:
         name = opt.removeprefix("no-")
         if name in GEMMS_OPTIONS:
             out[GEMMS_OPTIONS[name]] = not opt.startswith("no-")
-        elif opt != "pdl":
-            raise SystemExit(f"bench_quant: unknown format option +{opt} (prescale, quantfirst, w8a16, pdl, no-...)")
+        elif opt not in ("pdl", "gemv16", "no-gemv16"):
+            raise SystemExit(f"bench_quant: unknown format option +{opt} (prescale, quantfirst, w8a16, pdl, no-gemv16, "
+                             "no-...)")
     return out
 
 
@@ -70,6 +75,11 @@ def base_format(fmt: str) -> str:
     return fmt.split("+")[0]
 GEMV_SWEEP = [(16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 8, 0), (16, 1024, 8, 0), (8, 1024, 4, 0), (4, 512, 2, 0),
               (16, 512, 4, 1), (4, 256, 2, 0), (8, 256, 4, 0)]  # (block_n, block_k, warps, splits: 0 = from the shape)
+# gemv16's, its K splits named: in its first H200 sweep (of GEMV_SWEEP) the shape's rule split
+# qkv_proj's 16 x 512 tiles in two, 17.4 us against 14.5 unsplit
+GEMV16_SWEEP = [(16, 512, 4, 1), (16, 512, 4, 2), (16, 512, 4, 4), (8, 512, 4, 1), (8, 512, 4, 2), (8, 256, 4, 1),
+                (8, 256, 4, 2), (16, 256, 4, 1), (16, 256, 4, 2), (32, 256, 4, 1), (32, 512, 8, 1), (16, 1024, 8, 1),
+                (4, 512, 2, 1), (4, 512, 2, 2)]
 
 
 def linear_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -154,7 +164,7 @@ def gemm_rows(shape: str, ms: list[int]) -> list[dict]:
                 "ours_int4": lambda i: weight_only_linear(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128, None),
             }
             if m == 1:  # the tile kernels the GEMV replaces at one row
-                # the 16-bit weight through our GEMV (models/linear.py's FLASHPAGE_GEMV16) against bf16_cublas
+                # the 16-bit weight through our GEMV (what models/linear.py takes at one row) against bf16_cublas
                 cases["ours_bf16_gemv"] = lambda i: gemv16(x, ws[i]["w"])
                 cases["fp8_tiles"] = lambda i: fp8_matmul(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16)
                 cases["int4_tiles"] = lambda i: wo_matmul(x, ws[i]["q4"], ws[i]["s4"], ws[i]["z4"], 128)
@@ -206,7 +216,7 @@ SWEEP_KINDS = ("fp8", "fp8_w8a16", "int4", "int4_half2", "bf16")
 def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
     """The GEMV's tiles at one row, per linear: FP8 per channel (input from the norm), int4 g128, and
     int4 g128 through the half2 loop (kernels/gemv_int4.py, an option off by default: its own picks),
-    and the 16-bit weight (gemv16: models/linear.py's FLASHPAGE_GEMV16, off by default)."""
+    and the 16-bit weight (gemv16: what models/linear.py takes at one row)."""
     from kernels.fp8_quant import quant_fp8
     from kernels.gemv import GemvConfig, fp8_gemv, gemv16, wo_gemv
 
@@ -217,7 +227,8 @@ def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = quant_fp8(x)
         for kind in kinds:
-            for c in GEMV_SWEEP:
+            sweep = GEMV16_SWEEP if kind == "bf16" else GEMV_SWEEP
+            for c in sweep:
                 cfg = GemvConfig(*c)
                 if kind == "fp8":
                     fn = lambda i: fp8_gemv(xq, xs, ws[i]["w8"], ws[i]["scale"], 1 << 30, torch.bfloat16, cfg=cfg)  # noqa: E731
@@ -235,10 +246,10 @@ def sweep_rows(shape: str, kinds: tuple[str, ...] = SWEEP_KINDS) -> list[dict]:
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
-            done = [r for r in rows[-len(GEMV_SWEEP):] if "us" in r]
+            done = [r for r in rows[-len(sweep):] if "us" in r]
             best = min(done, key=lambda r: r["us"]) if done else None
             print(f"sweep {kind} gemv {name:>12}: " + "  ".join(f"{r['config']} {r.get('us', 'x')}"
-                                                                for r in rows[-len(GEMV_SWEEP):])
+                                                                for r in rows[-len(sweep):])
                   + (f" -> best {best['config']}" if best else ""), flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -261,13 +272,17 @@ def install_gemv_configs(tuned: dict[str, list]) -> None:
     """The sweep's best GEMV tiles in place of kernels/gemv.py's defaults (in this process)."""
     import kernels.gemv as gemv
 
-    default = gemv.config
+    default, default16 = gemv.config, gemv.config16
 
     def config(n, k, int4, w8a16=False):
         hit = tuned.get(f"{'int4' if int4 else 'fp8_w8a16' if w8a16 else 'fp8'} {n} {k}")
         return gemv.GemvConfig(*hit) if hit else default(n, k, int4, w8a16)
 
-    gemv.config = config
+    def config16(n, k):
+        hit = tuned.get(f"bf16 {n} {k}")
+        return gemv.GemvConfig(*hit) if hit else default16(n, k)
+
+    gemv.config, gemv.config16 = config, config16
 
 
 def engine_rows(path: Path, fmt: str, args) -> list[dict]:
@@ -374,7 +389,8 @@ def main(argv=None) -> dict:
                          "suffixes: +prescale (int4: o_proj's and down_proj's GEMVs through the half2 loop with its "
                          "per-step scaling, gemms.HALF2_PRESCALE), +quantfirst (FP8: o_proj's row quantized by a "
                          "launch of its own, gemms.FP8_GEMV_QUANT_FIRST), +w8a16 (FP8: one row read unquantized, "
-                         "gemms.ONE_ROW_W8A16), each also as +no-..., +pdl (--enable-pdl); "
+                         "gemms.ONE_ROW_W8A16), each also as +no-..., +pdl (--enable-pdl), +no-gemv16 (a 16-bit "
+                         "linear's one row through cuBLAS, not kernels/gemv.py's gemv16: FLASHPAGE_GEMV16=0); "
                          "e.g. awq+no-prescale+pdl")
     ap.add_argument("--steps", nargs="+", default=["gemm", "sweep", "engine"])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 16, 256, 2048])
@@ -397,6 +413,11 @@ def main(argv=None) -> dict:
 
         for switch, on in gemms_switches(fmt).items():
             setattr(gemms, switch, on)
+        for opt in fmt.split("+")[1:]:
+            if opt.removeprefix("no-") == "gemv16":
+                from models.linear import GEMV16_ENV
+
+                os.environ[GEMV16_ENV] = "0" if opt.startswith("no-") else "1"
         Path(out).write_text(json.dumps(engine_rows(Path(path), fmt, args)))
         return {}
     deadline = time.monotonic() + args.time_budget

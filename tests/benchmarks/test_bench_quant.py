@@ -4,7 +4,8 @@ kind, and the table's lines (a format whose engine failed says why)."""
 
 import pytest
 
-from benchmarks.quant.bench_quant import base_format, best_configs, gemms_switches, linear_shapes, summarize, table
+from benchmarks.quant.bench_quant import (base_format, best_configs, gemms_switches, install_gemv_configs, linear_shapes,
+                                         summarize, table)
 
 
 def test_summary_goals_tuned_tiles_and_table():
@@ -45,3 +46,17 @@ def test_format_options_set_the_gemms_switches_on_and_off():
     assert gemms_switches("gptq-desc-act") == {} and base_format("gptq-desc-act+no-quantfirst") == "gptq-desc-act"
     with pytest.raises(SystemExit, match="unknown format option"):
         gemms_switches("awq+prescal")
+
+
+def test_gemv16_option_and_the_sweeps_bf16_tiles_reach_gemv16(monkeypatch):
+    # +no-gemv16 sets no gemms switch (the child sets FLASHPAGE_GEMV16 before the model is built)
+    assert gemms_switches("bf16+no-gemv16") == {} and base_format("bf16+no-gemv16+pdl") == "bf16"
+    import kernels.gemv as gemv
+
+    monkeypatch.setattr(gemv, "config", gemv.config)
+    monkeypatch.setattr(gemv, "config16", gemv.config16)
+    default = gemv.config16(4096, 14336)
+    install_gemv_configs({"bf16 4096 4096": [16, 512, 4, 0], "fp8 4096 4096": [8, 512, 4, 0]})
+    assert gemv.config16(4096, 4096) == gemv.GemvConfig(16, 512, 4, 0)
+    assert gemv.config16(4096, 14336) == default  # not swept: the default
+    assert gemv.config(4096, 4096, False) == gemv.GemvConfig(8, 512, 4, 0)

@@ -1,6 +1,6 @@
-"""GPU-only (skipped without CUDA): FLASHPAGE_GEMV16=1 (models/linear.py) sends a 16-bit linear's
-one-row products through kernels/gemv.py's gemv16 instead of cuBLAS, in batch-1 decode steps,
-eagerly and captured in CUDA graphs; the greedy tokens are cuBLAS's, except where two bf16 runs
+"""GPU-only (skipped without CUDA): by default (models/linear.py; FLASHPAGE_GEMV16=0 turns it off)
+a 16-bit linear's one-row products go through kernels/gemv.py's gemv16 instead of cuBLAS, in
+batch-1 decode steps, eagerly and captured in CUDA graphs; the greedy tokens are cuBLAS's, except where two bf16 runs
 part at a near-tie (checked against transformers' fp32 logits, as test_gpu_parity does)."""
 
 import json
@@ -46,11 +46,12 @@ def test_gemv16_gives_cublas_greedy_tokens(ckpt, monkeypatch, enforce_eager):
     import models.linear as linear
 
     prompts = _prompts(6, 1, 300, seed=5)
+    monkeypatch.setenv(linear.GEMV16_ENV, "0")  # cuBLAS's tokens
     ref = _one_at_a_time(ckpt, prompts, enforce_eager)
     calls = []
     real = linear.gemv16
     monkeypatch.setattr(linear, "gemv16", lambda *a: calls.append(a[1].shape) or real(*a))
-    monkeypatch.setenv(linear.GEMV16_ENV, "1")
+    monkeypatch.delenv(linear.GEMV16_ENV)  # the default
     got = _one_at_a_time(ckpt, prompts, enforce_eager)
     # every projection of the model's layers at one row (under graphs: at their capture)
     assert {(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)} <= set(calls), set(calls)

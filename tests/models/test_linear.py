@@ -30,9 +30,10 @@ def test_invariant_path():
     assert torch.equal(head_matmul(x, w, False), x @ w.t())
 
 
-def test_gemv16_takes_one_16_bit_row_where_asked(monkeypatch):
-    # FLASHPAGE_GEMV16=1 (read when the layer is built): one 16-bit row through kernels/gemv.py's
-    # gemv16, anything else (more rows, fp32, a quant method's layer) as before; unset, never
+def test_gemv16_takes_one_16_bit_row_unless_turned_off(monkeypatch):
+    # by default on a GPU (read when the layer is built; =1: under the interpreter too): one 16-bit
+    # row through kernels/gemv.py's gemv16, anything else (more rows, fp32, a quant method's layer)
+    # as before; FLASHPAGE_GEMV16=0, never; unset, a CPU tensor takes torch's matmul
     import kernels.gemv
     import models.linear as linear
 
@@ -50,9 +51,13 @@ def test_gemv16_takes_one_16_bit_row_where_asked(monkeypatch):
     wide = Linear(300, 33)
     wide(torch.randn(1, 300))  # fp32: cuBLAS's
     assert len(calls) == 1
-    monkeypatch.delenv(linear.GEMV16_ENV)
+    monkeypatch.setenv(linear.GEMV16_ENV, "0")
     Linear(300, 33).to(torch.bfloat16)(x[:1])
-    assert len(calls) == 1  # off by default
+    assert len(calls) == 1  # turned off: cuBLAS's
+    monkeypatch.delenv(linear.GEMV16_ENV)
+    unset = Linear(300, 33).to(torch.bfloat16)
+    unset(x[:1])
+    assert len(calls) == 1 and unset.gemv16 != "0"  # on, but a CPU tensor takes torch's matmul
 
 
 def test_families_use_it(tiny_ckpt):
