@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine benchmarks.
 #   bash benchmarks/gpu_session.sh [tests|throughput|prefix|load|frontend|profile|scaleout|determinism|spec|eagle3|
 #                                   tp2|tp2ar|armicro|tp2tests|tp2quant|tp2spec|tp4|fp8kv|fp8kv-engine|fp8kv-tests|quant|quanttests|
-#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|profile-draft|profile-spec|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8|act-quant]...
+#                                   prefill-chunks|decode-variants|decode-latency|spec-policies|spec-fp8draft|profile-step|profile-draft|profile-spec|tp2profile|kerneltests|fp8gputests|quant-ab|pdltests|profile-fp8|act-quant|gemv16]...
 # Run from the repo root on the GPU machine with .whl carried: the server's dependencies that the
 # machine's image (python 3.12, torch, triton, transformers) lacks, and the router the scale-out step
 # runs (with its own: setproctitle, aiohttp, orjson), fetched here once:
@@ -160,6 +160,21 @@ for step in "${@:-tests throughput prefix}"; do
           > "$OUT/quant_ab.log" 2>&1 \
           || status=1
         grep -v '^{' "$OUT/quant_ab.log" | tail -20 ;;
+      # gemv16: a 16-bit linear's one row through our GEMV (models/linear.py, on by default since
+      # 2026-11-28) against cuBLAS (FLASHPAGE_GEMV16=0): its GPU test, its tile sweep at the 8B and 1B
+      # shapes (bench_quant's bf16 kind; config16's picks came from an H200's), the 8B engine both ways
+      gemv16)
+        timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemv16.py 2>&1 | tee "$OUT/gemv16_tests.log" \
+          | tail -3 || status=1
+        for shape in llama-3.1-8b llama-3.2-1b; do
+          mkdir -p "$OUT/gemv16_$shape"
+          timeout 150 python3 -m benchmarks.quant.bench_quant --shape $shape --steps gemm sweep --gemm-m 1 --sweep-kinds bf16 \
+            --out-dir "$OUT/gemv16_$shape" > "$OUT/gemv16_$shape.log" 2>&1 || status=1
+          grep -E '^sweep|^tuned' "$OUT/gemv16_$shape.log"
+        done
+        timeout 200 python3 -m benchmarks.quant.bench_quant --steps engine --formats bf16 bf16+no-gemv16 --time-budget 190 \
+          --out-dir "$OUT" > "$OUT/gemv16_engine.log" 2>&1 || status=1
+        grep -E '^tpot|^throughput' "$OUT/gemv16_engine.log" ;;
       pdltests)
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_pdl.py 2>&1 | tee "$OUT/pdl_tests.log" \
           | tail -8 || status=1 ;;

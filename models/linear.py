@@ -72,7 +72,7 @@ class Linear(nn.Linear):
 
     def _one_row_16_bit(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (x.shape[0] == 1 and (x.is_cuda or (_INTERPRET and self.gemv16 == "1"))
+        return (x.dim() == 2 and x.shape[0] == 1 and (x.is_cuda or (_INTERPRET and self.gemv16 == "1"))
                 and x.dtype in (torch.float16, torch.bfloat16)
                 and w.dtype == x.dtype and x.stride(-1) == 1 and w.is_contiguous())
 
