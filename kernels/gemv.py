@@ -105,8 +105,8 @@ def config16(n: int, k: int) -> GemvConfig:
     and Qwen3-0.6B shapes on an H200 (benchmarks/results/experiments/gemv16_sweep_*_h200.json,
     triton 3.6). 8 x 512 on 4 warps was first or within 2% of first at every linear of 4096 outputs
     or more; at 2048 or fewer, 16 x 1024 on 8 warps (the 1B's o_proj 5.34 -> 4.95 us, its down_proj
-    14.03 -> 11.92). Splitting K cost at every linear but the 1B's down_proj (qkv_proj of the 8B:
-    8 x 512 in two splits 17.2 us, unsplit 14.6)."""
+    14.03 -> 11.92). The fastest tile at every linear swept was unsplit (qkv_proj of the 8B: 8 x 512
+    in two splits 17.2 us, unsplit 14.6)."""
     if _INTERPRET:
         return GemvConfig(32, 256, 1, 1)
     return GemvConfig(16, 1024, 8, 1) if n <= 2048 else GemvConfig(8, 512, 4, 1)

@@ -20,13 +20,13 @@ from kernels.invariant_matmul import invariant_linear
 # A 16-bit linear reads its weight at one row (batch-1 decode, a draft model's steps) through
 # kernels/gemv.py's gemv16 instead of cuBLAS; FLASHPAGE_GEMV16=0 (read when a layer is built;
 # tensor-parallel ranks inherit it) keeps cuBLAS, =1 takes it under the interpreter too (unset, CPU
-# tensors keep torch's matmul: the interpreter's kernels cost CPU tests seconds). At one row cuBLAS runs a 4096 x 4096 o_proj in
-# 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us on an H100, and adds split-K
-# partials in a second kernel (64 a step at the 8B shape, 110 us; profile_step,
-# benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an H200, batch-1 TPOT
-# at the Llama-3.1-8B shape 4.71 -> 4.45 ms with offline throughput unchanged (11,960 -> 11,853
-# tok/s; experiments/gemv16_engine_h200.json), at the Llama-3.2-1B shape 1.13 -> 1.07 ms
-# (experiments/gemv16_sweep_llama-3.2-1b_h200.json). Not yet measured on an H100.
+# tensors keep torch's matmul: the interpreter's kernels cost CPU tests seconds). At one row cuBLAS
+# runs a 4096 x 4096 o_proj in 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us
+# on an H100, and adds split-K partials in a second kernel (64 a step at the 8B shape, 110 us;
+# profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an
+# H200, batch-1 TPOT at the Llama-3.1-8B shape 4.71 -> 4.45 ms, offline throughput within 1%
+# (11,960 -> 11,853 tok/s; experiments/gemv16_engine_h200.json); at the Llama-3.2-1B shape
+# 1.13 -> 1.07 ms (experiments/gemv16_sweep_llama-3.2-1b_h200.json). Not yet measured on an H100.
 GEMV16_ENV = "FLASHPAGE_GEMV16"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

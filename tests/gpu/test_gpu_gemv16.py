@@ -1,7 +1,8 @@
 """GPU-only (skipped without CUDA): by default (models/linear.py; FLASHPAGE_GEMV16=0 turns it off)
 a 16-bit linear's one-row products go through kernels/gemv.py's gemv16 instead of cuBLAS, in
-batch-1 decode steps, eagerly and captured in CUDA graphs; the greedy tokens are cuBLAS's, except where two bf16 runs
-part at a near-tie (checked against transformers' fp32 logits, as test_gpu_parity does)."""
+batch-1 decode steps, eagerly and captured in CUDA graphs; the greedy tokens are cuBLAS's, except
+where two bf16 runs part at a near-tie (checked against transformers' fp32 logits, as
+test_gpu_parity does)."""
 
 import json
 
