@@ -24,7 +24,8 @@ from server.engine.requests import EngineFatalError, RequestBounds, RequestError
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, Status
 from server.engine.spec import make_speculator
-from server.engine.grammar_compile import CompileSetup, CompileTimeout, SpecCompiler
+from server.engine.grammar_admission import GrammarAdmission
+from server.engine.grammar_compile import CompileSetup, CompileTimeout
 from server.engine.grammar_process import GrammarProcess, mask_memory
 from server.engine.stats import StatsHooks
 from server.engine.stop import ABORT, ERROR, LENGTH, REFUSED, TIMEOUT, advance
@@ -32,7 +33,6 @@ from server.sampling_params import SamplingParams
 from server.worker import StepHandle, start_worker
 
 log = logging.getLogger("flashpage.engine")
-COMPILE_WAIT_S = 0.05  # how long an idle step waits for the matchers of new constrained requests
 
 
 @dataclass(slots=True)
@@ -67,9 +67,9 @@ class LLMEngine:
         self.model_path = path
         self._grammars: GrammarProcess | None = None  # started when the first structured request comes
         self._mask_fd = -1  # the memory it fills masks into (a memfd), made with it, kept for a restart
-        self._grammar_keys = 0  # each constrained sequence's matcher is a key in the process
-        self._compiler: SpecCompiler | None = None  # checks the specs of requests no front end checked
-        self.compiling: list[Sequence] = []  # requests whose grammar compiles: queued once it has
+        limits = config.structured  # structured requests held out of the queue until their matcher is made
+        self.admission = GrammarAdmission(CompileSetup(path, self.spec.vocab_size, tuple(sorted(self.eos_token_ids)),
+                                                       limits.structured_cache_memory), limits)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
@@ -117,7 +117,7 @@ class LLMEngine:
         """Counters and gauges for /metrics and /debug/kv; cheap (a few len() calls)."""
         sched, bm = self.scheduler, self.block_manager
         prefix = bm.allocator.stats
-        return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting) + len(self.compiling),
+        return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting) + len(self.admission.held),
                               sequences=len(self.seqs),
                               preemptions=sched.num_preemptions, kv_blocks_total=bm.num_blocks,
                               kv_blocks_free=bm.num_free_blocks, prefix_queries=prefix.queries,
@@ -139,24 +139,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, deadline=deadline)
         if self.speculator is not None:
             seq.spec = self.speculator.state(params)
-        if params.structured is not None:
-            # The front end checks it before queueing; offline callers get the error here (a spec
-            # the grammar process compiled is valid: not again, ~10 us a request). Either way it is
-            # bounded and compiled first in a sacrificial process (server/engine/grammar_compile.py):
-            # the grammar process only ever compiles specs that compiled there within the deadline.
-            if not validated and params.structured not in self.grammars.ready:
-                if self._compiler is None:
-                    limits = self.config.structured
-                    self._compiler = SpecCompiler(CompileSetup(self.model_path, self.spec.vocab_size,
-                                                               tuple(sorted(self.eos_token_ids)),
-                                                               limits.structured_cache_memory), limits)
-                self._compiler.check(params.structured)  # RequestError if over a bound or invalid (remembered)
-            self._grammar_keys += 1
-            seq.compiling = self.grammars.add(self._grammar_keys, params.structured)  # queued once made
-            if seq.compiling is None:  # a spec the process compiled before: queued now
-                seq.grammar = self._grammar_keys
-            else:  # held out of the queue meanwhile, so that it holds up no request behind it
-                self.compiling.append(seq)
+        if params.structured is not None:  # (offline callers' specs checked here: RequestError)
+            self.admission.admit(seq, self.grammars, checked=validated)  # held until its matcher is made
         self.seqs[request_id] = seq
         if seq.compiling is None:
             self.scheduler.add(seq)
@@ -193,12 +177,10 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
-        if self._compiler is not None:
-            self._compiler.close()
-            self._compiler = None
+        self.admission.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None or bool(self.compiling)
+        return self.scheduler.has_work() or self.inflight is not None or bool(self.admission.held)
 
     def _expire(self) -> list[RequestOutput]:
         """End every request whose deadline has passed (queued or running), with the text so far."""
@@ -216,33 +198,18 @@ class LLMEngine:
         return outputs
 
     def _compiled(self, wait: bool) -> list[RequestOutput]:
-        """Queue each request whose grammar has compiled, with its matcher (issue 44: one that waited
-        in the queue for a compile of seconds held up every request behind it); one whose compile
-        failed ends with finish_reason "error", one whose compile ran past the deadline with "refused"
-        (the client's 400, server/engine/grammar_process.py). `wait`: nothing runs, so wait a little
-        (COMPILE_WAIT_S) for the matchers asked for, rather than admit them a few at a time."""
-        if wait:
-            deadline = time.monotonic() + COMPILE_WAIT_S
-            while (time.monotonic() < deadline
-                   and not all(seq.is_finished or seq.compiling.done() for seq in self.compiling)):
-                self._grammars.drain(0.002)
-        outputs, still = [], []
-        for seq in self.compiling:
-            if seq.is_finished or not seq.compiling.done():
-                still += [] if seq.is_finished else [seq]
-                continue
-            future, seq.compiling = seq.compiling, None
-            try:
-                seq.grammar = future.result()
-            except CompileTimeout as e:  # past the deadline there: refused as the API process refuses one
+        """Queue each held request whose matcher is made (server/engine/grammar_admission.py); one
+        whose compile failed ends with finish_reason "error", one whose compile ran past the
+        deadline with "refused" (the client's 400, server/engine/grammar_process.py)."""
+        outputs = []
+        for seq, error in self.admission.made(self._grammars, wait):
+            if error is None:
+                self.scheduler.add(seq)
+            elif isinstance(error, CompileTimeout):  # refused, as the API process refuses one
                 self._retire(seq, REFUSED)
-                outputs.append(failed_output(seq, str(e), REFUSED))
-                continue
-            except Exception as e:
-                outputs.append(self._fail(seq, f"the request's grammar failed to compile: {e}"))
-                continue
-            self.scheduler.add(seq)
-        self.compiling = still
+                outputs.append(failed_output(seq, str(error), REFUSED))
+            else:
+                outputs.append(self._fail(seq, f"the request's grammar failed to compile: {error}"))
         return outputs
 
     # -- the step -----------------------------------------------------------------------------
@@ -256,7 +223,7 @@ class LLMEngine:
         the grammar process, sent the job once step k-1's ids are in (server/engine/grammar_process.py),
         and the device waits for them before choosing (server/worker/grammar_rows.py)."""
         expired = self._expire() if self.deadlines else []
-        if self.compiling:
+        if self.admission.held:
             expired += self._compiled(wait=not self.scheduler.running and self.inflight is None)
         if self.speculator is not None and self.speculator.finish_first(self.inflight, self.scheduler.running):
             expired += self._finish(self.inflight)

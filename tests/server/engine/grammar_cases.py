@@ -20,7 +20,7 @@ def sync_scheduling(engine):
     next is scheduled; the engine reads the mode at every step, and nothing is in flight between
     requests, once the step launched past the last request's end is collected): a module's engine
     serves both modes, where a second engine would start a grammar process of its own (seconds of CPU)."""
-    assert not engine.seqs and not engine.compiling and engine.config.async_scheduling
+    assert not engine.seqs and not engine.admission.held and engine.config.async_scheduling
     while engine.has_unfinished():
         assert engine.step() == []
     engine.config.async_scheduling = False

@@ -32,7 +32,7 @@ def test_requests_from_the_front_end_compile_off_the_step_loop(engine):
                 final[out.request_id] = out
     assert final["c1"].text in json.loads(fresh.spec) and final["c1"].finish_reason == "stop"
     assert final["c2"].finish_reason == "error" and "invalid regular expression" in final["c2"].error
-    assert engine.block_manager.check_all_free() and not engine.compiling
+    assert engine.block_manager.check_all_free() and not engine.admission.held
 
 
 def test_a_request_whose_grammar_compiles_holds_up_no_request_behind_it(engine):
@@ -51,7 +51,7 @@ def test_a_request_whose_grammar_compiles_holds_up_no_request_behind_it(engine):
     assert engine.seqs["slow"].compiling is not None  # the plain one finished while the grammar still compiled
     final.update(run_to_end(engine))
     assert len(final["plain"].token_ids) == 3 and final["slow"].finish_reason in ("stop", "length")
-    assert engine.block_manager.check_all_free() and not engine.compiling
+    assert engine.block_manager.check_all_free() and not engine.admission.held
 
 
 def test_a_compile_past_the_deadline_in_the_grammar_process_refuses_its_request_alone(engine):
@@ -85,7 +85,7 @@ def test_a_compile_past_the_deadline_in_the_grammar_process_refuses_its_request_
     assert "did not compile within 3 s (--structured-compile-timeout)" in final["late"].error
     assert order.index("plain") < order.index("late")  # served while the grammar compiled
     assert len(final["plain"].token_ids) == 3 and re.fullmatch(REGEX.spec, final["known"].text)
-    assert engine.block_manager.check_all_free() and not engine.seqs and not engine.compiling
+    assert engine.block_manager.check_all_free() and not engine.seqs and not engine.admission.held
     deadline = time.monotonic() + 30
     while late not in proc.ready and time.monotonic() < deadline:  # its compile's answer, 5 s on
         proc.drain(0.05)
@@ -239,7 +239,7 @@ def test_a_request_aborted_while_its_matcher_is_made_leaves_nothing_behind(engin
         proc.drain(0.05)
     assert key not in proc.unwanted and key not in proc.replies
     engine.step()
-    assert not engine.seqs and not engine.compiling
+    assert not engine.seqs and not engine.admission.held
     assert proc.held() == 0  # dropped before or after the compile thread made it: not kept
 
 
