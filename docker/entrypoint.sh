@@ -11,6 +11,9 @@
 #   FLASHPAGE_EXTRA_ARGS      -> split on whitespace and appended as they are
 #   FLASHPAGE_API_KEY         -> left in the environment for the server, never put on the command
 #                                line (where `ps` would show it)
+#   FLASHPAGE_DETERMINISTIC, _GEMV16, _FUSED_ADD_RMSNORM, _BF16_ROUND_BITS, _DECODE_MERGE,
+#   _FAULT_INJECT             -> left in the environment: the server's modules read them themselves
+#                                (FLASHPAGE_DETERMINISTIC=1 as --deterministic, which takes no value)
 #   FLASHPAGE_TENSOR_PARALLEL_SIZE=all -> --tensor-parallel-size N, N the GPUs the container sees
 #                                (nvidia-smi -L; compose's --profile tp)
 #   FLASHPAGE_DRY_RUN=1       -> print the command instead of running it
@@ -33,6 +36,7 @@ fi
 
 # Not flags of the server (or not to be passed as flags).
 reserved=" HOST PORT EXTRA_ARGS DRY_RUN API_KEY "
+reserved+="DETERMINISTIC GEMV16 FUSED_ADD_RMSNORM BF16_ROUND_BITS DECODE_MERGE FAULT_INJECT "
 
 args=(--host "${FLASHPAGE_HOST:-0.0.0.0}" --port "${FLASHPAGE_PORT:-8000}")
 while IFS= read -r var; do

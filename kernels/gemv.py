@@ -45,8 +45,8 @@ dtype, up to the order of the fp32 sums):
   returns  [1, N] x's dtype
   Why: at one row cuBLAS runs the smaller projections in few CTAs (a 4096 x 4096 o_proj in 64-channel
   tiles by its kernel's name: 64 on 132 SMs, half the H100's bandwidth) and adds split-K partials in
-  a second kernel; here narrow tiles give every SM programs without a split (config16: splitting K
-  measured slower), so one launch does the whole product.
+  a second kernel; here narrow tiles (8 or 16 rows) spread the weight over many programs without a
+  split (config16: splitting K measured slower), so one launch does the whole product.
 
 Grid: (cdiv(N, BLOCK_N), splits); with splits > 1 each program writes its fp32 partial and the
 tile's last program to arrive adds them in split order (kernels/tiles.py: deterministic, one launch).

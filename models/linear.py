@@ -1,7 +1,8 @@
-"""The linear layer every family uses, and the LM head's matmul: cuBLAS by default, the
-batch-invariant Triton GEMM (kernels/invariant_matmul.py) in the deterministic mode, where a row's
-bits must not depend on how many other rows share the step (cuBLAS picks its tiles and split-K
-from the batch size), and a quant method's storage and GEMM for quantized weights (models/quant)."""
+"""The linear layer every family uses, and the LM head's matmul: cuBLAS by default (a 16-bit row
+alone on a GPU: kernels/gemv.py's gemv16, below), the batch-invariant Triton GEMM
+(kernels/invariant_matmul.py) in the deterministic mode, where a row's bits must not depend on how
+many other rows share the step (cuBLAS picks its tiles and split-K from the batch size), and a
+quant method's storage and GEMM for quantized weights (models/quant)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from kernels.invariant_matmul import invariant_linear
 # profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an
 # H200, batch-1 TPOT at the Llama-3.1-8B shape 4.71 -> 4.45 ms, offline throughput within 1%
 # (11,960 -> 11,853 tok/s; experiments/gemv16_engine_h200.json); at the Llama-3.2-1B shape
-# 1.13 -> 1.07 ms (experiments/gemv16_sweep_llama-3.2-1b_h200.json). Not yet measured on an H100.
+# 1.13 -> 1.07 ms (experiments/gemv16_sweep_llama-3.2-1b_h200.json, the sweep's tiles; config16's:
+# 1.067 ms, experiments/gemv16_engine_llama-3.2-1b_h200.json). Not yet measured on an H100. (GPT-2's
+# c_fc at one row keeps cuBLAS's fused GELU, models/gpt2.py.)
 GEMV16_ENV = "FLASHPAGE_GEMV16"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

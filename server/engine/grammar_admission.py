@@ -11,6 +11,7 @@ ever compiles specs that compiled there within the deadline.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.config import StructuredLimits
@@ -29,18 +30,19 @@ class GrammarAdmission:
     keys: int = 0  # each constrained sequence's matcher is a key in the grammar process
     compiler: SpecCompiler | None = None  # started by the first spec no front end checked
 
-    def admit(self, seq: Sequence, grammars: GrammarProcess, checked: bool) -> bool:
-        """Ask the grammar process for `seq`'s matcher: True if it is made already (queue `seq`
-        now), False if `seq` is held until `made` hands it back. `checked`: a front end checked the
-        spec; otherwise RequestError if it is over a bound or invalid (the verdict is remembered; a
-        spec the grammar process compiled is valid: not checked again, ~10 us a request)."""
+    def admit(self, seq: Sequence, grammars: Callable[[], GrammarProcess], checked: bool) -> bool:
+        """Ask the grammar process (`grammars()`: the live one, started or restarted) for `seq`'s
+        matcher: True if it is made already (queue `seq` now), False if `seq` is held until `made`
+        hands it back. `checked`: a front end checked the spec; otherwise RequestError if it is over
+        a bound or invalid (the verdict is remembered; a spec the grammar process compiled is valid:
+        not checked again, ~10 us a request)."""
         spec = seq.params.structured
-        if not checked and spec not in grammars.ready:
+        if not checked and spec not in grammars().ready:
             if self.compiler is None:
                 self.compiler = SpecCompiler(self.setup, self.limits)
-            self.compiler.check(spec)
+            self.compiler.check(spec)  # (seconds, at worst: asked for again after it)
         self.keys += 1
-        seq.compiling = grammars.add(self.keys, spec)
+        seq.compiling = grammars().add(self.keys, spec)
         if seq.compiling is None:
             seq.grammar = self.keys
             return True

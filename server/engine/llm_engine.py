@@ -140,7 +140,7 @@ class LLMEngine:
         if self.speculator is not None:
             seq.spec = self.speculator.state(params)
         if params.structured is not None:  # (offline callers' specs checked here: RequestError)
-            self.admission.admit(seq, self.grammars, checked=validated)  # held until its matcher is made
+            self.admission.admit(seq, lambda: self.grammars, checked=validated)  # held until its matcher is made
         self.seqs[request_id] = seq
         if seq.compiling is None:
             self.scheduler.add(seq)

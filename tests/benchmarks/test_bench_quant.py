@@ -4,8 +4,8 @@ kind, and the table's lines (a format whose engine failed says why)."""
 
 import pytest
 
-from benchmarks.quant.bench_quant import (base_format, best_configs, gemms_switches, install_gemv_configs, linear_shapes,
-                                         summarize, table)
+from benchmarks.quant.bench_quant import (base_format, best_configs, gemms_switches, install_gemv_configs,
+                                         linear_shapes, summarize, table)
 
 
 def test_summary_goals_tuned_tiles_and_table():
@@ -48,7 +48,7 @@ def test_format_options_set_the_gemms_switches_on_and_off():
         gemms_switches("awq+prescal")
 
 
-def test_gemv16_option_and_the_sweeps_bf16_tiles_reach_gemv16(monkeypatch):
+def test_gemv16_option_and_the_sweeps_bf16_tiles_in_config16(monkeypatch):
     # +no-gemv16 sets no gemms switch (the child sets FLASHPAGE_GEMV16 before the model is built)
     assert gemms_switches("bf16+no-gemv16") == {} and base_format("bf16+no-gemv16+pdl") == "bf16"
     import kernels.gemv as gemv

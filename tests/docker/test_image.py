@@ -175,9 +175,10 @@ def test_entrypoint_defaults_and_arguments_win(tmp_path, environment):
 
 
 def test_every_cli_flag_has_its_variable(tmp_path, environment):
-    """FLASHPAGE_<FLAG> works for every flag the server has, including ones added after this test."""
+    """FLASHPAGE_<FLAG> works for every flag the server has, including ones added after this test
+    (FLASHPAGE_DETERMINISTIC as the server reads it itself: the next test)."""
     flags = [s for action in build_parser()._actions for s in action.option_strings
-             if s.startswith("--") and s not in ("--help", "--host", "--port", "--api-key")
+             if s.startswith("--") and s not in ("--help", "--host", "--port", "--api-key", "--deterministic")
              and not s.startswith("--no-")]
     env = {"FLASHPAGE_" + f[2:].upper().replace("-", "_"): f"v{i}" for i, f in enumerate(flags)}
     argv, _, _ = run_entrypoint(tmp_path, environment, env)
@@ -214,6 +215,22 @@ def test_tensor_parallel_size_all_counts_the_gpus_the_container_sees(tmp_path, e
                                                            FLASHPAGE_TENSOR_PARALLEL_SIZE="all"),
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "no GPU visible" in r.stderr
+
+
+def test_every_variable_the_code_reads_starts_the_container(tmp_path, environment, monkeypatch):
+    """A FLASHPAGE_* name that the server's modules read themselves (FLASHPAGE_GEMV16=0: cuBLAS at
+    one row; FLASHPAGE_DETERMINISTIC=1, which `--deterministic` takes no value for) stays in the
+    environment instead of becoming a flag the parser refuses, which would stop the container."""
+    names = set()
+    for folder in ("server", "models", "kernels", "kvcache"):
+        for path in (REPO / folder).rglob("*.py"):
+            names |= set(re.findall(r'"FLASHPAGE_([A-Z0-9_]+)"', path.read_text()))
+    assert {"GEMV16", "DETERMINISTIC", "API_KEY"} <= names
+    for value in ("0", "1"):
+        argv, _, _ = run_entrypoint(tmp_path, environment, {f"FLASHPAGE_{n}": value for n in names})
+        monkeypatch.setenv("FLASHPAGE_DETERMINISTIC", value)  # as the container's server sees it
+        assert build_parser().parse_args(argv[2:]).deterministic == (value == "1")  # nothing refused
+        assert not {"--gemv16", "--deterministic"} & set(argv)
 
 
 def test_a_misspelt_variable_fails_loudly(tmp_path, environment):

@@ -2,9 +2,9 @@
 with --enable-pdl the engine (CUDA graphs, asynchronous scheduling) gives the same greedy tokens and
 logprobs, bit for bit, as without it, at batch 1 and 13, for a 16-bit, an FP8_DYNAMIC and an AWQ
 checkpoint; and the decode GEMVs alone give the same bits launched either way (kernels/pdl.py).
-The GEMVs (one row: the quantized checkpoints at batch 1) are the kernels launched with PDL, where a
-missing wait would read a half-written input; elsewhere (bf16, 13 rows) only the norms', silu_mul's
-and the attention's triggers differ."""
+The GEMVs (one row: every checkpoint at batch 1, the 16-bit one through gemv16) are the kernels
+launched with PDL, where a missing wait would read a half-written input; elsewhere (13 rows) only
+the norms', silu_mul's and the attention's triggers differ."""
 
 from __future__ import annotations
 
@@ -60,13 +60,15 @@ def test_pdl_gives_the_same_bits(checkpoints, fmt):
 def test_the_gemvs_launched_with_pdl_give_the_same_bits():
     from kernels import pdl
     from kernels.fp8_quant import quant_fp8
-    from kernels.gemv import fp8_gemv, wo_gemv
+    from kernels.gemv import fp8_gemv, gemv16, wo_gemv
     from kernels.quant_reference import pack_int4, quant_fp8_ref
 
     g = torch.Generator().manual_seed(0)
     n, k = 4096, 4096
     x = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda()
-    w8, s8 = (t.cuda() for t in quant_fp8_ref(torch.randn(n, k, generator=g) * 0.05, 1 << 30))
+    w16 = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    w8, s8 = (t.cuda() for t in quant_fp8_ref(w16.float(), 1 << 30))
+    w16 = w16.cuda()
     q4 = pack_int4(torch.randint(0, 16, (n, k), generator=g)).cuda()
     s4 = torch.rand(n, k // 128, generator=g).cuda() * 0.02
     z4 = torch.randint(0, 16, (n, k // 128), generator=g).to(torch.uint8).cuda()
@@ -75,7 +77,7 @@ def test_the_gemvs_launched_with_pdl_give_the_same_bits():
     def all_gemvs():
         return [fp8_gemv(xq, xs, w8, s8, 1 << 30, torch.bfloat16), fp8_gemv(x, None, w8, s8, 1 << 30, torch.bfloat16),
                 wo_gemv(x, q4, s4, z4, 128), wo_gemv(x, q4, s4, z4, 128, half2=True),
-                wo_gemv(x, q4, s4, z4, 128, half2=True, prescale=True)]
+                wo_gemv(x, q4, s4, z4, 128, half2=True, prescale=True), gemv16(x, w16)]
 
     plain = all_gemvs()
     try:

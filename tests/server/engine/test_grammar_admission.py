@@ -32,6 +32,9 @@ class _Grammars:
     def __init__(self):
         self.ready, self.asked, self.drains = {SPEC}, [], 0
 
+    def __call__(self):  # admit() asks for the live process each time it needs it
+        return self
+
     def add(self, key, spec):
         self.asked.append((key, spec))
         return None if spec in self.ready else _Pending(key)
@@ -58,6 +61,16 @@ def _admission(checker=None):
     adm = GrammarAdmission(setup=None, limits=StructuredLimits())
     adm.compiler = checker
     return adm
+
+
+def test_the_process_is_asked_for_again_after_a_check():
+    """A check can take seconds: the matcher is asked of the process live after it (one that died
+    meanwhile was replaced by the engine's `grammars`), not of the one looked at before."""
+    before, after = _Grammars(), _Grammars()
+    live = iter([before, after])
+    adm = _admission(_Checker())
+    assert adm.admit(_seq("a", NEW), lambda: next(live), checked=False) is False
+    assert before.asked == [] and after.asked == [(1, NEW)]
 
 
 def test_a_compiled_spec_is_admitted_at_once_and_others_are_held_until_made():
