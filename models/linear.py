@@ -19,18 +19,20 @@ from kernels.gemv import gemv16
 from kernels.invariant_matmul import invariant_linear
 
 # A 16-bit linear reads its weight at one row (batch-1 decode, a draft model's steps) through
-# kernels/gemv.py's gemv16 instead of cuBLAS; FLASHPAGE_GEMV16=0 (read when a layer is built;
-# tensor-parallel ranks inherit it) keeps cuBLAS, =1 takes it under the interpreter too (unset, CPU
-# tensors keep torch's matmul: the interpreter's kernels cost CPU tests seconds). At one row cuBLAS
-# runs a 4096 x 4096 o_proj in 64-channel tiles (by its kernel's name: 64 CTAs on 132 SMs), 20.6 us
-# on an H100, and adds split-K partials in a second kernel (64 a step at the 8B shape, 110 us;
-# profile_step, benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an
-# H200, batch-1 TPOT at the Llama-3.1-8B shape 4.71 -> 4.45 ms, offline throughput within 1%
-# (11,960 -> 11,853 tok/s; experiments/gemv16_engine_h200.json); at the Llama-3.2-1B shape
-# 1.13 -> 1.07 ms (experiments/gemv16_sweep_llama-3.2-1b_h200.json, the sweep's tiles; config16's:
-# 1.067 ms, experiments/gemv16_engine_llama-3.2-1b_h200.json). Not yet measured on an H100. (GPT-2's
-# c_fc at one row keeps cuBLAS's fused GELU, models/gpt2.py.)
+# kernels/gemv.py's gemv16 instead of cuBLAS. FLASHPAGE_GEMV16 (read when a layer is built; the
+# tensor-parallel ranks inherit it): 0 (false, no, off) keeps cuBLAS; 1 (true, yes, on) takes it
+# under the interpreter too; unset, CPU tensors keep torch's matmul (the interpreter's kernels cost
+# CPU tests seconds). At one row cuBLAS runs a 4096 x 4096 o_proj in 64-channel tiles (by its
+# kernel's name: 64 CTAs on 132 SMs), 20.6 us on an H100, and adds split-K partials in a second
+# kernel (64 a step at the 8B shape, 110 us; profile_step,
+# benchmarks/results/experiments/profile_step_llama-3.1-8b_tp1_h100.json). On an H200, batch-1
+# TPOT at the Llama-3.1-8B shape 4.71 -> 4.45 ms, offline throughput within 1% (11,960 -> 11,853
+# tok/s; experiments/gemv16_engine_h200.json); at the Llama-3.2-1B shape 1.13 -> 1.07 ms
+# (experiments/gemv16_sweep_llama-3.2-1b_h200.json, the sweep's tiles; config16's: 1.067 ms,
+# experiments/gemv16_engine_llama-3.2-1b_h200.json). Not yet measured on an H100. GPT-2's c_fc at
+# one row keeps cuBLAS's fused GELU (models/gpt2.py).
 GEMV16_ENV = "FLASHPAGE_GEMV16"
+_SWITCH = {"0": "0", "false": "0", "no": "0", "off": "0", "1": "1", "true": "1", "yes": "1", "on": "1"}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _STORAGE_LATER: ContextVar[bool] = ContextVar("storage_later", default=False)
@@ -58,7 +60,8 @@ class Linear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(out_features))
         self.invariant = invariant
         self.quant = None
-        self.gemv16 = os.environ.get(GEMV16_ENV, "")  # "0": never; "1": under the interpreter too
+        # "0": never; "1": under the interpreter too; "": on a GPU
+        self.gemv16 = _SWITCH.get(os.environ.get(GEMV16_ENV, "").strip().lower(), "")
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x [n, in] (or its FP8 form from the norm before, for a quant method that asked for it) ->

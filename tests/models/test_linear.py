@@ -52,9 +52,10 @@ def test_gemv16_takes_one_16_bit_row_unless_turned_off(monkeypatch):
     wide(torch.randn(1, 300))  # fp32: cuBLAS's
     assert len(calls) == 1
     assert layer(x[None, :2]).shape == (1, 2, 33) and len(calls) == 1  # a leading 1 of a 3-d input is no row
-    monkeypatch.setenv(linear.GEMV16_ENV, "0")
-    Linear(300, 33).to(torch.bfloat16)(x[:1])
-    assert len(calls) == 1  # turned off: cuBLAS's
+    for off in ("0", "false", "Off "):
+        monkeypatch.setenv(linear.GEMV16_ENV, off)
+        Linear(300, 33).to(torch.bfloat16)(x[:1])
+        assert len(calls) == 1, off  # turned off: cuBLAS's
     monkeypatch.delenv(linear.GEMV16_ENV)
     unset = Linear(300, 33).to(torch.bfloat16)
     unset(x[:1])
