@@ -47,8 +47,9 @@ PrefillConfig.order "tiles_fastest" the first two axes swap (query tiles vary fa
 outputs are the same bits either way.
 
 Masking: paged, cache slots past prefix_lens[s] (and block-table entries past the last used block)
-are never read (a gathered prefix: see prefix_starts): those loads are masked with other=0 *and* their scores set to -inf, so NaN or garbage
-in unowned slots cannot reach the output. Output rows past a sequence's end are never written.
+are never read (a gathered prefix: see prefix_starts): those loads are masked with other=0 *and*
+their scores set to -inf, so NaN or garbage in unowned slots cannot reach the output. Output rows
+past a sequence's end are never written.
 New-token K/V: with pointer loads, rows past a sequence's end are not read. Where k and v allow
 it (head_dim a power of two >= 16, heads contiguous within a token, 16-byte aligned base and token
 stride; on the GPU and under the interpreter) their tiles are TMA loads through 2-D descriptors

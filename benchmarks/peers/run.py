@@ -253,8 +253,10 @@ def job_workloads(job: Job) -> list[str]:
     return sorted({t["workload"] for t in job.tasks} | set(job.level_workload.values()))
 
 
-def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict, prefix: str = "peers") -> list[Path]:
-    """One file per workload of the job: both engines' rows, flags, versions, device, date, command."""
+def write_results(job: Job, got: dict[str, dict], out_dir: Path, head: dict, profile: bool = False) -> list[Path]:
+    """One file per workload of the job: both engines' rows, flags, versions, device, date, command
+    (peers_*; a --profile run's, an experiment, profile_peers_*)."""
+    prefix = "profile_peers" if profile else "peers"
     paths = []
     for workload in job_workloads(job):
         rows = [r for eng in got.values() for r in eng["rows"] if r.get("workload") == workload]
@@ -369,7 +371,7 @@ def rebuild_from_rows(args, selection: list[tuple[str, str]], out_dir: Path, row
                         triton=first["versions"]["triton"],
                         date=datetime.date.fromtimestamp(max(f.stat().st_mtime for f in files.values())).isoformat(),
                         command="python -m benchmarks.peers.run " + " ".join(argv), rebuilt_from_rows=True)
-            for path in write_results(job, got, out_dir, head, "profile_peers" if args.profile else "peers"):
+            for path in write_results(job, got, out_dir, head, args.profile):
                 print("wrote", path, flush=True)
                 written += 1
     return 0 if written else 1
@@ -389,7 +391,7 @@ def run_selection(args, selection: list[tuple[str, str]], out_dir: Path, root: P
         for job in merged_jobs(args, selection, shape, vocab):
             got = run_job(job, args.engines, model, logs, args.timeout, args.profile)
             failed |= any("error" in r for g in got.values() for r in g["rows"])
-            for path in write_results(job, got, out_dir, head, "profile_peers" if args.profile else "peers"):
+            for path in write_results(job, got, out_dir, head, args.profile):
                 print("wrote", path, flush=True)
     print(f"device {head['device']} ({gpu_slug(head['device'])})")
     return 1 if failed else 0

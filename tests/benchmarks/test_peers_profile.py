@@ -58,7 +58,7 @@ def test_a_profiled_runs_files_are_named_apart_written_or_rebuilt(tmp_path, monk
     got = {"flashpage": {"rows": [dict(engine="flashpage", workload="offline", task="random", output_tokens_per_s=2.0)],
                          "versions": {"torch": "2.11.0", "triton": "3.6.0"}, "device": "NVIDIA H200"}}
     head = dict(device="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-28", command="c")
-    assert [p.name for p in run.write_results(job, got, tmp_path / "w", head, "profile_peers")] == \
+    assert [p.name for p in run.write_results(job, got, tmp_path / "w", head, profile=True)] == \
         ["profile_peers_offline_tiny_h200.json"]
     rows = tmp_path / "logs"
     rows.mkdir()

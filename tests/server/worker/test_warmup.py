@@ -34,13 +34,18 @@ class Recording:
         return self.inner.metadata(rows)
 
 
-def _runner(ckpt, copies=False):
+def _model(ckpt, copies=False):
+    """The tiny model with a recording backend, and its cache's spec (blocks of 16)."""
     model = load_model(ckpt, torch.float32, "cpu", "eager")
     model.attention = Recording(model.attention, copies)
     spec = model.spec
-    cache = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
+    return model, CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
+
+
+def _runner(ckpt, copies=False):
+    model, cache = _model(ckpt, copies)
     runner = ModelRunner(model, cache, torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=512,
-                         max_model_len=spec.max_position_embeddings)
+                         max_model_len=model.spec.max_position_embeddings)
     runner.allocate_cache(40)
     return runner
 
@@ -78,11 +83,8 @@ def test_the_draft_models_runner_warms_up_reading_prefixes_through_the_page_tabl
     draft model failed there on the GPU. A draft never offers its backend a copy."""
     from server.worker.spec.draft import DraftRunner
 
-    model = load_model(tiny_ckpt, torch.float32, "cpu", "eager")
-    model.attention = Recording(model.attention, copies=True)
-    spec = model.spec
-    cache = CacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.float32)
-    draft = DraftRunner(model, cache, torch.device("cpu"), 4, 512, spec.max_position_embeddings, k=3)
+    model, cache = _model(tiny_ckpt, copies=True)
+    draft = DraftRunner(model, cache, torch.device("cpu"), 4, 512, model.spec.max_position_embeddings, k=3)
     draft.allocate_cache(40)
     warmup(draft)
     assert draft.gather_blocks == 0
